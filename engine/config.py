@@ -1,0 +1,145 @@
+"""EngineArgs (user-facing knobs) -> EngineConfig (resolved model, cache and scheduler settings)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidEngineArgsError
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument that `LLM(model, **engine_args)` and the `lmc` flags accept."""
+
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    seed: int = 0
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings (capped)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256_cbor"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | None = None  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
+    enable_kv_cache_events: bool = False
+    log_stats: bool = True
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate the arguments, resolve the model and build the EngineConfig."""
+        self._verify()
+        from engine.models.embedded import resolve_model_path
+        from engine.platform import detect_device, resolve_dtype
+
+        model_dir = resolve_model_path(self.model)
+        hf_config = _load_hf_config(model_dir)
+        device = detect_device() if self.device == "auto" else _torch_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        max_model_len = self.max_model_len or min(model_max, 8192)
+        if max_model_len > model_max:
+            raise InvalidEngineArgsError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}."
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return EngineConfig(
+            model_dir=model_dir,
+            tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
+            model_name=self.model or "SmolLM2-135M-Instruct",
+            hf_config=hf_config,
+            dtype=dtype,
+            device=device,
+            seed=self.seed,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            num_threads=self.num_threads,
+            enable_kv_cache_events=self.enable_kv_cache_events,
+            log_stats=self.log_stats,
+        )
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
+        """Build EngineArgs, naming unknown arguments in the error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidEngineArgsError(
+                f"Unknown engine argument(s) {unknown}; allowed: {sorted(names - {'model'})}."
+            )
+        return cls(model=model, **kwargs)
+
+    def _verify(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidEngineArgsError(f"{name}={value!r} is invalid: it must be an integer >= 1.")
+
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "kv_cache_memory", "num_gpu_blocks_override", "num_threads"):
+            positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidEngineArgsError(f"block_size={self.block_size} must be a power of two.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidEngineArgsError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidEngineArgsError(f"device={self.device!r} must be one of auto, cpu, cuda.")
+
+
+@dataclass
+class EngineConfig:
+    """Resolved configuration shared by the scheduler, the KV cache manager and the worker."""
+
+    model_dir: Path
+    tokenizer_dir: Path
+    model_name: str
+    hf_config: Any
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    seed: int
+    max_model_len: int
+    block_size: int
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+    num_threads: int | None
+    enable_kv_cache_events: bool
+    log_stats: bool
+    num_blocks: int = 0  # filled in by EngineCore after profiling the KV budget
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def _torch_device(name: str) -> Any:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InvalidEngineArgsError("device='cuda' was requested but no CUDA device is available.")
+    return torch.device(name)

@@ -1,0 +1,282 @@
+"""Scheduler: continuous batching under one token budget (seed: Scheduler, lines 340-420, 4740-)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from engine.core.kv_cache import KVCacheManager
+from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.sched.request_queue import FCFSRequestQueue
+from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
+from engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.worker.model_runner_output import ModelRunnerOutput
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+class Scheduler:
+    """Decides, each step, how many tokens every request computes (seed: Scheduler).
+
+    There are no prefill and decode phases: a request's progress is num_computed_tokens, and
+    each step gives RUNNING requests their share of the token budget first, then admits
+    WAITING ones. When allocate_slots fails, the latest-arrived running request is preempted
+    (its blocks freed, to be recomputed later).
+    Invariant: every request in `running` holds KV blocks; none in `waiting` does.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_running_reqs = max_num_seqs
+        self.max_num_scheduled_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting = FCFSRequestQueue()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the worker drops their state.
+        self.finished_req_ids: set[str] = set()
+        self._num_preempted_last_step = 0
+        self._last_num_scheduled_tokens = 0
+
+    # -- requests in and out --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish (typically abort) requests wherever they are; unknown ids are ignored."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running_to_remove: set[Request] = set()
+        waiting_to_remove: set[Request] = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(request)
+            else:
+                waiting_to_remove.add(request)
+            request.status = finished_status
+            self._free_request(request)
+        if running_to_remove:
+            self.running = [r for r in self.running if r not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # -- schedule -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Phase 1: RUNNING requests; phase 2: WAITING requests; phase 3: build the output."""
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[Request] = []
+        cached_reqs: list[Request] = []
+        new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
+        preempted: list[Request] = []
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(
+                request.num_tokens - request.num_computed_tokens,
+                token_budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached_reqs.append(request)
+            new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Admit waiting requests only when nothing was preempted: a preemption means memory is
+        # short, and admitting more would just preempt again.
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+                request = self.waiting.peek_request()
+                computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+                new_blocks = kv.allocate_slots(
+                    request, num_new_tokens, num_new_computed_tokens=num_computed_tokens,
+                    new_computed_blocks=computed_blocks,
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.pop_request()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                new_reqs.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        total = self.max_num_scheduled_tokens - token_budget
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in new_reqs
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in cached_reqs],
+                new_block_ids=[new_block_ids[r.request_id] for r in cached_reqs],
+                num_computed_tokens=[r.num_computed_tokens for r in cached_reqs],
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        # The worker advances by what was scheduled; so does the scheduler, before the step
+        # runs (seed: _update_after_schedule), so the next schedule() sees the new progress.
+        for request_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        self._num_preempted_last_step = len(preempted)
+        self._last_num_scheduled_tokens = total
+        return scheduler_output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    # -- update ---------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, run the stop checks, free finished requests' blocks."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        stopped: set[Request] = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            req_index = model_runner_output.req_id_to_index[request_id]
+            generated = sampled[req_index]
+            new_token_ids: list[int] = []
+            for token_id in generated:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    stopped.add(request)
+                    break
+            if not new_token_ids:
+                continue
+            new_logprobs = logprobs.get(request_id) if logprobs else None
+            if new_logprobs is not None and len(new_logprobs.sampled_token_ranks) > len(new_token_ids):
+                new_logprobs = _slice_logprobs(new_logprobs, len(new_token_ids))
+            finish_reason = _FINISH_REASON.get(request.status) if request in stopped else None
+            outputs.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        if stopped:
+            self.running = [r for r in self.running if r not in stopped]
+            for request in stopped:
+                self._free_request(request)
+        return {
+            client: EngineCoreOutputs(outputs=client_outputs)
+            for client, client_outputs in outputs.items()
+        }
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop checks after one appended token: length, min_tokens, EOS, stop_token_ids."""
+        params = request.sampling_params
+        if request.num_tokens >= self.max_model_len or (
+            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last_token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last_token_id in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # -- stats ----------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        """Snapshot for the console; drains the prefix-cache counters."""
+        kv = self.kv_cache_manager
+        prefix = kv.make_prefix_cache_stats()
+        pool = kv.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_preempted_reqs=self._num_preempted_last_step,
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+            token_budget=self.max_num_scheduled_tokens,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_total_blocks=pool.num_gpu_blocks - 1,
+            prefix_cache=PrefixCacheStatsSnapshot(
+                requests=prefix.requests, queries=prefix.queries, hits=prefix.hits
+            ) if prefix is not None else PrefixCacheStatsSnapshot(),
+        )
+
+
+def _slice_logprobs(lists, n: int):  # type: ignore[no-untyped-def]
+    from engine.protocol import LogprobsLists
+
+    return LogprobsLists(lists.logprob_token_ids[:n], lists.logprobs[:n], lists.sampled_token_ranks[:n])

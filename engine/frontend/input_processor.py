@@ -1,0 +1,78 @@
+"""InputProcessor: validate and tokenize a prompt into an EngineCoreRequest (seed: 1986-2057)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from engine.errors import InvalidPromptError, InvalidSamplingParamsError
+from engine.protocol import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+class InputProcessor:
+    """Turns user prompts into EngineCoreRequests; every check runs before the engine sees it."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 eos_token_id: int | None, extra_stop_token_ids: set[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.extra_stop_token_ids = extra_stop_token_ids or set()
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids) for any accepted prompt form."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+            token_ids = self.tokenizer.encode(text, add_special_tokens=True)
+        else:
+            raise InvalidPromptError(
+                f"Unsupported prompt {type(prompt).__name__}: pass a str, {{'prompt': str}} or "
+                "{'prompt_token_ids': list[int]}."
+            )
+        if not token_ids:
+            raise InvalidPromptError("The prompt is empty: it must contain at least one token.")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidPromptError(
+                f"prompt_token_ids must be integers in [0, {self.vocab_size}) for this model."
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidPromptError(
+                f"The prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"a prompt may have at most {self.max_model_len - 1} tokens so that one can be generated."
+            )
+        return text, token_ids
+
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None, cache_salt: str | None = None
+                       ) -> tuple[str | None, EngineCoreRequest]:
+        """Validate, tokenize and normalise one request."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}."
+            )
+        text, token_ids = self.tokenize_prompt(prompt)
+        params = params.clone()
+        remaining = self.max_model_len - len(token_ids)
+        if params.max_tokens is None or params.max_tokens > remaining:
+            params.max_tokens = remaining
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        params.all_stop_token_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.extra_stop_token_ids
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            cache_salt=cache_salt,
+        )
+        return text, request

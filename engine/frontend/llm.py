@@ -1,0 +1,161 @@
+"""LLM: the synchronous offline entrypoint, vLLM-compatible (seed: Entrypoints, 1333-1392)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, Union
+
+from engine.config import EngineArgs
+from engine.errors import InvalidPromptError, InvalidSamplingParamsError
+from engine.frontend.core_client import InprocClient
+from engine.frontend.input_processor import InputProcessor, PromptType
+from engine.frontend.output_processor import OutputProcessor, ParentRequest
+from engine.frontend.tokenizer import load_tokenizer, stop_token_ids_of
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batched generation: `LLM(model=None, **engine_args).generate(prompts, params)`.
+
+    model=None runs the embedded default (SmolLM2-135M-Instruct); any local HF-format
+    directory or .gguf file works too. engine_args are EngineArgs fields.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
+        eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.config.max_model_len, self.config.hf_config.vocab_size,
+            eos_token_id, extra_stop_ids,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = InprocClient(self.config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidSamplingParamsError(
+                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: pass one "
+                    "SamplingParams, or a list with exactly one per prompt."
+                )
+        # Validate everything first, so a bad prompt is rejected before any request runs.
+        processed = [self._process(prompt, params) for prompt, params in zip(prompts, params_list)]
+        request_ids: list[str] = []
+        for request_id, children in processed:
+            request_ids.append(request_id)
+            for text, child_request, parent, index in children:
+                self.output_processor.add_request(child_request, text, parent, index)
+                self.engine_core.add_request(child_request)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one or more OpenAI-style conversations via the chat template."""
+        if not messages:
+            raise InvalidPromptError("messages is empty: pass a list of {'role', 'content'} dicts.")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            for message in conversation:
+                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                    raise InvalidPromptError(
+                        f"Each chat message must be a dict with 'role' and 'content'; got {message!r}."
+                    )
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    # -- internals ------------------------------------------------------------------------
+    def _process(self, prompt: PromptType, params: SamplingParams):  # type: ignore[no-untyped-def]
+        request_id = str(next(self._request_counter))
+        # The offline API returns only finished outputs.
+        params = params.clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        if params.n == 1:
+            text, request = self.input_processor.process_inputs(request_id, prompt, params)
+            return request_id, [(text, request, None, 0)]
+        parent = ParentRequest(request_id=request_id, n=params.n)
+        children = []
+        for index in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index
+            text, request = self.input_processor.process_inputs(
+                f"{index}_{request_id}", prompt, child_params)
+            children.append((text, request, parent, index))
+        return request_id, children
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.output_processor.has_unfinished_requests():
+                engine_outputs = self.engine_core.get_output()
+                request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+                self.engine_core.abort_requests(to_abort)
+                for output in request_outputs:
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            self._abort_all()
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def _abort_all(self) -> None:
+        request_ids = list(self.output_processor.request_states)
+        self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(request_ids)
+
+
+PromptsArg = Union[PromptType, Sequence[PromptType]]

@@ -1,0 +1,49 @@
+"""BlockTable: per-row block ids and the slot mapping (seed: KVCache-GPU interface, 1828-1985)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class BlockTable:
+    """Rows of physical block ids for the requests of the persistent batch.
+
+    slot = block_number * block_size + position % block_size; the CPU copy is edited in place
+    and copied to the device once per step.
+    """
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+        self.device = device
+
+    def add_row(self, block_ids: list[int], row_idx: int) -> None:
+        self.num_blocks_per_row[row_idx] = 0
+        self.append_row(block_ids, row_idx)
+
+    def append_row(self, block_ids: list[int], row_idx: int) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks_per_row[row_idx]
+        end = start + len(block_ids)
+        self.block_table_np[row_idx, start:end] = block_ids
+        self.num_blocks_per_row[row_idx] = end
+
+    def move_row(self, src: int, tgt: int) -> None:
+        num_blocks = self.num_blocks_per_row[src]
+        self.block_table_np[tgt, :num_blocks] = self.block_table_np[src, :num_blocks]
+        self.num_blocks_per_row[tgt] = num_blocks
+
+    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots for tokens at `positions` of the rows `req_indices` (both [num_tokens])."""
+        block_numbers = self.block_table_np[req_indices, positions // self.block_size]
+        return block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+
+    def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
+        max_blocks = int(self.num_blocks_per_row[:num_reqs].max()) if num_reqs else 0
+        table = torch.from_numpy(self.block_table_np[:num_reqs, :max(max_blocks, 1)])
+        return table.to(self.device, non_blocking=True)

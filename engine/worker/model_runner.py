@@ -1,0 +1,219 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass (seed: GPUModelRunner, 1559-1730)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.layer import bind_kv_caches, get_kv_cache_shape
+from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.core.sched.output import SchedulerOutput
+from engine.forward_context import set_forward_context
+from engine.models.loader import load_model
+from engine.protocol import LogprobsLists
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.sampler import Sampler
+from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+
+@dataclass(slots=True)
+class ExecuteModelState:
+    """What execute_model() leaves for sample_tokens() (seed: two-phase execution)."""
+
+    req_ids: list[str]
+    logits: torch.Tensor  # [num_reqs, vocab_size] float32
+    sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the persistent InputBatch and the Sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.dtype = config.dtype
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        hf = config.hf_config
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.vocab_size = hf.vocab_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size,
+                                      self.device)
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self._sampling_metadata: SamplingMetadata | None = None
+        self._state: ExecuteModelState | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model_dir, self.config.hf_config, self.dtype, self.device)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one block takes across all layers (K and V)."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.num_layers)]
+        assert self.model is not None
+        bind_kv_caches(self.model, self.kv_caches)
+
+    # -- step, phase 1 --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the forward pass and keep the last-token logits for sample_tokens()."""
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            self._state = None
+            return
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = [r for r in batch.req_ids[:num_reqs]]
+        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
+                                 dtype=np.int64)
+        cu_num_tokens = np.cumsum(num_scheduled)
+        total = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        positions = num_computed[req_indices] + offsets
+        input_ids = batch.token_ids_cpu[req_indices, positions]
+        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
+        seq_lens = num_computed + num_scheduled
+        query_start_loc = np.concatenate([[0], cu_num_tokens])
+
+        device = self.device
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            num_reqs=num_reqs,
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_table=batch.block_table.get_device_tensor(num_reqs),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_size=self.block_size,
+        )
+        with set_forward_context(attn_metadata):
+            hidden_states = self.model(torch.from_numpy(input_ids).to(device),
+                                       torch.from_numpy(positions).to(device))
+        logits_indices = torch.from_numpy(cu_num_tokens - 1).to(device)
+        logits = self.model.compute_logits(hidden_states[logits_indices])
+        sample_rows = (seq_lens >= batch.num_tokens[:num_reqs]).tolist()
+        self._state = ExecuteModelState(req_ids=req_ids, logits=logits, sample_rows=sample_rows)
+
+    # -- step, phase 2 --------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Sample from the stored logits; append the new tokens to the worker's own state."""
+        state, self._state = self._state, None
+        if state is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        sampler_output = self.sampler(state.logits, self._get_sampling_metadata())
+        sampled = sampler_output.sampled_token_ids.tolist()
+        sampled_token_ids: list[list[int]] = []
+        for row, token_id in enumerate(sampled):
+            if not state.sample_rows[row]:
+                sampled_token_ids.append([])
+                continue
+            req_state = batch.states[row]
+            assert req_state is not None
+            req_state.output_token_ids.append(token_id)
+            batch.append_token(row, token_id)
+            sampled_token_ids.append([token_id])
+        logprobs = self._logprobs_lists(state, sampler_output.logprobs_tensors)
+        return ModelRunnerOutput(
+            req_ids=state.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+        )
+
+    def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]
+        if tensors is None:
+            return {}
+        ids = tensors.logprob_token_ids.tolist()
+        values = tensors.logprobs.tolist()
+        ranks = tensors.selected_token_ranks.tolist()
+        result: dict[str, LogprobsLists] = {}
+        for row, req_id in enumerate(state.req_ids):
+            num_logprobs = self.requests[req_id].sampling_params.logprobs
+            if num_logprobs is None or not state.sample_rows[row]:
+                continue
+            width = num_logprobs + 1
+            result[req_id] = LogprobsLists([ids[row][:width]], [values[row][:width]], [ranks[row]])
+        return result
+
+    # -- persistent state -----------------------------------------------------------------
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diffs to self.requests and the persistent batch."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # A running request the scheduler skipped this step leaves the batch but keeps its state.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in list(batch.req_id_to_index):
+            if req_id not in scheduled:
+                batch.remove_request(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            params = new_req.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            req_state = CachedRequestState(
+                req_id=new_req.req_id,
+                prompt_token_ids=new_req.prompt_token_ids,
+                output_token_ids=list(new_req.output_token_ids),
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new_req.block_ids[0]),
+                num_computed_tokens=new_req.num_computed_tokens,
+                mm_features=new_req.mm_features,
+            )
+            self.requests[new_req.req_id] = req_state
+            batch.add_request(req_state)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req_state = self.requests[req_id]
+            req_state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if new_block_ids is not None:
+                req_state.block_ids.extend(new_block_ids[0])
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                batch.add_request(req_state)
+                continue
+            batch.num_computed_tokens_cpu[row] = req_state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids[0], row)
+        batch.condense()
+
+    def _get_sampling_metadata(self) -> SamplingMetadata:
+        batch = self.input_batch
+        if batch.batch_changed or self._sampling_metadata is None:
+            states = [s for s in batch.states[:batch.num_reqs]]
+            self._sampling_metadata = SamplingMetadata.from_params(
+                [s.sampling_params for s in states],
+                [s.output_token_ids for s in states],
+                [s.prompt_token_ids for s in states],
+                {i: s.generator for i, s in enumerate(states) if s.generator is not None},
+                self.vocab_size,
+                self.device,
+            )
+            batch.batch_changed = False
+        return self._sampling_metadata
