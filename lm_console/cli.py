@@ -1,0 +1,91 @@
+"""`lmc`: the lm-console command line (thin Typer commands that call the engine)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="lm-console: a small vLLM-style inference engine with an operator console.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+models_app = typer.Typer(help="List the known models, or print a model's directory.",
+                         invoke_without_command=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback()
+def models_list(ctx: typer.Context) -> None:
+    """List the known models (the embedded default first)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from engine.models.embedded import list_known_models
+
+    for model in list_known_models():
+        state = "converted" if model.converted else "not converted yet"
+        typer.echo(f"{model.name}\t{model.description} [{model.license}] ({state})")
+
+
+@models_app.command("path")
+def models_path(name: Optional[str] = typer.Argument(None, help="Model name, directory or .gguf file.")) -> None:
+    """Print the HF-format directory of a model (converting it first if needed) as the last line."""
+    from engine.errors import EngineError
+    from engine.models.embedded import resolve_model_path
+
+    try:
+        path = resolve_model_path(name)
+    except EngineError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+    typer.echo(str(path))
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: Optional[str] = typer.Option(None, help="Model name, HF-format directory or .gguf file."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
+    system: Optional[str] = typer.Option(None, help="System prompt (with --chat)."),
+    max_tokens: int = typer.Option(128, help="Maximum tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 means greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(-1),
+    min_p: float = typer.Option(0.0),
+    repetition_penalty: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
+    n: int = typer.Option(1, help="Number of completions."),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16"),
+    max_model_len: Optional[int] = typer.Option(None),
+) -> None:
+    """Generate a completion for PROMPT with the engine (offline, in this process)."""
+    from engine import LLM, SamplingParams
+    from engine.errors import EngineError
+
+    try:
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
+        )
+        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len)
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": prompt})
+            outputs = llm.chat(messages, params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompt, params, use_tqdm=False)
+    except EngineError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+    for completion in outputs[0].outputs:
+        if n > 1:
+            typer.echo(f"--- completion {completion.index} ({completion.finish_reason})")
+        typer.echo(completion.text)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,186 @@
+"""Scheduler: token budget, chunked prefill, preemption, stop checks, and no leaked blocks."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash, sha256_cbor
+from engine.core.sched.scheduler import Scheduler
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.worker.model_runner_output import ModelRunnerOutput
+
+BLOCK_SIZE = 4
+EOS = 2
+init_none_hash(sha256_cbor)
+HASHER = get_request_block_hasher(BLOCK_SIZE, sha256_cbor)
+
+
+def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32,
+                   max_model_len: int = 64, caching: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_model_len,
+                        enable_caching=caching)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_model_len)
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=prompt,
+                   sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+                   eos_token_id=EOS, block_hasher=HASHER)
+
+
+def fake_output(scheduler_output, requests: dict[str, Request], next_token) -> ModelRunnerOutput:
+    """What a ModelRunner returns: a token for every request whose prompt is fully computed."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = requests[req_id]
+        done = request.num_computed_tokens >= request.num_tokens  # scheduler already advanced
+        sampled.append([next_token(request)] if done else [])
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled)
+
+
+def run_step(scheduler: Scheduler, next_token=lambda r: 7):
+    requests = dict(scheduler.requests)
+    scheduler_output = scheduler.schedule()
+    outputs = scheduler.update_from_output(scheduler_output, fake_output(scheduler_output, requests, next_token))
+    return scheduler_output, outputs
+
+
+def assert_no_leak(scheduler: Scheduler) -> None:
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_token_budget_and_chunked_prefill() -> None:
+    scheduler = make_scheduler(budget=16)
+    scheduler.add_request(make_request("a", list(range(10, 50))))  # 40 prompt tokens
+    first, _ = run_step(scheduler)
+    assert first.num_scheduled_tokens == {"a": 16}
+    second, outputs = run_step(scheduler)
+    assert second.num_scheduled_tokens == {"a": 16}
+    assert not outputs  # still prefilling: nothing sampled
+    third, outputs = run_step(scheduler)
+    assert third.num_scheduled_tokens == {"a": 8}
+    assert outputs[0].outputs[0].new_token_ids == [7]
+
+
+def test_running_requests_are_served_before_waiting_ones() -> None:
+    scheduler = make_scheduler(budget=20)
+    scheduler.add_request(make_request("a", list(range(10, 22)), max_tokens=8))
+    run_step(scheduler)
+    scheduler.add_request(make_request("b", list(range(30, 60)), max_tokens=8))
+    out, _ = run_step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 19}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["b"]
+    assert out.scheduled_cached_reqs.req_ids == ["a"]
+
+
+def test_stop_on_eos_max_tokens_and_stop_token_ids() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", [5, 6, 7], max_tokens=10))
+    scheduler.add_request(make_request("len", [5, 6, 8], max_tokens=2))
+    scheduler.add_request(make_request("tok", [5, 6, 9], max_tokens=10, stop_token_ids=[11]))
+    scheduler.requests["tok"].sampling_params.all_stop_token_ids = {11}
+    tokens = {"eos": EOS, "len": 7, "tok": 11}
+    finished = {}
+    for _ in range(3):
+        _, outputs = run_step(scheduler, lambda r: tokens[r.request_id])
+        for output in outputs.get(0, []).outputs if outputs else []:
+            if output.finish_reason is not None:
+                finished[output.request_id] = (str(output.finish_reason), output.stop_reason)
+    assert finished == {"eos": ("stop", None), "len": ("length", None), "tok": ("stop", 11)}
+    assert not scheduler.has_unfinished_requests()
+    assert_no_leak(scheduler)
+
+
+def test_min_tokens_and_ignore_eos_suppress_eos() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("min", [5, 6, 7], max_tokens=5, min_tokens=3))
+    scheduler.add_request(make_request("ign", [5, 6, 8], max_tokens=4, ignore_eos=True))
+    counts = {}
+    while scheduler.has_unfinished_requests():
+        _, outputs = run_step(scheduler, lambda r: EOS)
+        for output in outputs[0].outputs:
+            counts[output.request_id] = counts.get(output.request_id, 0) + len(output.new_token_ids)
+    assert counts == {"min": 3, "ign": 4}
+
+
+def test_preemption_frees_blocks_and_recomputes() -> None:
+    # 8 usable blocks of 4 tokens: two requests of 12 prompt tokens cannot both grow far.
+    scheduler = make_scheduler(num_blocks=9, budget=64, max_model_len=32)
+    scheduler.add_request(make_request("a", list(range(10, 22)), max_tokens=16))
+    scheduler.add_request(make_request("b", list(range(40, 52)), max_tokens=16))
+    preempted = set()
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        out, _ = run_step(scheduler)
+        preempted |= out.preempted_req_ids
+        steps += 1
+        assert steps < 200
+    assert preempted == {"b"}  # FCFS: the latest arrival is preempted
+    assert_no_leak(scheduler)
+
+
+def test_abort_waiting_and_running() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("a", [5, 6, 7], max_tokens=10))
+    scheduler.add_request(make_request("b", [5, 6, 8], max_tokens=10))
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a"]
+    scheduler.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests()
+    out = scheduler.schedule()
+    assert out.finished_req_ids == {"a", "b"}
+    assert_no_leak(scheduler)
+
+
+def test_prefix_hit_reported_in_num_cached_tokens() -> None:
+    scheduler = make_scheduler()
+    prompt = list(range(100, 117))  # 17 tokens: 4 full blocks
+    scheduler.add_request(make_request("a", prompt, max_tokens=1))
+    run_step(scheduler)
+    scheduler.add_request(make_request("b", prompt, max_tokens=1))
+    out, outputs = run_step(scheduler)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert outputs[0].outputs[0].num_cached_tokens == 16
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_add_abort_finish_never_leaks(data) -> None:
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    scheduler = make_scheduler(num_blocks=data.draw(st.integers(9, 40)),
+                               max_num_seqs=data.draw(st.integers(1, 6)),
+                               budget=data.draw(st.sampled_from([8, 16, 64])), max_model_len=32)
+    shared_prefix = [rng.randrange(10, 50) for _ in range(8)]
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 40))):
+        action = rng.random()
+        if action < 0.4:
+            prompt_len = rng.randint(1, 20)
+            prompt = (shared_prefix if rng.random() < 0.5 else []) + [rng.randrange(10, 50) for _ in range(prompt_len)]
+            prompt = prompt[:28]
+            scheduler.add_request(make_request(str(next_id), prompt, max_tokens=rng.randint(1, 8)))
+            next_id += 1
+        elif action < 0.55 and scheduler.requests:
+            victim = rng.choice(list(scheduler.requests))
+            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+        else:
+            run_step(scheduler, lambda r: rng.choice([EOS, 7, 8, 9]))
+        # Invariant: every running request holds blocks covering its computed tokens.
+        for request in scheduler.running:
+            blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+            assert len(blocks) * BLOCK_SIZE >= request.num_computed_tokens
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+        steps += 1
+        assert steps < 500
+    assert_no_leak(scheduler)
