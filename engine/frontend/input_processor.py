@@ -66,7 +66,10 @@ class InputProcessor:
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         params.all_stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
+            # EOS joins the set so min_tokens masks it too; the scheduler checks EOS first.
             params.all_stop_token_ids |= self.extra_stop_token_ids
+            if self.eos_token_id is not None:
+                params.all_stop_token_ids.add(self.eos_token_id)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -121,10 +121,13 @@ class OutputProcessor:
             return None
         delta = state.output_kind == RequestOutputKind.DELTA
         text = state.detokenizer.get_next_output_text(finished, delta)
-        token_ids = state.token_ids[state.num_sent_tokens:] if delta else list(state.token_ids)
         if delta:
+            token_ids = state.token_ids[state.num_sent_tokens:]
             state.num_sent_tokens = len(state.token_ids)
-        logprobs = state.logprobs_processor.logprobs
+            logprobs = state.logprobs_processor.new_logprobs(len(token_ids))
+        else:
+            token_ids = list(state.token_ids)
+            logprobs = state.logprobs_processor.logprobs
         completion = CompletionOutput(
             index=state.child_index,
             text=text,

@@ -1,0 +1,32 @@
+"""Fixtures for the sampler tests: a metadata builder over SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from engine.sample.metadata import SamplingMetadata
+from engine.sampling_params import SamplingParams
+
+MakeMetadata = Callable[..., SamplingMetadata]
+
+
+@pytest.fixture
+def make_metadata() -> MakeMetadata:
+    """make_metadata(params_list, vocab_size, outputs=None, prompts=None, seeds=None)."""
+
+    def make(params_list: list[SamplingParams], vocab_size: int,
+             outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None,
+             generators: dict[int, torch.Generator] | None = None) -> SamplingMetadata:
+        num_rows = len(params_list)
+        outputs = outputs if outputs is not None else [[] for _ in range(num_rows)]
+        prompts = prompts if prompts is not None else [[0] for _ in range(num_rows)]
+        if generators is None:
+            generators = {row: torch.Generator().manual_seed(p.seed)
+                          for row, p in enumerate(params_list) if p.seed is not None}
+        return SamplingMetadata.from_params(params_list, outputs, prompts, generators,
+                                            vocab_size, "cpu")
+
+    return make
