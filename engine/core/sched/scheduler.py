@@ -52,6 +52,7 @@ class Scheduler:
         # Finished since the last schedule(): the worker drops their state.
         self.finished_req_ids: set[str] = set()
         self._num_preempted_last_step = 0
+        self.num_preemptions_total = 0
         self._last_num_scheduled_tokens = 0
 
     # -- requests in and out --------------------------------------------------------------
@@ -181,6 +182,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
 
     # -- update ---------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""Greedy output equals HF transformers token by token (fp32), and is unchanged by prefix
+caching, forced chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from llm_helpers import compare_greedy, hf_greedy, random_prompts, text_prompts
+
+MAX_TOKENS = 64
+
+
+def _greedy(n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_greedy_matches_hf_on_tiny_models(request, make_llm, model_fixture) -> None:
+    model_dir = request.getfixturevalue(model_fixture)
+    llm = make_llm(str(model_dir), dtype="float32")
+    prompts = random_prompts(llm.config.hf_config.vocab_size, 20, 5, 500, seed=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    exact, failures = compare_greedy(outputs, hf_greedy(model_dir, prompts, MAX_TOKENS))
+    print(f"{model_fixture}: {exact}/{len(prompts)} prompts match HF exactly")
+    assert not failures, failures
+    assert exact >= len(prompts) - 2
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_on_embedded_model(make_llm, embedded_model_dir) -> None:
+    llm = make_llm(None, dtype="float32")
+    prompts = text_prompts(llm.get_tokenizer(), 20, 5, 500)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    exact, failures = compare_greedy(outputs, hf_greedy(embedded_model_dir, prompts, MAX_TOKENS))
+    print(f"embedded model: {exact}/{len(prompts)} prompts match HF exactly")
+    assert not failures, failures
+    assert exact >= len(prompts) - 2
+
+
+def _token_ids(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(tiny_llama_dir) -> list[list[int]]:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_llama_dir).vocab_size
+    prefix = random_prompts(vocab, 1, 100, 100, seed=7)[0]
+    tails = random_prompts(vocab, 12, 3, 90, seed=8)
+    return [prefix + tail for tail in tails] + random_prompts(vocab, 4, 20, 200, seed=9)
+
+
+@pytest.fixture(scope="module")
+def baseline_ids(tiny_llama_dir, shared_prefix_prompts) -> list[list[int]]:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    return _token_ids(llm, shared_prefix_prompts)
+
+
+def test_prefix_caching_does_not_change_outputs(make_llm, tiny_llama_dir, shared_prefix_prompts,
+                                                baseline_ids) -> None:
+    llm = make_llm(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=True)
+    assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
+    # Second pass: everything is a prefix hit now.
+    outputs = llm.generate([{"prompt_token_ids": p} for p in shared_prefix_prompts],
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline_ids
+    assert all(o.num_cached_tokens > 0 for o in outputs)
+
+
+def test_chunked_prefill_does_not_change_outputs(make_llm, tiny_llama_dir, shared_prefix_prompts,
+                                                 baseline_ids) -> None:
+    llm = make_llm(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=32)
+    assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
+
+
+def test_preemption_does_not_change_outputs(make_llm, tiny_llama_dir, shared_prefix_prompts,
+                                            baseline_ids) -> None:
+    # 40 blocks of 16 tokens for 16 requests of up to ~215 tokens: preemption is certain.
+    llm = make_llm(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=40,
+                   max_model_len=512)
+    assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
+    assert llm.engine_core.engine_core.scheduler.num_preemptions_total > 0

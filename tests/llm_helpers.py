@@ -1,0 +1,110 @@
+"""Shared helpers for end-to-end tests: the HF reference and the near-tie comparison rule."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+_TEXT = (
+    "The history of computing is a story of abstractions stacked on one another. Early machines "
+    "were programmed by rewiring panels; later, stored programs let the same hardware solve many "
+    "problems. Compilers translated readable languages into machine code, operating systems "
+    "shared one processor among many users, and networks joined distant computers into one "
+    "fabric. Each layer hid the details of the one below it, so that engineers could think about "
+    "the problem in front of them. Large language models are the newest layer: they turn text "
+    "into predictions of more text, one token at a time. Serving them well is a systems problem. "
+    "Memory for the attention cache is precious, requests arrive at random times with prompts of "
+    "every length, and users expect the first word quickly and the rest at a steady pace. A good "
+    "serving engine batches requests continuously, shares the cached prefixes of prompts, splits "
+    "long prompts into chunks, and gives memory back the moment a request is done. It measures "
+    "everything, because what is not measured cannot be improved. The best engines are also "
+    "readable: a newcomer can open the scheduler, follow one request from arrival to its last "
+    "token, and understand every decision made along the way. Gardens teach a similar lesson. "
+    "A gardener plans the beds, waters them at dawn, pulls weeds before they seed, and keeps a "
+    "notebook of what grew where. Over years the notebook becomes more valuable than any single "
+    "harvest, because it records what worked and what failed. Cities, too, are layered systems: "
+    "pipes under streets, streets under traffic rules, rules under the habits of the people who "
+    "live there. When one layer fails, the others must absorb the shock, and the city's "
+    "resilience depends on how gracefully each layer degrades."
+)
+
+
+def text_prompts(tokenizer, num_prompts: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """Real-text prompts of lengths spread over [min_len, max_len] tokens."""
+    ids = tokenizer.encode(_TEXT, add_special_tokens=False)
+    while len(ids) < max_len + 64:
+        ids = ids + ids
+    rng = random.Random(seed)
+    lengths = [min_len + (max_len - min_len) * i // max(num_prompts - 1, 1) for i in range(num_prompts)]
+    prompts = []
+    for length in lengths:
+        start = rng.randrange(0, 64)
+        prompts.append(ids[start:start + length])
+    return prompts
+
+
+def random_prompts(vocab_size: int, num_prompts: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [min_len + (max_len - min_len) * i // max(num_prompts - 1, 1) for i in range(num_prompts)]
+    rng.shuffle(lengths)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    top5: list[set[int]]  # per generated position
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+    """HF transformers greedy generation, one prompt at a time (no padding), EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    references = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True, eos_token_id=None)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            top5 = [set(torch.topk(step[0].float(), 5).indices.tolist()) for step in out.logits]
+            references.append(Reference(tokens, top5))
+    return references
+
+
+def compare_greedy(outputs, references: list[Reference]) -> tuple[int, list[str]]:
+    """vLLM's check_logprobs_close rule: exact match, or at the first difference each side's
+    token is in the other's top-5 (a near tie), after which the prompt is not checked further.
+    Returns (number of exact matches, failures)."""
+    exact = 0
+    failures = []
+    for i, (output, ref) in enumerate(zip(outputs, references)):
+        completion = output.outputs[0]
+        ours = completion.token_ids
+        if ours == ref.token_ids:
+            exact += 1
+            continue
+        pos = next(p for p in range(min(len(ours), len(ref.token_ids)) + 1)
+                   if p >= len(ours) or p >= len(ref.token_ids) or ours[p] != ref.token_ids[p])
+        if pos >= len(ours) or pos >= len(ref.token_ids):
+            failures.append(f"prompt {i}: lengths differ ({len(ours)} vs {len(ref.token_ids)})")
+            continue
+        our_top = set(completion.logprobs[pos]) if completion.logprobs else set()
+        if ours[pos] in ref.top5[pos] and ref.token_ids[pos] in our_top:
+            continue
+        failures.append(f"prompt {i}: token {pos} differs ({ours[pos]} vs HF {ref.token_ids[pos]}), "
+                        f"not a near tie")
+    return exact, failures
+
+
+def assert_no_leaked_blocks(llm) -> None:
+    """Every KV block except the null block is free (possibly still cached) once idle."""
+    core = llm.engine_core.engine_core
+    assert not core.scheduler.has_unfinished_requests()
+    pool = core.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "KV blocks leaked"
