@@ -1,0 +1,14 @@
+"""Paged attention: metadata, the Attention layer, and backends."""
+
+from engine.attention.layer import (
+    Attention, bind_kv_caches, get_attention_layers, get_kv_cache_shape,
+)
+from engine.attention.metadata import AttentionMetadata
+
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "bind_kv_caches",
+    "get_attention_layers",
+    "get_kv_cache_shape",
+]

@@ -1,0 +1,118 @@
+"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, rotary embedding.
+
+Parameters are allocated uninitialised (`torch.empty`): every one is overwritten by
+`load_weights`, and skipping random init saves most of the model build time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.errors import UnsupportedArchitectureError
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W [out_features, in_features] as in HF checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token id -> row of weight [vocab_size, hidden_size]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in float32 and cast back (as HF Llama does)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of an HF config: rope_type, rope_theta and the scaling fields.
+
+    transformers 5 keeps them all in `config.rope_parameters`; older versions use
+    `config.rope_theta` plus an optional `config.rope_scaling` dict ("type" or "rope_type").
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params.update(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def _inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (float32) for the config's rope type."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        original = float(params.get("original_max_position_embeddings", max_position))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(in_band, blended, scaled)
+    raise UnsupportedArchitectureError(
+        f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), cos/sin tables precomputed in float32."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, params, max_position)  # [head_dim // 2]
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        # [max_position, head_dim // 2] each; not saved in checkpoints
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [num_tokens, 1, head_dim // 2] in `dtype` for the given positions."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] by its positions' angles (new tensor)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,226 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral; Qwen2/Qwen3 subclass it in qwen.py).
+
+Our own forward over a flat batch of tokens: q/k/v come from one fused matmul, gate/up from
+another (fused at load time from the HF checkpoint's separate projections), and attention reads
+and writes the paged KV cache through `engine.attention.Attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.attention import Attention
+from engine.models.layers import (
+    Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters,
+)
+
+# HF checkpoint projection -> (our fused parameter, shard index); see _fused_shards.
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention block: fused qkv projection, (optional per-head q/k norm), rope, o_proj."""
+
+    qkv_bias_default = False  # Qwen2 forces bias on q/k/v whatever the config says
+    o_bias_default = False
+    use_qk_norm = False  # Qwen3: RMSNorm over each head of q and k before rope
+
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias or self.qkv_bias_default, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias or self.o_bias_default, dtype)
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
+                              self.num_kv_heads, sliding_window=_sliding_window(config, layer_idx))
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2*Hkv) * D]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        if self.use_qk_norm:
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, -1))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size]
+                            .view(num_tokens, self.num_kv_heads, -1))
+            qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, D]
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, -1)
+        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D], one pass for q and k
+        q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
+        k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
+        v = qkv[:, self.q_size + self.kv_size :]  # [T, Hkv * D]
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, config: Any, dtype: torch.dtype):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self.attention_cls(config, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm; names follow HF's `model.*` checkpoint keys."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            layer_cls(config, i, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings,
+                                          rope_parameters(config))
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, D/2], shared by layers
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a flat token batch; attention state comes from the forward context."""
+
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype):
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, dtype, self.layer_cls)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every param must load."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        saw_lm_head = False
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints store the rope buffer; ours is computed
+            if name.startswith("lm_head."):
+                saw_lm_head = True
+                if self.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+            target, shard = name, None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _FUSED:
+                fused, shard = _FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            if shard is None:
+                _copy(param.data, tensor, name)
+            else:
+                start, size = self._fused_shards(target)[shard]
+                _copy(param.data.narrow(0, start, size), tensor, name)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        if not saw_lm_head and not self.tie_word_embeddings:
+            # A checkpoint without lm_head means the head is the (tied) embedding.
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.tie_word_embeddings = True
+        self._check_all_loaded(params, loaded)
+
+    def _fused_shards(self, fused_name: str) -> list[tuple[int, int]]:
+        """(row offset, rows) of each original projection inside a fused parameter."""
+        if ".qkv_proj." in fused_name:
+            attn = self.model.layers[0].self_attn
+            return [(0, attn.q_size), (attn.q_size, attn.kv_size),
+                    (attn.q_size + attn.kv_size, attn.kv_size)]
+        inter = self.config.intermediate_size
+        return [(0, inter), (inter, inter)]
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name or ".gate_up_proj." in name:
+                num_shards = len(self._fused_shards(name))
+                missing += [f"{name}#{i}" for i in range(num_shards) if f"{name}#{i}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _copy(dst: Tensor, src: Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama math; sliding_window (if any) is applied by the attention layers."""

@@ -1,0 +1,28 @@
+"""Which model class implements which HF `config.architectures` name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import UnsupportedArchitectureError
+from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
+from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_config: Any) -> type:
+    """The first of config.architectures we implement; raises naming the supported ones."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise UnsupportedArchitectureError(
+        f"model architecture {architectures or '(none in config.json)'} is not supported; "
+        f"supported: {', '.join(MODEL_REGISTRY)}"
+    )

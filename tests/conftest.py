@@ -1,0 +1,62 @@
+"""Shared fixtures: the embedded model directory and tiny random models of each architecture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model_factory import LLAMA3_ROPE, make_tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """The converted embedded default model (converted once, then cached on disk)."""
+    from engine.models.embedded import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama3"), "llama", seed=4,
+                               rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2)
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLMs for one test; afterwards assert that none of them leaked a KV block."""
+    from engine import LLM
+    from llm_helpers import assert_no_leaked_blocks
+
+    built = []
+
+    def factory(model: str | None = None, **engine_args):
+        llm = LLM(model, **engine_args)
+        built.append(llm)
+        return llm
+
+    yield factory
+    for llm in built:
+        assert_no_leaked_blocks(llm)
+        llm.shutdown()

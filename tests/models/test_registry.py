@@ -1,0 +1,82 @@
+"""Registry, weight-loading checks, platform dtype choice, and the cache-less dummy run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.errors import InvalidEngineArgsError, UnsupportedArchitectureError
+from engine.forward_context import set_forward_context
+from engine.models.loader import iterate_safetensors, load_model
+from engine.models.registry import MODEL_REGISTRY, get_model_class
+from engine.platform import cpu_has_fast_bf16, cpuinfo_has_fast_bf16, detect_device, resolve_dtype
+
+
+def test_registry_maps_supported_architectures():
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM"):
+        assert get_model_class(SimpleNamespace(architectures=[name])) is MODEL_REGISTRY[name]
+
+
+@pytest.mark.parametrize("architectures", [["GPT2LMHeadModel"], None])
+def test_unsupported_architecture_names_supported_ones(architectures):
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen3ForCausalLM"):
+        get_model_class(SimpleNamespace(architectures=architectures))
+
+
+def test_load_weights_rejects_missing_and_unknown_tensors(tiny_qwen2_dir):
+    config = AutoConfig.from_pretrained(tiny_qwen2_dir)
+    weights = dict(iterate_safetensors(tiny_qwen2_dir))
+    model_cls = get_model_class(config)
+    partial = {k: v for k, v in weights.items() if "layers.1.self_attn.k_proj" not in k}
+    with pytest.raises(ValueError, match="k_proj|qkv_proj"):
+        model_cls(config, torch.float32).load_weights(partial.items())
+    extra = {**weights, "model.layers.0.mystery.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match="mystery"):
+        model_cls(config, torch.float32).load_weights(extra.items())
+
+
+def test_bf16_model_loads_and_ties(tiny_llama_dir):
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, config, torch.bfloat16, "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in model.parameters())
+    assert not model.training
+
+
+def test_dummy_run_without_metadata_matches_hf(tiny_qwen3_dir):
+    """set_forward_context(None): one causal sequence, no cache (the profiling run)."""
+    config = AutoConfig.from_pretrained(tiny_qwen3_dir)
+    ours = load_model(tiny_qwen3_dir, config, torch.float32, "cpu")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32,
+                                               attn_implementation="eager")
+    ids = torch.arange(100, 130)
+    with torch.inference_mode(), set_forward_context(None):
+        logits = ours.compute_logits(ours(ids, torch.arange(30)))
+        expected = ref(ids[None]).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+
+
+def test_resolve_dtype(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_dtype("bf16", cpu) is torch.bfloat16
+    assert resolve_dtype("float32", cpu) is torch.float32
+    assert resolve_dtype("FP16", cpu) is torch.float16
+    assert resolve_dtype(torch.bfloat16, cpu) is torch.bfloat16
+    assert resolve_dtype("auto", "cuda") is torch.bfloat16
+    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu) is expected
+    with pytest.raises(InvalidEngineArgsError, match="bfloat16"):
+        resolve_dtype("int8", cpu)
+    assert detect_device().type in ("cpu", "cuda")
+
+
+def test_cpuinfo_flags_decide_fast_bf16():
+    assert cpuinfo_has_fast_bf16("processor : 0\nflags : fpu sse avx512f amx_bf16 amx_tile\n")
+    assert cpuinfo_has_fast_bf16("flags\t\t: fpu avx512_bf16\n")
+    assert not cpuinfo_has_fast_bf16("processor : 0\nflags : fpu sse avx2\n")
+    assert not cpuinfo_has_fast_bf16("")
+    assert isinstance(cpu_has_fast_bf16(), bool)
