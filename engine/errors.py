@@ -33,3 +33,22 @@ class InvalidEngineArgsError(EngineError, ValueError):
 
 class EngineDeadError(EngineError, RuntimeError):
     """The engine core stopped; no further requests can be served."""
+
+
+class EngineStartupError(EngineError, RuntimeError):
+    """The engine core process failed to start for a reason not covered by a specific error."""
+
+
+class DuplicateRequestError(EngineError, ValueError):
+    """A request id is already in flight; request ids must be unique among live requests."""
+
+
+def fresh_error(error: BaseException) -> BaseException:
+    """A new instance of `error` to raise in one more place (a shared instance would pile up
+    the tracebacks of every task that re-raised it)."""
+    try:
+        copy = type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - an exception type with an unusual constructor
+        return error
+    copy.__cause__ = error.__cause__
+    return copy

@@ -8,14 +8,27 @@ from typing import Any
 
 @dataclass
 class RequestMetrics:
-    """Per-request timing (seconds since the epoch for *_time fields)."""
+    """Per-request timing: seconds since the epoch for *_time fields, seconds for latencies.
+
+    arrival_time is stamped by the InputProcessor, queued/first_scheduled by the engine core
+    (EngineCoreEvents), the token and finish times by the OutputProcessor when outputs arrive.
+    inter_token_latencies holds one gap per output after the first (one token each, normally).
+    """
 
     arrival_time: float
+    queued_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def scheduled_time(self) -> float | None:
+        """When the engine core first scheduled the request."""
+        return self.first_scheduled_time
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -26,6 +39,13 @@ class RequestMetrics:
         if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Time in the WAITING queue before the first scheduling."""
+        if self.queued_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.queued_time
 
     @property
     def e2e_latency(self) -> float | None:
@@ -60,3 +80,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    def add(self, next_output: RequestOutput) -> None:
+        """Merge a later DELTA output into this one (a slow consumer gets one combined delta)."""
+        for completion in next_output.outputs:
+            mine = next((c for c in self.outputs if c.index == completion.index), None)
+            if mine is None:
+                self.outputs.append(completion)
+                continue
+            mine.text += completion.text
+            mine.token_ids = mine.token_ids + completion.token_ids
+            if completion.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + completion.logprobs
+            mine.cumulative_logprob = completion.cumulative_logprob
+            mine.finish_reason = completion.finish_reason
+            mine.stop_reason = completion.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics

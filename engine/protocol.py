@@ -1,7 +1,9 @@
 """Structures that cross the frontend/engine-core boundary (seed: data flow, lines 18-140).
 
 msgspec Structs (array_like, gc=False) so the multiprocess client can send them as msgpack;
-the in-process client passes the same objects directly.
+the in-process client passes the same objects directly. With array_like every field is on the
+wire (omit_defaults has no effect), so defaults cost one byte each. Tensors in multimodal
+requests travel as raw buffers in extra ZMQ frames (engine/ipc.py); nothing is pickled.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from typing import Any
 
 import msgspec
 
+from engine.metrics.kv_events import KVEventBatch
+from engine.metrics.stats import SchedulerStats
+from engine.request import MultiModalFeatureSpec
 from engine.sampling_params import SamplingParams
 
 
@@ -36,7 +41,37 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float
     cache_salt: str | None = None
     client_index: int = 0
-    mm_features: list[Any] | None = None
+    mm_features: list[MultiModalFeatureSpec] | None = None
+
+
+class EngineCoreRequestType(enum.IntEnum):
+    """First frame of every message on the input socket (one byte)."""
+
+    ADD = 0  # payload: EngineCoreRequest
+    ABORT = 1  # payload: list[str] of request ids
+    UTILITY = 2  # payload: UtilityCall
+    SHUTDOWN = 3  # payload: empty
+    # Engine core -> frontend, once, at start-up (the handshake).
+    READY = 16  # payload: EngineCoreReadyInfo
+    STARTUP_FAILED = 17  # payload: EngineCoreStartupFailure
+
+    def frame(self) -> bytes:
+        return bytes((self.value,))
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """A request's lifecycle event in the engine core (for queue time and preemptions)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """One lifecycle event with the core's time.time() timestamp."""
+
+    type: EngineCoreEventType
+    timestamp: float
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
@@ -56,17 +91,66 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    """A frontend -> core method call (reset_prefix_cache, get_stats, ...)."""
+
+    call_id: int
+    client_index: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
+    """The answer to one UtilityCall: msgpack of the result, or why it failed."""
+
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack of the result (nil by default)
+    failure_message: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The batch of EngineCoreOutput for one client after one step, with stats."""
+    """The batch of EngineCoreOutput for one client after one step, with stats and events."""
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
-    scheduler_stats: Any = None
+    scheduler_stats: SchedulerStats | None = None
     timestamp: float = msgspec.field(default_factory=time.monotonic)
     finished_requests: set[str] | None = None
+    utility_output: UtilityOutput | None = None
+    kv_events: KVEventBatch | None = None  # this step's KV cache events (client 0 only)
+    engine_dead_reason: str | None = None  # the core's last message before it exits on an error
+
+
+class EngineCoreReadyInfo(msgspec.Struct, array_like=True, gc=False):
+    """What the core tells the frontend at start-up: the resolved model and cache geometry."""
+
+    model_name: str
+    model_dir: str
+    tokenizer_dir: str
+    device: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int  # blocks in the pool, the null block included
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    kv_events_endpoint: str | None = None
+    pid: int = 0
+
+
+class EngineCoreStartupFailure(msgspec.Struct, array_like=True, gc=False):
+    """Why the core could not start; the frontend re-raises it as the same exception type."""
+
+    exc_type: str
+    exc_module: str
+    message: str
+    traceback: str = ""

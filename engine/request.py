@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from engine.core.kv_cache.hashing import BlockHash
+    from engine.protocol import EngineCoreEvent, EngineCoreEventType
     from engine.sampling_params import SamplingParams
 
 
@@ -89,6 +90,8 @@ class Request:
         self.max_tokens = self.sampling_params.max_tokens
         self.block_hashes: list[BlockHash] = []
         self.update_block_hashes()
+        # Lifecycle events (QUEUED, SCHEDULED, PREEMPTED) not yet sent to the frontend.
+        self.events: list[EngineCoreEvent] = []
 
     # -- token bookkeeping -------------------------------------------------------------
     @property
@@ -110,6 +113,20 @@ class Request:
         """Extend block_hashes with the blocks that became full (incremental hasher)."""
         if self.block_hasher is not None:
             self.block_hashes.extend(self.block_hasher(self))
+
+    # -- events ------------------------------------------------------------------------
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        """Remember a lifecycle event; it rides on the request's next EngineCoreOutput."""
+        from engine.protocol import EngineCoreEvent
+
+        self.events.append(EngineCoreEvent(event_type, time.time() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """Drain the recorded events (None when there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     # -- status ------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -53,7 +53,9 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # A union, not a reset: msgspec calls __post_init__ when a request is decoded in the
+        # engine core, and the InputProcessor's EOS ids must survive the trip.
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def fail(name: str, value: object, allowed: str) -> None:

@@ -1,0 +1,7 @@
+"""Triton kernels for the GPU path, each file laid out like the Triton tutorials.
+
+Every module holds a torch reference first, then its `@triton.jit` kernels (`_x_kernel`), then
+a launcher `x()` that checks shapes, strides and dtypes. Importing a kernel module imports
+Triton; the CPU engine path never does. With `TRITON_INTERPRET=1` set before a kernel module is
+imported, its kernels run on CPU tensors under Triton's interpreter (see `common.py`).
+"""

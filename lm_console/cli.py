@@ -87,5 +87,18 @@ def generate(
     sys.stdout.flush()
 
 
+def _register_commands() -> None:
+    """The console, benchmark and batch commands live in their own modules."""
+    from lm_console.cli_batch import batch
+    from lm_console.cli_bench import bench_app
+    from lm_console.cli_console import register
+
+    register(app)
+    app.add_typer(bench_app, name="bench")
+    app.command()(batch)
+
+
+_register_commands()
+
 if __name__ == "__main__":
     app()

@@ -103,8 +103,13 @@ def compare_greedy(outputs, references: list[Reference]) -> tuple[int, list[str]
 
 
 def assert_no_leaked_blocks(llm) -> None:
-    """Every KV block except the null block is free (possibly still cached) once idle."""
-    core = llm.engine_core.engine_core
-    assert not core.scheduler.has_unfinished_requests()
-    pool = core.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "KV blocks leaked"
+    """Every KV block except the null block is free (possibly still cached) once idle.
+
+    A utility call, so it works with the core in-process and in its own process (LLM or
+    AsyncLLM: pass `await llm.get_block_pool_state()` for the latter).
+    """
+    from engine.metrics.stats import BlockPoolState
+
+    state = llm if isinstance(llm, BlockPoolState) else llm.get_block_pool_state()
+    assert state.num_running_reqs == 0 and state.num_waiting_reqs == 0, "requests left in the engine"
+    assert state.num_free_blocks == state.num_blocks - 1, "KV blocks leaked"

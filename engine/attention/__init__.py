@@ -1,7 +1,7 @@
 """Paged attention: metadata, the Attention layer, and backends."""
 
 from engine.attention.layer import (
-    Attention, bind_kv_caches, get_attention_layers, get_kv_cache_shape,
+    Attention, bind_kv_caches, get_attention_layers, get_kv_cache_shape, set_attention_backend,
 )
 from engine.attention.metadata import AttentionMetadata
 
@@ -11,4 +11,5 @@ __all__ = [
     "bind_kv_caches",
     "get_attention_layers",
     "get_kv_cache_shape",
+    "set_attention_backend",
 ]

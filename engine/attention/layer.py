@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from torch import Tensor, nn
 
 from engine.attention import torch_backend
@@ -20,8 +22,9 @@ class Attention(nn.Module):
 
     The model computes q/k/v (with rotary embeddings applied); this layer owns no weights.
     `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim], model dtype) is assigned by
-    `bind_kv_caches`. Without a forward context's metadata (a dummy profiling run) the tokens
-    are attended as one causal sequence and nothing is cached.
+    `bind_kv_caches`; `backend` (torch_backend unless `set_attention_backend` picks another)
+    writes the cache and attends. Without a forward context's metadata (a dummy profiling run)
+    the tokens are attended as one causal sequence and nothing is cached.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache: Tensor | None = None  # a plain attribute: not saved, not moved by .to()
+        self.backend: ModuleType = torch_backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [num_tokens, H*D], k/v [num_tokens, Hkv*D] -> [num_tokens, H*D]."""
@@ -56,7 +60,7 @@ class Attention(nn.Module):
                 "Attention layer has no KV cache: call bind_kv_caches(model, kv_caches) before "
                 "running with attention metadata (or set_forward_context(None) for a dummy run)"
             )
-        return torch_backend.paged_attention(
+        return self.backend.paged_attention(
             q, k, v, self.kv_cache, attn_metadata, self.num_kv_heads, self.scale,
             self.sliding_window, self.logits_soft_cap,
         )
@@ -71,6 +75,12 @@ class Attention(nn.Module):
 def get_attention_layers(model: nn.Module) -> list[Attention]:
     """The model's Attention modules in layer order (registration order)."""
     return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def set_attention_backend(model: nn.Module, backend: ModuleType) -> None:
+    """Route every Attention layer of `model` through `backend` (see attention/selector.py)."""
+    for layer in get_attention_layers(model):
+        layer.backend = backend
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[Tensor]) -> None:

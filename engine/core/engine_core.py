@@ -9,10 +9,15 @@ from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash
 from engine.core.kv_cache.hashing import get_hash_fn_by_name
 from engine.core.sched.scheduler import Scheduler
-from engine.errors import InsufficientKVCacheError
+from engine.errors import DuplicateRequestError, InsufficientKVCacheError
 from engine.executor.uniproc import UniProcExecutor
+from engine.metrics.kv_events import KVEventBatch
+from engine.metrics.stats import BlockPoolState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine.request import Request, RequestStatus
+
+# The block map (one byte a block) rides on SchedulerStats at most this often.
+BLOCK_MAP_INTERVAL_S = 0.25
 
 
 class EngineCore:
@@ -35,6 +40,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            log_stats=config.log_stats,
         )
         hash_fn = get_hash_fn_by_name(config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -42,6 +48,8 @@ class EngineCore:
             get_request_block_hasher(config.block_size, hash_fn) if config.enable_prefix_caching else None
         )
         self.num_steps = 0
+        self.is_sleeping_flag = False
+        self._last_block_map_time = float("-inf")
 
     def _initialize_kv_caches(self) -> int:
         """Size the KV cache from the memory budget (or the override), then allocate it."""
@@ -79,7 +87,7 @@ class EngineCore:
             block_hasher=self.request_block_hasher,
         )
         if request.request_id in self.scheduler.requests:
-            raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
+            raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -88,10 +96,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether step() would run the model (requests present and not sleeping)."""
+        return not self.is_sleeping_flag and self.scheduler.has_unfinished_requests()
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """schedule -> execute_model -> sample_tokens -> update_from_output."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_work():
             return {}, False
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -100,17 +112,80 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
         if self.config.log_stats:
-            stats = self.scheduler.make_stats()
+            stats = self.make_stats()
             stats.step_time_s = time.perf_counter() - start
-            stats.num_steps = self.num_steps
             if not outputs:
                 outputs = {0: EngineCoreOutputs()}
             for client_outputs in outputs.values():
                 client_outputs.scheduler_stats = stats
+        self.attach_kv_events(outputs)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
+    # -- observability ----------------------------------------------------------------------
+    def make_stats(self, force_block_map: bool = False) -> SchedulerStats:
+        """This step's SchedulerStats; the block map joins at most every BLOCK_MAP_INTERVAL_S."""
+        stats = self.scheduler.make_stats()
+        stats.num_steps = self.num_steps
+        now = time.monotonic()
+        if force_block_map or now - self._last_block_map_time >= BLOCK_MAP_INTERVAL_S:
+            self._last_block_map_time = now
+            stats.block_states = self.kv_cache_manager.get_block_states()
+            stats.block_ref_counts = self.kv_cache_manager.get_block_ref_counts()
+        return stats
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """Drain the KV cache manager's events into one batch (None when there are none)."""
+        events = self.kv_cache_manager.take_events()
+        return KVEventBatch(ts=time.time(), events=events) if events else None
+
+    def attach_kv_events(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Put the pending KV cache events on client 0's outputs."""
+        batch = self.take_kv_events()
+        if batch is not None:
+            outputs.setdefault(0, EngineCoreOutputs()).kv_events = batch
+
+    # -- utility calls (also reachable over the wire, see EngineCoreProc) -------------------
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        """The current gauges, without draining the per-step counters."""
+        stats = self.scheduler.make_stats(drain=False)
+        stats.num_steps = self.num_steps
+        return stats
+
+    def get_block_pool_state(self) -> BlockPoolState:
+        """Block counts, per-block states and ref counts (cheap: O(num_blocks) bytes)."""
+        pool = self.kv_cache_manager.block_pool
+        return BlockPoolState(
+            num_blocks=pool.num_gpu_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_cached_blocks=sum(1 for _ in pool.cached_block_hash_to_block.items()),
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            block_states=pool.get_block_states(),
+            block_ref_counts=pool.get_block_ref_counts(),
+        )
+
+    def get_prefix_cache_hashes(self) -> list[bytes]:
+        """The block hashes in the prefix cache (debugging and KV event tests)."""
+        from engine.core.kv_cache.hashing import get_block_hash
+
+        return [get_block_hash(key) for key, _ in self.kv_cache_manager.block_pool.cached_block_hash_to_block.items()]
+
+    def sleep(self, level: int = 1) -> bool:
+        """Pause stepping (requests wait); level >= 1 also drops the prefix cache when idle."""
+        self.is_sleeping_flag = True
+        if level >= 1 and not self.scheduler.running:
+            self.reset_prefix_cache()
+        return True
+
+    def wake_up(self) -> bool:
+        self.is_sleeping_flag = False
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.is_sleeping_flag
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

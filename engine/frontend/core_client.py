@@ -1,20 +1,74 @@
 """EngineCoreClient: how the frontend talks to the EngineCore (seed: 1257-1332).
 
-InprocClient runs the core in this process (tests, debugging, the offline LLM for now); the
-multiprocess clients (ZMQ) implement the same methods.
+InprocClient runs the core in this process (tests, debugging, `multiprocess=False`);
+SyncMPClient (LLM's default) and AsyncMPClient (AsyncLLM) run it in its own process
+(engine/frontend/mp_client.py). All share this interface; utility calls behave the same.
 """
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
+if TYPE_CHECKING:
+    from engine.config import EngineArgs, EngineConfig
+    from engine.metrics.stats import BlockPoolState, SchedulerStats
 
-class InprocClient:
+
+class EngineCoreClient:
+    """The frontend's handle on one engine core."""
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next batch of outputs (in-process: runs one step)."""
+        raise NotImplementedError
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run an EngineCore utility method (reset_prefix_cache, get_stats, ...) and return its result."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    # -- utility shorthands -----------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> SchedulerStats:
+        return self.call_utility("get_stats")
+
+    def get_block_pool_state(self) -> BlockPoolState:
+        return self.call_utility("get_block_pool_state")
+
+    @staticmethod
+    def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
+                    ) -> tuple[EngineCoreClient, EngineConfig]:
+        """The client LLM uses (SyncMPClient unless multiprocess=False) and the frontend config.
+
+        while_starting runs while a separate core process starts (not for the in-process core).
+        """
+        if engine_args.multiprocess:
+            from engine.frontend.mp_client import SyncMPClient
+
+            client = SyncMPClient(engine_args, while_starting=while_starting)
+            return client, engine_args.create_frontend_config(client.ready_info)
+        config = engine_args.create_engine_config()
+        return InprocClient(config), config
+
+
+class InprocClient(EngineCoreClient):
     """The EngineCore in the caller's process: get_output() runs one step."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from engine.core.engine_core import EngineCore  # torch: only on this path
+
         self.engine_core = EngineCore(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -31,8 +85,12 @@ class InprocClient:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def call_utility(self, method: str, *args: Any) -> Any:
+        from engine.core.engine_core_proc import UTILITY_METHODS
+
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}; allowed: {sorted(UTILITY_METHODS)}")
+        return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

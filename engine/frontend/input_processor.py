@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from engine.errors import InvalidPromptError, InvalidSamplingParamsError
 from engine.protocol import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
+
+if TYPE_CHECKING:
+    from engine.frontend.output_processor import ParentRequest
+
+# (prompt text, request, parent when n > 1, child index)
+ChildRequest = tuple[Union[str, None], EngineCoreRequest, "ParentRequest | None", int]
 
 
 class InputProcessor:
@@ -79,3 +85,25 @@ class InputProcessor:
             cache_salt=cache_salt,
         )
         return text, request
+
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams
+                        ) -> list[ChildRequest]:
+        """One request for n == 1; else n child requests under one ParentRequest.
+
+        Children get ids "{index}_{request_id}" and seeds seed + index, so they differ.
+        """
+        if not isinstance(params, SamplingParams) or params.n == 1:
+            text, request = self.process_inputs(request_id, prompt, params)
+            return [(text, request, None, 0)]
+        from engine.frontend.output_processor import ParentRequest
+
+        parent = ParentRequest(request_id=request_id, n=params.n)
+        children: list[ChildRequest] = []
+        for index in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index
+            text, request = self.process_inputs(f"{index}_{request_id}", prompt, child_params)
+            children.append((text, request, parent, index))
+        return children

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from engine.config import EngineArgs
-from engine.errors import InvalidPromptError, InvalidSamplingParamsError
-from engine.frontend.core_client import InprocClient
+from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError
+from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.input_processor import InputProcessor, PromptType
-from engine.frontend.output_processor import OutputProcessor, ParentRequest
-from engine.frontend.tokenizer import load_tokenizer, stop_token_ids_of
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.metrics.stats import BlockPoolState, SchedulerStats
 
 ChatMessages = list[dict[str, Any]]
 
@@ -22,12 +25,16 @@ class LLM:
     """Offline batched generation: `LLM(model=None, **engine_args).generate(prompts, params)`.
 
     model=None runs the embedded default (SmolLM2-135M-Instruct); any local HF-format
-    directory or .gguf file works too. engine_args are EngineArgs fields.
+    directory or .gguf file works too. engine_args are EngineArgs fields. The engine core runs
+    in its own process (SyncMPClient) unless multiprocess=False (InprocClient).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
-        self.config = self.engine_args.create_engine_config()
+        # The tokenizer code imports while the engine core process starts.
+        self.engine_core: EngineCoreClient
+        self.engine_core, self.config = EngineCoreClient.make_client(
+            self.engine_args, while_starting=preload_tokenizer_modules)
         self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
         self.input_processor = InputProcessor(
@@ -35,11 +42,16 @@ class LLM:
             eos_token_id, extra_stop_ids,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = InprocClient(self.config)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The engine core's KV events PUB address (multiprocess with enable_kv_cache_events)."""
+        ready_info = getattr(self.engine_core, "ready_info", None)
+        return ready_info.kv_events_endpoint if ready_info is not None else None
 
     # -- generation -----------------------------------------------------------------------
     def generate(
@@ -103,7 +115,16 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def get_stats(self) -> SchedulerStats:
+        """The engine core's current gauges (running, waiting, KV usage, preemptions, ...)."""
+        return self.engine_core.get_stats()
+
+    def get_block_pool_state(self) -> BlockPoolState:
+        """Block counts and the per-block state map of the KV cache."""
+        return self.engine_core.get_block_pool_state()
+
     def shutdown(self) -> None:
+        """Stop the engine core (idempotent)."""
         self.engine_core.shutdown()
 
     # -- internals ------------------------------------------------------------------------
@@ -112,20 +133,7 @@ class LLM:
         # The offline API returns only finished outputs.
         params = params.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        if params.n == 1:
-            text, request = self.input_processor.process_inputs(request_id, prompt, params)
-            return request_id, [(text, request, None, 0)]
-        parent = ParentRequest(request_id=request_id, n=params.n)
-        children = []
-        for index in range(params.n):
-            child_params = params.clone()
-            child_params.n = 1
-            if params.seed is not None:
-                child_params.seed = params.seed + index
-            text, request = self.input_processor.process_inputs(
-                f"{index}_{request_id}", prompt, child_params)
-            children.append((text, request, parent, index))
-        return request_id, children
+        return request_id, self.input_processor.process_request(request_id, prompt, params)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -155,7 +163,10 @@ class LLM:
     def _abort_all(self) -> None:
         request_ids = list(self.output_processor.request_states)
         self.output_processor.abort_requests(request_ids)
-        self.engine_core.abort_requests(request_ids)
+        try:
+            self.engine_core.abort_requests(request_ids)
+        except EngineDeadError:
+            pass  # nothing left to abort
 
 
 PromptsArg = Union[PromptType, Sequence[PromptType]]

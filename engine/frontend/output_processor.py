@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from engine.errors import DuplicateRequestError, fresh_error
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.logprobs import LogprobsProcessor
+from engine.metrics.stats import IterationStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine.protocol import (
+    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+)
 from engine.sampling_params import RequestOutputKind
+
+
+class OutputQueue(Protocol):
+    """Where AsyncLLM wants a request's outputs (RequestOutputCollector)."""
+
+    def put(self, output: RequestOutput | BaseException) -> None: ...
 
 
 @dataclass
@@ -20,6 +30,7 @@ class ParentRequest:
     request_id: str
     n: int
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    child_request_ids: list[str] = field(default_factory=list)
 
     def is_finished(self) -> bool:
         return len(self.completions) == self.n and all(c.finished() for c in self.completions.values())
@@ -27,7 +38,7 @@ class ParentRequest:
 
 @dataclass
 class RequestState:
-    """The frontend's per-request state: detokenizer, logprobs and timing."""
+    """The frontend's per-request state: detokenizer, logprobs, timing and output queue."""
 
     request_id: str
     prompt: str | None
@@ -38,23 +49,37 @@ class RequestState:
     metrics: RequestMetrics
     parent: ParentRequest | None = None
     child_index: int = 0
+    queue: OutputQueue | None = None
     token_ids: list[int] = field(default_factory=list)
     num_sent_tokens: int = 0
     num_cached_tokens: int = 0
 
 
 class OutputProcessor:
-    """Detokenizes, applies stop strings and builds RequestOutputs; tells the caller what to abort."""
+    """Detokenizes, applies stop strings and builds RequestOutputs; tells the caller what to abort.
+
+    Outputs of a request with a queue (AsyncLLM) go to that queue; the others are returned.
+    Invariant: every child in request_states belongs to the parent in parent_requests under
+    its parent's id, and a parent is dropped when its last child finishes or is aborted.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
-                    parent: ParentRequest | None = None, child_index: int = 0) -> None:
+                    parent: ParentRequest | None = None, child_index: int = 0,
+                    queue: OutputQueue | None = None) -> None:
+        request_id = request.request_id
+        if request_id in self.request_states or request_id in self.parent_requests:
+            raise DuplicateRequestError(f"Request id {request_id!r} is already running; use a new id.")
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
+            parent.child_request_ids.append(request_id)
         params = request.sampling_params
-        self.request_states[request.request_id] = RequestState(
-            request_id=request.request_id,
+        self.request_states[request_id] = RequestState(
+            request_id=request_id,
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             output_kind=params.output_kind,
@@ -64,18 +89,48 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             parent=parent,
             child_index=child_index,
+            queue=queue,
         )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.request_states.pop(request_id, None)
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
 
-    def process_outputs(self, engine_core_outputs: EngineCoreOutputs
+    def abort_requests(self, request_ids: list[str], emit_outputs: bool = False) -> list[str]:
+        """Forget requests (user or parent ids); returns the engine-core ids to abort.
+
+        emit_outputs: give each queued request a final output with finish_reason "abort".
+        """
+        core_ids: list[str] = []
+        for request_id in request_ids:
+            parent = self.parent_requests.pop(request_id, None)
+            child_ids = parent.child_request_ids if parent is not None else [request_id]
+            for child_id in child_ids:
+                state = self.request_states.pop(child_id, None)
+                if state is None:
+                    continue
+                core_ids.append(child_id)
+                if emit_outputs and state.queue is not None:
+                    state.metrics.finished_time = time.time()
+                    output = self._make_request_output(state, str(FinishReason.ABORT), None)
+                    if output is not None:
+                        state.queue.put(output)
+        return core_ids
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Fail every queued request (the engine core died)."""
+        for state in self.request_states.values():
+            if state.queue is not None:
+                state.queue.put(fresh_error(error))
+        self.request_states.clear()
+        self.parent_requests.clear()
+
+    def process_outputs(self, engine_core_outputs: EngineCoreOutputs,
+                        iteration_stats: IterationStats | None = None
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Return (RequestOutputs ready for the user, request ids to abort in the core)."""
+        """Return (RequestOutputs of queue-less requests, request ids to abort in the core)."""
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         now = time.time()
@@ -83,25 +138,61 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted by the user meanwhile
-            finish_reason, stop_reason = self._update_state(state, output, now)
+            self._update_stats(state, output, now, iteration_stats)
+            finish_reason, stop_reason = self._update_state(state, output)
             if finish_reason is not None and output.finish_reason is None:
                 reqs_to_abort.append(output.request_id)  # a stop string ended it in the frontend
-            request_output = self._make_request_output(state, finish_reason, stop_reason)
             if finish_reason is not None:
                 state.metrics.finished_time = now
                 del self.request_states[output.request_id]
+                if iteration_stats is not None:
+                    iteration_stats.num_finished_requests += 1
+                    iteration_stats.e2e_latencies.append(now - state.metrics.arrival_time)
+            request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
-                request_outputs.append(request_output)
+                if state.queue is not None:
+                    state.queue.put(request_output)
+                else:
+                    request_outputs.append(request_output)
+            parent = state.parent
+            if parent is not None and parent.is_finished():
+                self.parent_requests.pop(parent.request_id, None)
         return request_outputs, reqs_to_abort
 
-    def _update_state(self, state: RequestState, output: EngineCoreOutput, now: float
-                      ) -> tuple[str | None, int | str | None]:
+    @staticmethod
+    def _update_stats(state: RequestState, output: EngineCoreOutput, now: float,
+                      iteration_stats: IterationStats | None) -> None:
         metrics = state.metrics
+        for event in output.events or ():
+            if event.type == EngineCoreEventType.QUEUED:
+                metrics.queued_time = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED:
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = event.timestamp
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                metrics.num_preemptions += 1
+        num_new_tokens = len(output.new_token_ids)
+        if not num_new_tokens:
+            return
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             state.num_cached_tokens = output.num_cached_tokens
+            if iteration_stats is not None:
+                iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
+                iteration_stats.time_to_first_tokens.append(now - metrics.arrival_time)
+        else:
+            latency = now - (metrics.last_token_time or now)
+            metrics.inter_token_latencies.append(latency)
+            if iteration_stats is not None:
+                iteration_stats.inter_token_latencies.append(latency)
         metrics.last_token_time = now
-        metrics.num_generation_tokens += len(output.new_token_ids)
+        metrics.num_generation_tokens += num_new_tokens
+        if iteration_stats is not None:
+            iteration_stats.num_generation_tokens += num_new_tokens
+
+    @staticmethod
+    def _update_state(state: RequestState, output: EngineCoreOutput
+                      ) -> tuple[str | None, int | str | None]:
         state.token_ids.extend(output.new_token_ids)
         finish_reason = str(output.finish_reason) if output.finish_reason is not None else None
         stop_reason = output.stop_reason
@@ -147,10 +238,11 @@ class OutputProcessor:
         parent.completions[state.child_index] = completion
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not parent.is_finished():
             return None
+        # DELTA: only this child's news; otherwise every child's latest state.
+        outputs = [completion] if delta else [parent.completions[i] for i in sorted(parent.completions)]
         return RequestOutput(
             request_id=parent.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[parent.completions[i] for i in sorted(parent.completions)],
+            prompt_token_ids=state.prompt_token_ids, outputs=outputs,
             finished=parent.is_finished(), num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
         )

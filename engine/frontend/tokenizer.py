@@ -7,11 +7,33 @@ from pathlib import Path
 from typing import Any
 
 
+# tokenizer_config.json classes that are plain tokenizer.json wrappers: loaded without
+# AutoTokenizer, whose import pulls in torch (the frontend process must stay torch-free).
+_GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
 def load_tokenizer(tokenizer_dir: Path) -> Any:
     """The fast tokenizer of a model directory."""
+    tokenizer_dir = Path(tokenizer_dir)
+    if _tokenizer_class(tokenizer_dir) in _GENERIC_TOKENIZER_CLASSES and (tokenizer_dir / "tokenizer.json").exists():
+        from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def preload_tokenizer_modules() -> None:
+    """Import the tokenizer code ahead of use (while the engine core process starts)."""
+    import transformers.tokenization_utils_tokenizers  # noqa: F401
+
+
+def _tokenizer_class(tokenizer_dir: Path) -> str | None:
+    try:
+        return json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def stop_token_ids_of(model_dir: Path, tokenizer: Any) -> tuple[int | None, set[int]]:

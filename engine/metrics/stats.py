@@ -1,6 +1,13 @@
-"""SchedulerStats: the per-step snapshot the engine core attaches to EngineCoreOutputs."""
+"""Stats the engine reports (the observability contract in DESIGN.md).
+
+SchedulerStats and BlockPoolState come from the engine core (msgspec: they cross the process
+boundary); IterationStats is counted by the frontend's OutputProcessor, one per batch of outputs.
+"""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -14,7 +21,11 @@ class PrefixCacheStatsSnapshot(msgspec.Struct, array_like=True, gc=False):
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
-    """Scheduler and KV cache state after one step (the console's main feed)."""
+    """Scheduler and KV cache state after one step (the console's main feed).
+
+    block_states / block_ref_counts (one byte a block, see BlockPool.get_block_states) are set
+    at most about 4 times a second; None otherwise.
+    """
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -23,7 +34,49 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     token_budget: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
-    num_total_blocks: int = 0
+    num_total_blocks: int = 0  # usable blocks (the null block excluded)
     prefix_cache: PrefixCacheStatsSnapshot = msgspec.field(default_factory=PrefixCacheStatsSnapshot)
     step_time_s: float = 0.0
     num_steps: int = 0
+    num_prompt_tokens: int = 0  # scheduled tokens of this step that were prompt (prefill) tokens
+    num_generation_tokens: int = 0  # tokens sampled in this step
+    num_preemptions_total: int = 0
+    timestamp: float = 0.0  # time.time() when the snapshot was taken
+    block_states: bytes | None = None
+    block_ref_counts: bytes | None = None
+
+
+class BlockPoolState(msgspec.Struct, array_like=True, gc=False):
+    """A cheap view of the BlockPool for the console and for leak checks (utility call)."""
+
+    num_blocks: int  # blocks in the pool, the null block 0 included
+    num_free_blocks: int  # free, cached-and-evictable ones included
+    num_cached_blocks: int  # blocks in the prefix cache, in use or not
+    num_running_reqs: int
+    num_waiting_reqs: int
+    block_states: bytes
+    block_ref_counts: bytes
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Usable blocks: all but the null block."""
+        return self.num_blocks - 1
+
+    @property
+    def all_free(self) -> bool:
+        """No request holds a block and none is queued (the no-leak condition)."""
+        return (self.num_free_blocks == self.num_total_blocks
+                and self.num_running_reqs == 0 and self.num_waiting_reqs == 0)
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What the frontend saw in one batch of EngineCoreOutputs (feeds the stat loggers)."""
+
+    iteration_timestamp: float = field(default_factory=time.time)
+    num_prompt_tokens: int = 0  # prompts whose first token arrived in this batch
+    num_generation_tokens: int = 0
+    num_finished_requests: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    e2e_latencies: list[float] = field(default_factory=list)

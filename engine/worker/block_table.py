@@ -5,19 +5,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.worker.cpu_gpu_buffer import CpuGpuBuffer
+
 
 class BlockTable:
     """Rows of physical block ids for the requests of the persistent batch.
 
-    slot = block_number * block_size + position % block_size; the CPU copy is edited in place
-    and copied to the device once per step.
+    slot = block_number * block_size + position % block_size; the host copy is edited in place
+    and committed to the device once per step (commit_block_table), before the step's other
+    CPU work so the DMA overlaps it. On CPU the device tensor is the host tensor.
     """
 
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int,
                  device: torch.device) -> None:
         self.block_size = block_size
         self.max_num_blocks_per_req = max_num_blocks_per_req
-        self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.buffer = CpuGpuBuffer(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32,
+                                   device=device)
+        self.block_table_np = self.buffer.np  # [max_num_reqs, max_num_blocks_per_req] int32
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
         self.device = device
 
@@ -43,7 +48,11 @@ class BlockTable:
         block_numbers = self.block_table_np[req_indices, positions // self.block_size]
         return block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
 
+    def commit_block_table(self, num_reqs: int) -> None:
+        """Issue the (asynchronous) host-to-device copy of rows [0, num_reqs)."""
+        self.buffer.copy_to_gpu(num_reqs)
+
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
+        """[num_reqs, widest row's blocks] int32 view of the committed device table."""
         max_blocks = int(self.num_blocks_per_row[:num_reqs].max()) if num_reqs else 0
-        table = torch.from_numpy(self.block_table_np[:num_reqs, :max(max_blocks, 1)])
-        return table.to(self.device, non_blocking=True)
+        return self.buffer.gpu[:num_reqs, :max(max_blocks, 1)]

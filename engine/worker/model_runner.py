@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.layer import bind_kv_caches, get_kv_cache_shape
+from engine.attention.layer import bind_kv_caches, get_kv_cache_shape, set_attention_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
 from engine.core.sched.output import SchedulerOutput
 from engine.forward_context import set_forward_context
@@ -16,6 +17,8 @@ from engine.models.loader import load_model
 from engine.protocol import LogprobsLists
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
+from engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
+from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -30,7 +33,12 @@ class ExecuteModelState:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors, the persistent InputBatch and the Sampler."""
+    """Owns the model, the KV cache tensors, the persistent InputBatch and the Sampler.
+
+    Inputs are staged in persistent CpuGpuBuffers (pinned and copied asynchronously on CUDA;
+    the device tensor is the host tensor on CPU). On CUDA with the Triton backend, pure-decode
+    steps replay CUDA graphs unless config.enforce_eager.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -46,6 +54,23 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size,
                                       self.device)
+        max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        max_num_seqs = config.max_num_seqs
+
+        def buffer(*size: int, dtype: torch.dtype) -> CpuGpuBuffer:
+            return CpuGpuBuffer(*size, dtype=dtype, device=self.device)
+
+        self.buffers = InputBuffers(
+            input_ids=buffer(max_num_tokens, dtype=torch.int64),
+            positions=buffer(max_num_tokens, dtype=torch.int64),
+            slot_mapping=buffer(max_num_tokens, dtype=torch.int64),
+            query_start_loc=buffer(max_num_seqs + 1, dtype=torch.int32),
+            seq_lens=buffer(max_num_seqs, dtype=torch.int32),
+            block_table=self.input_batch.block_table.buffer,
+            logits_indices=buffer(max_num_seqs, dtype=torch.int64),
+        )
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -55,6 +80,22 @@ class ModelRunner:
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.config.model_dir, self.config.hf_config, self.dtype, self.device)
+        if self.attention_backend != "torch":  # the layers default to the torch backend
+            set_attention_backend(self.model,
+                                  load_attention_backend(self.attention_backend, self.device))
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A cache-less forward of a full token budget, then logits and a sort (top-p) of
+        max_num_seqs rows: the activation peak the KV cache must leave room for."""
+        assert self.model is not None
+        num_tokens = self.buffers.input_ids.cpu.shape[0]
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        with set_forward_context(None):
+            hidden_states = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden_states[: self.config.max_num_seqs])
+        torch.sort(logits, dim=-1, descending=True)
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one block takes across all layers (K and V)."""
@@ -67,6 +108,11 @@ class ModelRunner:
                           for _ in range(self.num_layers)]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
+        if (self.device.type == "cuda" and self.attention_backend == "triton"
+                and not self.config.enforce_eager):
+            self.cuda_graphs = CudaGraphRunner(self.model, self.buffers, self.config.max_num_seqs,
+                                               self.block_size, self.max_model_len)
+            self.cuda_graphs.capture()
 
     # -- step, phase 1 --------------------------------------------------------------------
     @torch.inference_mode()
@@ -78,38 +124,52 @@ class ModelRunner:
             return
         batch = self.input_batch
         num_reqs = batch.num_reqs
+        # Issue the block-table DMA first: it overlaps the CPU work below (seed 1828-1985).
+        batch.block_table.commit_block_table(num_reqs)
         req_ids = [r for r in batch.req_ids[:num_reqs]]
         num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
                                  dtype=np.int64)
         cu_num_tokens = np.cumsum(num_scheduled)
         total = int(cu_num_tokens[-1])
+        max_query_len = int(num_scheduled.max())
         req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
         offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         positions = num_computed[req_indices] + offsets
-        input_ids = batch.token_ids_cpu[req_indices, positions]
-        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
         seq_lens = num_computed + num_scheduled
-        query_start_loc = np.concatenate([[0], cu_num_tokens])
 
-        device = self.device
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            num_reqs=num_reqs,
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_table=batch.block_table.get_device_tensor(num_reqs),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            block_size=self.block_size,
-        )
-        with set_forward_context(attn_metadata):
-            hidden_states = self.model(torch.from_numpy(input_ids).to(device),
-                                       torch.from_numpy(positions).to(device))
-        logits_indices = torch.from_numpy(cu_num_tokens - 1).to(device)
+        bufs = self.buffers
+        bufs.positions.np[:total] = positions
+        bufs.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
+        bufs.slot_mapping.np[:total] = batch.block_table.compute_slot_mapping(req_indices,
+                                                                             positions)
+        bufs.query_start_loc.np[0] = 0
+        bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        bufs.seq_lens.np[:num_reqs] = seq_lens
+        graph_size = None
+        if self.cuda_graphs is not None and max_query_len == 1:
+            graph_size = self.cuda_graphs.padded_size(num_reqs)
+        if graph_size is not None:
+            hidden_states = self.cuda_graphs.replay(num_reqs, graph_size)
+        else:
+            attn_metadata = AttentionMetadata(
+                num_actual_tokens=total,
+                num_reqs=num_reqs,
+                query_start_loc=bufs.query_start_loc.copy_to_gpu(num_reqs + 1),
+                seq_lens=bufs.seq_lens.copy_to_gpu(num_reqs),
+                block_table=batch.block_table.get_device_tensor(num_reqs),
+                slot_mapping=bufs.slot_mapping.copy_to_gpu(total),
+                max_query_len=max_query_len,
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=[0, *cu_num_tokens.tolist()],
+                seq_lens_cpu=seq_lens.tolist(),
+                block_size=self.block_size,
+            )
+            with set_forward_context(attn_metadata):
+                hidden_states = self.model(bufs.input_ids.copy_to_gpu(total),
+                                           bufs.positions.copy_to_gpu(total))
+        bufs.logits_indices.np[:num_reqs] = cu_num_tokens - 1
+        logits_indices = bufs.logits_indices.copy_to_gpu(num_reqs)
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = (seq_lens >= batch.num_tokens[:num_reqs]).tolist()
         self._state = ExecuteModelState(req_ids=req_ids, logits=logits, sample_rows=sample_rows)

@@ -12,6 +12,8 @@ from engine.worker.model_runner import ModelRunner
 from engine.worker.model_runner_output import ModelRunnerOutput
 
 _DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Decode graphs' own activations and allocator slack, kept out of the KV budget on CUDA.
+_CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 
 
 class Worker:
@@ -36,16 +38,26 @@ class Worker:
         assert self.model_runner is not None
         block_bytes = self.model_runner.get_kv_cache_block_bytes()
         if self.config.device.type == "cuda":
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
-            # Leave room for activations: the peak of a max-size batch is not profiled yet,
-            # so reserve a fixed slice of the budget for it.
-            budget = int(total * self.config.gpu_memory_utilization) - used
-            budget -= 256 << 20
-            return max(budget // block_bytes, 0)
+            return max(self._profile_cuda_kv_budget() // block_bytes, 0)
         budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_CACHE_BYTES
         return budget // block_bytes
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Bytes left for the KV cache: total * gpu_memory_utilization, minus what the device
+        holds now (weights, CUDA context, other processes), minus the activation peak of a
+        max_num_batched_tokens dummy forward, minus a reserve for CUDA graphs."""
+        assert self.model_runner is not None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self.model_runner.profile_run()
+        torch.cuda.synchronize()
+        activation_peak = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+        return budget - activation_peak - _CUDA_GRAPH_RESERVE_BYTES
 
     def get_kv_cache_block_bytes(self) -> int:
         assert self.model_runner is not None

@@ -83,4 +83,4 @@ def test_preemption_does_not_change_outputs(make_llm, tiny_llama_dir, shared_pre
     llm = make_llm(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=40,
                    max_model_len=512)
     assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
-    assert llm.engine_core.engine_core.scheduler.num_preemptions_total > 0
+    assert llm.get_stats().num_preemptions_total > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -9,7 +10,7 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
-from engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -40,12 +41,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        log_stats: bool = True,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_running_reqs = max_num_seqs
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.log_stats = log_stats  # record request events (queue time) and step counts
         self.requests: dict[str, Request] = {}
         self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []
@@ -54,11 +57,15 @@ class Scheduler:
         self._num_preempted_last_step = 0
         self.num_preemptions_total = 0
         self._last_num_scheduled_tokens = 0
+        self._last_num_prompt_tokens = 0
+        self._last_num_generation_tokens = 0
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish (typically abort) requests wherever they are; unknown ids are ignored."""
@@ -149,6 +156,8 @@ class Scheduler:
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
+                if self.log_stats:
+                    request.record_event(EngineCoreEventType.SCHEDULED)
                 new_reqs.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
@@ -170,8 +179,12 @@ class Scheduler:
         )
         # The worker advances by what was scheduled; so does the scheduler, before the step
         # runs (seed: _update_after_schedule), so the next schedule() sees the new progress.
+        num_prompt_tokens = 0
         for request_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            num_prompt_tokens += max(0, min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens))
+            request.num_computed_tokens += num_tokens
+        self._last_num_prompt_tokens = num_prompt_tokens
         self.finished_req_ids = set()
         self._num_preempted_last_step = len(preempted)
         self._last_num_scheduled_tokens = total
@@ -183,6 +196,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
 
     # -- update ---------------------------------------------------------------------------
@@ -194,6 +209,7 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         stopped: set[Request] = set()
+        num_generation_tokens = 0
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
@@ -209,6 +225,7 @@ class Scheduler:
                     break
             if not new_token_ids:
                 continue
+            num_generation_tokens += len(new_token_ids)
             new_logprobs = logprobs.get(request_id) if logprobs else None
             if new_logprobs is not None and len(new_logprobs.sampled_token_ranks) > len(new_token_ids):
                 new_logprobs = _slice_logprobs(new_logprobs, len(new_token_ids))
@@ -221,12 +238,14 @@ class Scheduler:
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    events=request.take_events(),
                 )
             )
         if stopped:
             self.running = [r for r in self.running if r not in stopped]
             for request in stopped:
                 self._free_request(request)
+        self._last_num_generation_tokens = num_generation_tokens
         return {
             client: EngineCoreOutputs(outputs=client_outputs)
             for client, client_outputs in outputs.items()
@@ -258,10 +277,10 @@ class Scheduler:
         del self.requests[request.request_id]
 
     # -- stats ----------------------------------------------------------------------------
-    def make_stats(self) -> SchedulerStats:
-        """Snapshot for the console; drains the prefix-cache counters."""
+    def make_stats(self, drain: bool = True) -> SchedulerStats:
+        """Snapshot for the console; drains the prefix-cache counters unless drain=False."""
         kv = self.kv_cache_manager
-        prefix = kv.make_prefix_cache_stats()
+        prefix = kv.make_prefix_cache_stats() if drain else kv.prefix_cache_stats
         pool = kv.block_pool
         return SchedulerStats(
             num_running_reqs=len(self.running),
@@ -275,6 +294,10 @@ class Scheduler:
             prefix_cache=PrefixCacheStatsSnapshot(
                 requests=prefix.requests, queries=prefix.queries, hits=prefix.hits
             ) if prefix is not None else PrefixCacheStatsSnapshot(),
+            num_prompt_tokens=self._last_num_prompt_tokens,
+            num_generation_tokens=self._last_num_generation_tokens,
+            num_preemptions_total=self.num_preemptions_total,
+            timestamp=time.time(),
         )
 
 

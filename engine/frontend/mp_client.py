@@ -1,0 +1,272 @@
+"""SyncMPClient and AsyncMPClient: the engine core in its own process (seed: lines 1257-1332).
+
+The frontend binds a ROUTER (requests, aborts, utility calls; the core's handshake) and a PULL
+(outputs). A background thread polls the PULL socket and the process sentinel, decodes each
+EngineCoreOutputs, resolves utility calls and queues the rest; when the core dies every pending
+and later call raises EngineDeadError at once. The thread holds no reference to the client,
+so an unreferenced client is shut down by its finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineArgs
+from engine.errors import EngineDeadError, EngineError, fresh_error
+from engine.frontend.core_client import EngineCoreClient
+from engine.frontend.engine_process import EngineProcess
+from engine.ipc import MsgpackDecoder, MsgpackEncoder
+from engine.metrics.stats import BlockPoolState, SchedulerStats
+from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
+
+logger = logging.getLogger(__name__)
+
+_UTILITY_RESULT_TYPES: dict[str, Any] = {
+    "get_stats": SchedulerStats, "get_block_pool_state": BlockPoolState,
+    "get_prefix_cache_hashes": list[bytes], "reset_prefix_cache": bool,
+    "sleep": bool, "wake_up": bool, "is_sleeping": bool,
+}
+
+
+class OutputSink:
+    """Where the reader thread puts outputs; owns the pending utility calls and the dead state."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending_calls: dict[int, tuple[concurrent.futures.Future, Any]] = {}
+        self.dead_error: EngineDeadError | None = None
+        self.errored = False  # died unexpectedly (not shut down)
+
+    def deliver(self, item: EngineCoreOutputs | BaseException) -> None:
+        raise NotImplementedError
+
+    def on_message(self, outputs: EngineCoreOutputs) -> None:
+        """Route one decoded message (reader thread)."""
+        if outputs.engine_dead_reason is not None:
+            self.on_dead(EngineDeadError(f"The engine core failed: {outputs.engine_dead_reason}"))
+            return
+        utility = outputs.utility_output
+        if utility is not None:
+            with self.lock:
+                future, result_type = self.pending_calls.pop(utility.call_id, (None, None))
+            if future is not None:
+                if utility.failure_message is not None:
+                    future.set_exception(EngineError(f"utility call failed: {utility.failure_message}"))
+                else:
+                    future.set_result(msgspec.msgpack.decode(utility.result, type=result_type))
+            if not (outputs.outputs or outputs.scheduler_stats or outputs.kv_events):
+                return
+        self.deliver(outputs)
+
+    def on_dead(self, error: EngineDeadError, unexpected: bool = True) -> None:
+        """Fail every pending call and wake every waiter (idempotent)."""
+        with self.lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
+            self.errored = unexpected
+            calls, self.pending_calls = self.pending_calls, {}
+        for future, _ in calls.values():
+            future.set_exception(fresh_error(error))
+        self.deliver(error)
+
+
+class MPClient(EngineCoreClient):
+    """Starts the core process, sends inputs, and reads outputs on a background thread."""
+
+    def __init__(self, engine_args: EngineArgs, sink: OutputSink, client_index: int = 0,
+                 while_starting: Callable[[], None] | None = None) -> None:
+        self.sink = sink
+        self.client_index = client_index
+        self.encoder = MsgpackEncoder()
+        self._call_ids = itertools.count()
+        self.resources = EngineProcess(engine_args)
+        # From here on the finalizer owns the process; it runs at shutdown(), GC or exit.
+        self._finalizer = weakref.finalize(self, self.resources.close, sink)
+        try:
+            self.ready_info = self.resources.start(while_starting)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.proc = self.resources.proc
+        self._reader = threading.Thread(target=_read_outputs, args=(self.resources, sink),
+                                        name="EngineCoreOutputReader", daemon=True)
+        self.resources.reader_thread = self._reader
+        self._reader.start()
+
+    # -- inputs -----------------------------------------------------------------------------
+    def _send(self, request_type: EngineCoreRequestType, obj: Any) -> None:
+        if self.sink.dead_error is not None:
+            raise fresh_error(self.sink.dead_error)
+        self.resources.send(request_type, obj, self.encoder)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def call_utility_future(self, method: str, *args: Any) -> concurrent.futures.Future:
+        """Send a utility call; the future resolves when the core answers (or dies)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        with self.sink.lock:
+            if self.sink.dead_error is not None:
+                raise fresh_error(self.sink.dead_error)
+            self.sink.pending_calls[call_id] = (future, _UTILITY_RESULT_TYPES.get(method, Any))
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, self.client_index, method, list(args)))
+        except BaseException:
+            with self.sink.lock:
+                self.sink.pending_calls.pop(call_id, None)
+            raise
+        return future
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.call_utility_future(method, *args).result()
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        """True once the core died unexpectedly."""
+        return self.sink.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.sink.dead_error
+
+    def shutdown(self) -> None:
+        """Stop the core process and release sockets (idempotent, any thread)."""
+        self._finalizer()
+
+
+class _SyncSink(OutputSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue: queue.Queue = queue.Queue()
+
+    def deliver(self, item: EngineCoreOutputs | BaseException) -> None:
+        self.queue.put_nowait(item)
+
+
+class SyncMPClient(MPClient):
+    """The multiprocess client of the synchronous LLM: get_output() blocks on a queue."""
+
+    def __init__(self, engine_args: EngineArgs, client_index: int = 0,
+                 while_starting: Callable[[], None] | None = None) -> None:
+        super().__init__(engine_args, _SyncSink(), client_index, while_starting)
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self.sink.queue.get()
+        if isinstance(item, BaseException):
+            self.sink.queue.put_nowait(item)  # every later call fails fast too
+            raise fresh_error(item)
+        return item
+
+
+class _AsyncSink(OutputSink):
+    """A thread-safe deque plus an asyncio.Event on the consumer's loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: collections.deque = collections.deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready: asyncio.Event | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.loop is not loop:
+            self.loop, self.ready = loop, asyncio.Event()
+            self.ready.set()  # items may have arrived while no loop was bound
+
+    def deliver(self, item: EngineCoreOutputs | BaseException) -> None:
+        self.items.append(item)
+        loop, ready = self.loop, self.ready
+        if loop is not None and ready is not None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:
+                pass  # the loop is closed; the next bind() picks the item up
+
+
+class AsyncMPClient(MPClient):
+    """The multiprocess client of AsyncLLM: awaitable outputs and utility calls."""
+
+    def __init__(self, engine_args: EngineArgs, client_index: int = 0,
+                 while_starting: Callable[[], None] | None = None) -> None:
+        super().__init__(engine_args, _AsyncSink(), client_index, while_starting)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        sink = self.sink
+        sink.bind(asyncio.get_running_loop())
+        while True:
+            if sink.items:
+                item = sink.items[0]
+                if isinstance(item, BaseException):
+                    raise fresh_error(item)  # left in place: every later call fails fast too
+                return sink.items.popleft()
+            sink.ready.clear()
+            if not sink.items:
+                await sink.ready.wait()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.call_utility_future(method, *args))
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError("AsyncMPClient: use get_output_async()")
+
+
+def _read_outputs(resources: EngineProcess, sink: OutputSink) -> None:
+    """Reader thread: decode outputs until the core exits or the client shuts down."""
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    socket = resources.output_socket
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    poller.register(resources.proc.sentinel, zmq.POLLIN)
+    poller.register(resources.wake_r, zmq.POLLIN)
+
+    def drain() -> None:
+        while True:
+            try:
+                frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                sink.on_message(decoder.decode(frames))
+            except Exception:  # noqa: BLE001 - a bad message must not kill the reader
+                logger.exception("Dropped an undecodable message from the engine core")
+
+    try:
+        while True:
+            events = dict(poller.poll())
+            if socket in events:
+                drain()
+            if resources.wake_r in events:
+                return
+            if resources.proc.sentinel in events:
+                if socket.poll(50):  # outputs sent just before the exit
+                    drain()
+                if not resources.closing:
+                    code = resources.proc.exitcode
+                    sink.on_dead(EngineDeadError(
+                        f"The engine core process (pid {resources.proc.pid}) died with exit code {code}."))
+                return
+    finally:
+        if resources.closing:
+            sink.on_dead(EngineDeadError("The engine was shut down."), unexpected=False)
+
+
+__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient"]

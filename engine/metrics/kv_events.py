@@ -1,0 +1,110 @@
+"""KV cache events on a ZMQ PUB socket, in vLLM's wire shape (seed: KV Transfer, lines 3450-3549).
+
+A message is three frames: (topic, seq as 8-byte big-endian, msgpack KVEventBatch). seq counts
+batches from 0 without gaps, so a subscriber sees a missed batch as a jump. The engine core
+drains the KV cache manager's events each step (take_events()) and publishes one batch a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOPIC = b"kv-events"
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventBatch",
+           "KVEventPublisher", "KVEventSubscriber", "decode_kv_event_message"]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The events of one engine step: EventBatch{ts, events} with typed events."""
+
+    ts: float
+    events: list[KVCacheEvent]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_kv_event_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack payload frame of one batch."""
+    return _encoder.encode(batch)
+
+
+def decode_kv_event_message(frames: list[Any]) -> tuple[bytes, int, KVEventBatch]:
+    """(topic, seq, batch) of one published message; ValueError if it is not one."""
+    if len(frames) != 3:
+        raise ValueError(f"a KV event message has 3 frames (topic, seq, payload), got {len(frames)}")
+    topic, seq, payload = (bytes(frame) for frame in frames)
+    if len(seq) != 8:
+        raise ValueError(f"the seq frame must be 8 bytes, got {len(seq)}")
+    return topic, int.from_bytes(seq, "big"), _decoder.decode(payload)
+
+
+class KVEventPublisher:
+    """Binds a PUB socket and publishes one KVEventBatch per call, numbering them from 0."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, topic: bytes = DEFAULT_TOPIC) -> None:
+        self.topic = topic
+        self.socket = context.socket(zmq.PUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 100_000)  # a slow subscriber loses batches, not the engine
+        self.socket.bind(endpoint)
+        # With a wildcard port (tcp://127.0.0.1:*) the actual endpoint is known only now.
+        self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.next_seq = 0
+
+    def publish(self, events: list[KVCacheEvent], ts: float | None = None) -> KVEventBatch | None:
+        """Publish the events as one batch (nothing when empty); returns the batch."""
+        if not events:
+            return None
+        batch = KVEventBatch(ts=time.time() if ts is None else ts, events=events)
+        self.publish_batch(batch)
+        return batch
+
+    def publish_batch(self, batch: KVEventBatch) -> None:
+        """Send a prepared batch with the next sequence number."""
+        seq = self.next_seq.to_bytes(8, "big")
+        try:
+            self.socket.send_multipart([self.topic, seq, encode_kv_event_batch(batch)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("KV event batch %d dropped: the PUB queue is full", self.next_seq)
+        self.next_seq += 1
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class KVEventSubscriber:
+    """A blocking SUB client of a KVEventPublisher (tests, `lmc events`)."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"", context: zmq.Context | None = None) -> None:
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self.socket = self.context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic)
+        self.socket.connect(endpoint)
+
+    def receive(self, timeout_s: float | None = None) -> tuple[int, KVEventBatch] | None:
+        """The next (seq, batch), or None when timeout_s passes first."""
+        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        if not self.socket.poll(timeout_ms):
+            return None
+        _, seq, batch = decode_kv_event_message(self.socket.recv_multipart())
+        return seq, batch
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self._own_context:
+            self.context.term()

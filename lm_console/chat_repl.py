@@ -1,0 +1,52 @@
+"""The line-based chat for scripts and pipes (`lmc chat --plain`): stdin lines in, replies out."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from lm_console.chat_session import ChatSession
+from lm_console.client.protocol import ConsoleClient
+from lm_console.client.types import EngineUnavailable
+
+
+async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO = sys.stdin,
+                   stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr, show_stats: bool = False) -> int:
+    """One user turn per input line; each reply streams to stdout and ends with a newline.
+
+    /commands print their notice to stderr. Returns the exit code (1 if the engine failed).
+    """
+    interactive = stdin.isatty()
+    try:
+        await client.start()
+    except EngineUnavailable as error:
+        stderr.write(f"error: the engine failed to start: {error}\n{error.hint}\n")
+        return 1
+    try:
+        while True:
+            if interactive:
+                stderr.write("> ")
+                stderr.flush()
+            line = stdin.readline()
+            if not line:
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            notice = session.command(text)
+            if notice is not None:
+                stderr.write(notice + "\n")
+                continue
+            try:
+                async for chunk in session.send(text):
+                    stdout.write(chunk.text)
+                    stdout.flush()
+            except EngineUnavailable as error:
+                stderr.write(f"\nerror: the engine stopped: {error}\n")
+                return 1
+            stdout.write("\n")
+            stdout.flush()
+            if show_stats and session.last_stats is not None:
+                stderr.write(f"[{session.last_stats.describe()}]\n")
+    finally:
+        await client.shutdown()

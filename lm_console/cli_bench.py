@@ -1,0 +1,133 @@
+"""`lmc bench throughput | serve | prefix`: thin Typer commands over lm_console.bench.runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Optional
+
+import typer
+
+from lm_console.engine_options import (
+    BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
+    NumThreadsOpt, PrefixCachingOpt, engine_args,
+)
+
+bench_app = typer.Typer(help="Benchmarks after `vllm bench`: throughput, serve, prefix.", no_args_is_help=True)
+
+NumPromptsOpt = Annotated[int, typer.Option(help="Number of requests.")]
+InputLenOpt = Annotated[int, typer.Option(help="random: mean prompt tokens.")]
+OutputLenOpt = Annotated[int, typer.Option(help="Mean output tokens (exact for prefix).")]
+RangeRatioOpt = Annotated[float, typer.Option(help="random: lengths uniform in mean * [1 - r, 1 + r].")]
+PrefixLenOpt = Annotated[int, typer.Option(help="prefix: shared prefix tokens.")]
+SuffixLenOpt = Annotated[int, typer.Option(help="prefix: distinct suffix tokens per prompt.")]
+NumPrefixesOpt = Annotated[int, typer.Option(help="prefix: number of distinct prefixes.")]
+SeedOpt = Annotated[int, typer.Option(help="Workload seed.")]
+SaveOpt = Annotated[Optional[str], typer.Option(help="Write the result as JSON (vLLM's keys).")]
+BaselineOpt = Annotated[str, typer.Option(help="none | hf: also run HF transformers on the same workload.")]
+HfBatchOpt = Annotated[str, typer.Option(help="HF baseline batch sizes to try.")]
+HfDtypesOpt = Annotated[str, typer.Option(help="HF baseline dtypes to try.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
+
+
+def _finish(run: Callable[[], int]) -> None:
+    """Run a benchmark; exit 1 when requests failed, 2 when the engine could not run it."""
+    from engine.errors import EngineError
+
+    try:
+        num_failed = run()
+    except (EngineError, ValueError) as error:
+        typer.echo(f"error: {type(error).__name__}: {error}", err=True)
+        raise typer.Exit(2) from error
+    if num_failed:
+        typer.echo(f"error: {num_failed} request(s) failed", err=True)
+        raise typer.Exit(1)
+
+
+def _baseline(kind: str, batch_sizes: str, dtypes: str):  # noqa: ANN202
+    from lm_console.bench.runner import Baseline
+
+    if kind not in ("none", "hf"):
+        raise typer.BadParameter(f"--baseline must be none or hf, got {kind!r}")
+    return Baseline(kind, tuple(int(b) for b in batch_sizes.split(",")), tuple(dtypes.split(",")))
+
+
+@bench_app.command()
+def throughput(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
+    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
+    num_threads: NumThreadsOpt = None,
+    dataset_name: Annotated[str, typer.Option(help="random | prefix (shared prefixes).")] = "random",
+    num_prompts: NumPromptsOpt = 64, random_input_len: InputLenOpt = 128, random_output_len: OutputLenOpt = 64,
+    random_range_ratio: RangeRatioOpt = 0.5, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
+    num_prefixes: NumPrefixesOpt = 4, seed: SeedOpt = 0, save_result: SaveOpt = None,
+    baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
+    hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
+) -> None:
+    """Offline throughput (engine.LLM) on a random or shared-prefix workload."""
+    from lm_console.bench.runner import Workload, bench_throughput
+
+    workload = Workload(dataset_name, num_prompts, random_input_len, random_output_len, random_range_ratio,
+                        prefix_len, suffix_len, num_prefixes, seed)
+    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                       enable_prefix_caching, num_threads)
+    hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
+    _finish(lambda: bench_throughput(model, args, workload, hf, save_result, progress))
+
+
+@bench_app.command()
+def serve(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
+    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
+    num_threads: NumThreadsOpt = None,
+    dataset_name: Annotated[str, typer.Option(help="random | prefix (shared prefixes).")] = "random",
+    num_prompts: NumPromptsOpt = 64, random_input_len: InputLenOpt = 128, random_output_len: OutputLenOpt = 64,
+    random_range_ratio: RangeRatioOpt = 0.5, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
+    num_prefixes: NumPrefixesOpt = 4, seed: SeedOpt = 0,
+    request_rate: Annotated[float, typer.Option(help="Requests per second (inf: all at once).")] = float("inf"),
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrival intervals; 1 is Poisson.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(help="Most requests in flight.")] = None,
+    percentile_metrics: Annotated[str, typer.Option(help="Any of ttft,tpot,itl,e2el.")] = "ttft,tpot,itl,e2el",
+    metric_percentiles: Annotated[str, typer.Option(help="Percentiles to report, e.g. 50,90,99.")] = "99",
+    save_result: SaveOpt = None, baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
+    hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
+) -> None:
+    """Online serving through AsyncLLM: TTFT, TPOT, ITL and E2EL under a request rate."""
+    from lm_console.bench.runner import Workload, bench_serve
+
+    if burstiness <= 0:
+        raise typer.BadParameter("--burstiness must be > 0")
+    metrics = [m.strip() for m in percentile_metrics.split(",") if m.strip()]
+    unknown = sorted(set(metrics) - {"ttft", "tpot", "itl", "e2el"})
+    if unknown:
+        raise typer.BadParameter(f"--percentile-metrics: unknown {unknown}; allowed: ttft,tpot,itl,e2el")
+    workload = Workload(dataset_name, num_prompts, random_input_len, random_output_len, random_range_ratio,
+                        prefix_len, suffix_len, num_prefixes, seed)
+    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                       enable_prefix_caching, num_threads)
+    hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
+    percentiles = [float(p) for p in metric_percentiles.split(",")]
+    _finish(lambda: bench_serve(model, args, workload, hf, save_result, request_rate, burstiness,
+                                max_concurrency, metrics, percentiles, progress))
+
+
+@bench_app.command()
+def prefix(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
+    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, num_threads: NumThreadsOpt = None,
+    num_prompts: NumPromptsOpt = 64, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
+    num_prefixes: NumPrefixesOpt = 4, output_len: OutputLenOpt = 32, seed: SeedOpt = 0,
+    save_result: SaveOpt = None, baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
+    hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
+) -> None:
+    """The same shared-prefix prompts with prefix caching on and off."""
+    from lm_console.bench.runner import Workload, bench_prefix
+
+    workload = Workload("prefix", num_prompts, random_output_len=output_len, prefix_len=prefix_len,
+                        suffix_len=suffix_len, num_prefixes=num_prefixes, seed=seed)
+    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                       True, num_threads)
+    hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
+    _finish(lambda: bench_prefix(model, args, workload, hf, save_result, progress))

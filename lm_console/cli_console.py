@@ -1,0 +1,145 @@
+"""`lmc tui`, `lmc chat` and `lmc events`: thin commands that build a client and run the console."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from lm_console.engine_options import (
+    BlockSizeOpt, DtypeOpt, FakeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
+    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, console_threads, engine_args, parse_range,
+)
+
+RateOpt = Annotated[float, typer.Option(help="Load: requests per second (Poisson arrivals).")]
+PromptLenOpt = Annotated[str, typer.Option(help="Load: prompt tokens, min-max.")]
+OutputLenOpt = Annotated[str, typer.Option(help="Load: output tokens, min-max.")]
+SharedOpt = Annotated[float, typer.Option(help="Load: share of requests that start with a shared prefix (0-1).")]
+PrefixLenOpt = Annotated[int, typer.Option(help="Load: tokens in each shared prefix.")]
+
+
+def make_client(fake: bool, model: str | None, args: dict):  # noqa: ANN201 - ConsoleClient
+    """The fake engine, or AsyncLLM over `model` (the engine is imported when it starts)."""
+    from lm_console.client import AsyncLLMConsoleClient, FakeConsoleClient
+
+    if fake:
+        return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
+                                 block_size=args.get("block_size", 16),
+                                 max_num_seqs=min(args.get("max_num_seqs", 16), 32))
+    return AsyncLLMConsoleClient(model, **args)
+
+
+def default_log_path():  # noqa: ANN201 - Path
+    from lm_console.tui.stderr_capture import default_log_path as path
+
+    return path()
+
+
+def run_app(app) -> None:  # noqa: ANN001 - ConsoleApp
+    """Run the app with the engine's stderr going to its log file instead of the screen."""
+    from lm_console.tui.stderr_capture import stderr_to_log
+
+    with stderr_to_log(app.log_path):
+        app.run()
+    if app.dead_error is not None:
+        typer.echo(f"error: {app.dead_error} (engine log: {app.log_path})", err=True)
+        raise typer.Exit(1)
+
+
+def make_shape(rate: float, prompt_len: str, output_len: str, shared_prefix: float, prefix_len: int):  # noqa: ANN201
+    from lm_console.load_generator import LoadShape
+
+    return LoadShape(rate=rate, prompt_len=parse_range(prompt_len, "--prompt-len"),
+                     output_len=parse_range(output_len, "--output-len"),
+                     shared_prefix_share=min(max(shared_prefix, 0.0), 1.0), prefix_len=max(prefix_len, 1))
+
+
+def tui(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
+    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
+    num_threads: NumThreadsOpt = None,
+    load: Annotated[bool, typer.Option("--load/--no-load", help="Start the built-in load generator at once.")] = False,
+    rate: RateOpt = 1.0, prompt_len: PromptLenOpt = "32-192", output_len: OutputLenOpt = "16-96",
+    shared_prefix: SharedOpt = 0.5, prefix_len: PrefixLenOpt = 96, fake: FakeOpt = False,
+) -> None:
+    """The operator console: a live dashboard of the engine and a chat (engine core in a child process)."""
+    from lm_console.tui.app import ConsoleApp
+
+    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
+                       max_num_batched_tokens, enable_prefix_caching, console_threads(num_threads))
+    shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
+    run_app(ConsoleApp(make_client(fake, model, args), load=load, shape=shape, log_path=default_log_path()))
+
+
+def chat(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
+    num_blocks: NumBlocksOpt = None, max_num_seqs: MaxNumSeqsOpt = 16, num_threads: NumThreadsOpt = None,
+    plain: Annotated[bool, typer.Option("--plain", help="Line-based REPL: stdin lines in, replies on stdout.")] = False,
+    system: Annotated[Optional[str], typer.Option(help="System prompt ('' for none).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option()] = 0.95,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens in one reply.")] = 256,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed (reproducible replies).")] = None,
+    stats: Annotated[bool, typer.Option("--stats", help="--plain: print each reply's stats to stderr.")] = False,
+    fake: FakeOpt = False,
+) -> None:
+    """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
+    from lm_console.chat_session import DEFAULT_SYSTEM_PROMPT, ChatSession
+    from lm_console.client.types import GenParams
+
+    args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
+                       num_threads=console_threads(num_threads))
+    client = make_client(fake, model, args)
+    params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
+    if plain:
+        from lm_console.chat_repl import run_repl
+
+        session = ChatSession(client, system_prompt=system_prompt, params=params)
+        try:
+            code = asyncio.run(run_repl(client, session, show_stats=stats))
+        except KeyboardInterrupt:
+            code = 130
+        raise typer.Exit(code)
+    from lm_console.tui.app import ConsoleApp
+
+    app = ConsoleApp(client, chat_only=True, log_path=default_log_path())
+    app.session.system_prompt = system_prompt
+    app.session.params = params
+    run_app(app)
+
+
+def events(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", num_blocks: NumBlocksOpt = None,
+    max_model_len: MaxModelLenOpt = None, num_threads: NumThreadsOpt = None,
+    endpoint: Annotated[Optional[str], typer.Option(
+        help="Attach to a running engine's KV-event PUB socket (e.g. ipc:///tmp/x) instead of starting one.")] = None,
+    count: Annotated[Optional[int], typer.Option(help="Stop after this many events.")] = None,
+    duration: Annotated[Optional[float], typer.Option(help="Stop after this many seconds.")] = None,
+    load: Annotated[bool, typer.Option("--load/--no-load", help="Drive the built-in load so blocks move.")] = True,
+    rate: RateOpt = 4.0, fake: FakeOpt = False,
+) -> None:
+    """Print the KV-cache event stream (BlockStored / BlockRemoved / AllBlocksCleared) as JSON lines."""
+    from lm_console import events as events_mod
+
+    try:
+        if endpoint:
+            asyncio.run(events_mod.print_endpoint_events(endpoint, sys.stdout, count=count, duration=duration))
+            return
+        args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
+        client = make_client(fake, model, args)
+        shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
+        asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,
+                                                    load=load, shape=shape))
+    except (KeyboardInterrupt, BrokenPipeError):
+        pass
+
+
+def register(app: typer.Typer) -> None:
+    """Add the console commands to the `lmc` app."""
+    app.command()(tui)
+    app.command()(chat)
+    app.command()(events)

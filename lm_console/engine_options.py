@@ -1,0 +1,63 @@
+"""Engine flags shared by `lmc tui`, `chat`, `events`, `bench` and `batch` (Typer annotations)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Optional
+
+import typer
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Model name, HF-format directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
+DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | bfloat16.")]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option(help="Longest prompt + output, in tokens.")]
+NumBlocksOpt = Annotated[Optional[int], typer.Option(
+    "--num-blocks", help="KV cache blocks (overrides the memory budget; the block map shows each).")]
+BlockSizeOpt = Annotated[int, typer.Option(help="Tokens per KV block.")]
+MaxNumSeqsOpt = Annotated[int, typer.Option(help="Most requests in one step.")]
+MaxNumBatchedTokensOpt = Annotated[int, typer.Option(help="Token budget of one step.")]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", help="Share the KV blocks of common prefixes.")]
+NumThreadsOpt = Annotated[Optional[int], typer.Option(
+    help="torch threads on CPU (default: all cores; tui/chat/events: all but one, which the console uses).")]
+FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
+
+
+def engine_args(dtype: str = "auto", max_model_len: int | None = None, num_blocks: int | None = None,
+                block_size: int = 16, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                enable_prefix_caching: bool = True, num_threads: int | None = None) -> dict[str, Any]:
+    """EngineArgs keyword arguments from the shared flags (unset ones left to the engine)."""
+    args: dict[str, Any] = {
+        "dtype": dtype, "block_size": block_size, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens, "enable_prefix_caching": enable_prefix_caching,
+    }
+    if max_model_len is not None:
+        args["max_model_len"] = max_model_len
+    if num_blocks is not None:
+        args["num_gpu_blocks_override"] = num_blocks
+    if num_threads is not None:
+        args["num_threads"] = num_threads
+    return args
+
+
+def console_threads(num_threads: int | None) -> int:
+    """Engine threads when the console shares the machine: leave one core to the console.
+
+    The console's process (tokenizer, detokenizer, rendering) needs CPU too; on a 2-core machine
+    an engine with 2 threads fights it and steps slow down many times over.
+    """
+    if num_threads is not None:
+        return num_threads
+    return max((os.cpu_count() or 2) - 1, 1)
+
+
+def parse_range(text: str, name: str) -> tuple[int, int]:
+    """'32-192' or '64' -> (low, high); a clear error otherwise."""
+    low, _, high = text.partition("-")
+    try:
+        pair = (int(low), int(high or low))
+    except ValueError:
+        raise typer.BadParameter(f"{name} must look like 32-192 or 64, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise typer.BadParameter(f"{name} must satisfy 1 <= min <= max, got {text!r}")
+    return pair

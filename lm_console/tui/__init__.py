@@ -1,0 +1,1 @@
+"""The Textual operator console (imports no torch)."""

@@ -1,0 +1,263 @@
+"""ConsoleApp: the operator console (dashboard + chat) over any ConsoleClient.
+
+Stream readers only append to deques (Telemetry, RequestBook); a set_interval timer flushes
+them to the widgets a few times a second inside batch_update(). No torch is imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.css.query import NoMatches
+from textual.widgets import Footer, TabbedContent, TabPane
+
+from lm_console.chat_session import ChatSession
+from lm_console.client.protocol import ConsoleClient
+from lm_console.client.types import EngineInfo, EngineUnavailable
+from lm_console.load_generator import LoadGenerator, LoadShape
+from lm_console.request_book import RequestBook
+from lm_console.tui.screens.engine_dead import EngineDeadScreen
+from lm_console.tui.screens.help import HelpScreen
+from lm_console.tui.screens.load_shape import LoadShapeScreen
+from lm_console.tui.telemetry import DashboardView, Telemetry
+from lm_console.tui.widgets.chat_view import ChatView
+from lm_console.tui.widgets.dashboard import Dashboard
+from lm_console.tui.widgets.engine_status import EngineStatus
+from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
+
+DASHBOARD_ACTIONS = {"toggle_load", "rate_up", "rate_down", "cycle_share", "shape_load",
+                     "pause_events", "filter_events", "reset_prefix_cache", "pause"}
+
+
+class ConsoleApp(App[None]):
+    """`lmc tui` (dashboard and chat tabs) and `lmc chat` (chat_only)."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "lm-console"
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("ctrl+q", "quit", "quit", show=False, priority=True),
+        Binding("question_mark,f1", "help", "help", key_display="?"),
+        Binding("1,f2", "show_tab('dashboard')", "dash", key_display="1"),
+        Binding("2,f3", "show_tab('chat')", "chat", key_display="2"),
+        Binding("p", "pause", "pause"),
+        Binding("l", "toggle_load", "load"),
+        Binding("plus,equals_sign", "rate_up", "rate", key_display="+"),
+        Binding("minus", "rate_down", "rate", key_display="-"),
+        Binding("s", "cycle_share", "share"),
+        Binding("L", "shape_load", "shape", show=False),
+        Binding("space", "pause_events", "events"),
+        Binding("slash", "filter_events", "filter", key_display="/"),
+        Binding("r", "reset_prefix_cache", "reset cache"),
+    ]
+
+    def __init__(self, client: ConsoleClient, *, load: bool = False, shape: LoadShape | None = None,
+                 chat_only: bool = False, clock: Callable[[], float] = time.time,
+                 tick_hz: float = 6.0, seed: int = 0, log_path: Path | None = None) -> None:
+        super().__init__()
+        self.client = client
+        self.start_load = load
+        self.shape = shape or LoadShape()
+        self.chat_only = chat_only
+        self.clock = clock
+        self.tick_hz = tick_hz
+        self.seed = seed
+        self.log_path = log_path  # where the engine's stderr goes while the app runs
+        self.book = RequestBook()
+        self.telemetry = Telemetry(self.book)
+        self.session = ChatSession(client, self.book, clock=clock)
+        self.load: LoadGenerator | None = None
+        self.info: EngineInfo | None = None
+        self.engine_state = "starting"
+        self.display_paused = False
+        self.dead_error: BaseException | None = None
+        self.quitting = False
+
+    # -- layout ---------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield EngineStatus(id="engine-status")
+        if self.chat_only:
+            yield ChatView(self.session, id="chat")
+        else:
+            with TabbedContent(id="tabs"):
+                with TabPane("Dashboard", id="dashboard"):
+                    yield Dashboard(id="dash")
+                with TabPane("Chat", id="chat-tab"):
+                    yield ChatView(self.session, id="chat")
+        yield Footer(show_command_palette=False)
+
+    def on_mount(self) -> None:
+        self.query_one(EngineStatus).show(None, self.engine_state)
+        if self.chat_only:
+            self.query_one(ChatView).focus_prompt()
+        if self.tick_hz:
+            self.set_interval(1.0 / self.tick_hz, self.tick)
+        self.run_worker(self._start_engine(), group="engine", exit_on_error=False)
+
+    # -- engine lifecycle -----------------------------------------------------------------
+    async def _start_engine(self) -> None:
+        try:
+            self.info = await self.client.start()
+        except Exception as error:  # noqa: BLE001 - a failed start is a panel, not a traceback
+            if not isinstance(error, EngineUnavailable):
+                error = EngineUnavailable(f"{type(error).__name__}: {error}", during_start=True)
+            self.engine_died(error)
+            return
+        self.engine_state = "serving"
+        self.query_one(ChatView).engine_ready = True
+        self.load = LoadGenerator(self.client, self.book, self.shape, self.info.vocab_size,
+                                  seed=self.seed, clock=self.clock)
+        if not self.chat_only:
+            endpoint = getattr(self.client, "kv_events_endpoint", None)
+            if endpoint:
+                self.query_one(KVEventsPanel).border_subtitle = f"lmc events --endpoint {endpoint}"
+            self.run_worker(self._read_stats(), group="streams", exit_on_error=False)
+            self.run_worker(self._read_events(), group="streams", exit_on_error=False)
+            if self.start_load:
+                self.load.start()
+
+    async def _read_stats(self) -> None:
+        try:
+            async for sample in self.client.stats_stream():
+                self.telemetry.add_stats(sample)
+        except Exception as error:  # noqa: BLE001
+            self.engine_died(error)
+        else:
+            self._stream_ended("stats")
+
+    async def _read_events(self) -> None:
+        try:
+            async for records in self.client.kv_events_stream():
+                self.telemetry.add_events(records)
+        except Exception as error:  # noqa: BLE001
+            self.engine_died(error)
+        else:
+            self._stream_ended("KV event")
+
+    def _stream_ended(self, name: str) -> None:
+        """A stream that ends while the console runs means the engine went away."""
+        if not self.quitting:
+            self.engine_died(EngineUnavailable(f"The engine's {name} stream ended: the engine stopped.",
+                                               "Restart the console; the engine's log says why it stopped."))
+
+    def engine_died(self, error: BaseException) -> None:
+        """Show the engine-unavailable panel (once) and stop the load."""
+        if self.dead_error is not None or self.quitting:
+            return
+        self.dead_error = error
+        self.engine_state = "dead"
+        if self.load is not None:
+            self.load.stop()
+        self.query_one(EngineStatus).show(self.info, self.engine_state)
+        self.push_screen(EngineDeadScreen(error, self.log_path))
+
+    def on_unmount(self) -> None:
+        """Cancel the load's requests if the app ends without action_quit (tests, errors)."""
+        if self.load is not None:
+            self.load.cancel_all()
+
+    # -- the UI tick ----------------------------------------------------------------------
+    def tick(self) -> None:
+        """Flush the deques into the widgets (a few times a second, one batch_update)."""
+        now = self.clock()
+        view = self.telemetry.flush(now)
+        try:
+            self._render_tick(view, now)
+        except NoMatches:  # the app is tearing down: its widgets are gone
+            pass
+
+    def _render_tick(self, view: DashboardView, now: float) -> None:
+        with self.batch_update():
+            state = "paused" if self.display_paused and self.engine_state == "serving" else self.engine_state
+            self.query_one(EngineStatus).show(self.info, state)
+            if not self.chat_only and not self.display_paused:
+                self.query_one(Dashboard).show(view, self.book, self.load, now)
+                self.query_one(KVEventsPanel).add(self.telemetry.take_events())
+            self.query_one(ChatView).flush()
+
+    # -- actions --------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in DASHBOARD_ACTIONS:
+            return not self.chat_only and self._active_tab() == "dashboard"
+        if action == "show_tab":
+            return not self.chat_only
+        return True
+
+    def _active_tab(self) -> str:
+        return self.query_one(TabbedContent).active if not self.chat_only else "chat-tab"
+
+    def action_show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = "dashboard" if tab == "dashboard" else "chat-tab"
+        if tab == "chat":
+            self.query_one(ChatView).focus_prompt()
+        else:
+            self.set_focus(None)
+
+    def on_tabbed_content_tab_activated(self) -> None:
+        self.refresh_bindings()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_pause(self) -> None:
+        self.display_paused = not self.display_paused
+        self.notify("Display paused (p resumes)." if self.display_paused else "Display resumed.", timeout=2)
+
+    def action_toggle_load(self) -> None:
+        if self.load is None:
+            self.notify("The engine is not running yet.", severity="warning", timeout=2)
+            return
+        running = self.load.toggle()
+        self.notify(f"Load {'on' if running else 'off'}: {self.load.shape.describe()}", timeout=3)
+
+    def action_rate_up(self) -> None:
+        self.shape.rate = min(self.shape.rate * 1.5, 64.0)
+
+    def action_rate_down(self) -> None:
+        self.shape.rate = max(self.shape.rate / 1.5, 0.1)
+
+    def action_cycle_share(self) -> None:
+        if self.load is not None:
+            self.load.cycle_share()
+            self.shape = self.load.shape
+
+    def action_shape_load(self) -> None:
+        def apply(shape: LoadShape | None) -> None:
+            if shape is not None:
+                self.shape = shape
+                if self.load is not None:
+                    self.load.apply(shape)
+
+        self.push_screen(LoadShapeScreen(self.shape), apply)
+
+    def action_pause_events(self) -> None:
+        self.query_one(KVEventsPanel).toggle_pause()
+
+    def action_filter_events(self) -> None:
+        self.query_one(KVEventsPanel).open_filter()
+
+    async def action_reset_prefix_cache(self) -> None:
+        try:
+            done = await self.client.reset_prefix_cache()
+        except Exception as error:  # noqa: BLE001
+            self.notify(f"Reset failed: {error}", severity="error")
+            return
+        self.notify("Prefix cache reset." if done else "Not reset: cached blocks are still in use.",
+                    severity="information" if done else "warning", timeout=3)
+
+    async def action_quit(self) -> None:
+        """Stop the load, shut the engine down cleanly, exit."""
+        self.quitting = True
+        self.notify("Shutting down the engine…", timeout=5)
+        if self.load is not None:
+            await self.load.close()
+        try:
+            await asyncio.wait_for(self.client.shutdown(), timeout=15)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        self.exit()

@@ -1,0 +1,174 @@
+"""Telemetry: raw stats and events in, one DashboardView per UI tick out (pure Python, no UI).
+
+Stream readers only append to deques (`add_stats`, `add_events`); the app's timer calls
+`flush(now)` a few times a second, which folds the backlog into rolling windows and returns
+the view every panel renders from.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lm_console.client.types import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, KVEventRecord, StatsSample
+from lm_console.request_book import RequestBook, percentile
+
+
+@dataclass(slots=True)
+class DashboardView:
+    """Everything the dashboard shows at one tick."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted_total: int = 0
+    num_preempted_recent: int = 0  # in the rate window
+    scheduled_tokens: int = 0
+    token_budget: int = 0
+    tokens_per_step: list[float] = field(default_factory=list)
+    steps_per_s: float = 0.0
+    step_ms: float = 0.0
+    num_steps: int = 0
+    kv_usage: float = 0.0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int | None = None
+    num_used_blocks: int = 0
+    block_states: bytes | None = None
+    block_ref_counts: bytes | None = None
+    hit_rate_recent: float | None = None
+    hit_rate_all: float | None = None
+    hit_rate_history: list[float] = field(default_factory=list)
+    prompt_tps: float = 0.0
+    gen_tps: float = 0.0
+    prompt_history: list[float] = field(default_factory=list)
+    gen_history: list[float] = field(default_factory=list)
+    kv_history: list[float] = field(default_factory=list)
+    num_finished: int = 0
+    num_failed: int = 0
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    tpot_p50: float | None = None
+    tpot_p95: float | None = None
+    num_events: int = 0
+    num_stats: int = 0
+
+
+class Telemetry:
+    """Rolling aggregates over the stats stream; see the module docstring for the data flow."""
+
+    def __init__(self, book: RequestBook, window_s: float = 3.0, history: int = 60,
+                 recent_requests: int = 1000) -> None:
+        self.book = book
+        self.window_s = window_s
+        self.recent_requests = recent_requests
+        self.pending_stats: deque[StatsSample] = deque(maxlen=10_000)
+        self.pending_events: deque[KVEventRecord] = deque(maxlen=10_000)
+        self.view = DashboardView()
+        self._steps: deque[tuple[float, int, int, int, int]] = deque()  # ts, scheduled, prompt, gen, preempted
+        self._gen_ticks: deque[tuple[float, int]] = deque()  # console-counted generated tokens
+        self._tokens_per_step: deque[float] = deque(maxlen=history)
+        self._prompt_hist: deque[float] = deque(maxlen=history)
+        self._gen_hist: deque[float] = deque(maxlen=history)
+        self._hit_hist: deque[float] = deque(maxlen=history)
+        self._kv_hist: deque[float] = deque(maxlen=history)
+        self._prefix_recent: deque[tuple[int, int, int]] = deque()  # (requests, queries, hits)
+        self._prefix_sums = [0, 0, 0]
+        self._prefix_all = [0, 0]
+        self._engine_split = False  # the engine reports prompt/generation tokens itself
+
+    def add_stats(self, sample: StatsSample) -> None:
+        self.pending_stats.append(sample)
+
+    def add_events(self, records: list[KVEventRecord]) -> None:
+        self.pending_events.extend(records)
+
+    def take_events(self) -> list[KVEventRecord]:
+        """Events received since the last call (drained), for the event log."""
+        events = list(self.pending_events)
+        self.pending_events.clear()
+        self.view.num_events += len(events)
+        return events
+
+    def flush(self, now: float) -> DashboardView:
+        """Fold the backlog into the rolling state and return the updated view."""
+        view = self.view
+        while self.pending_stats:
+            self._fold(self.pending_stats.popleft(), view)
+        self._gen_ticks.append((now, self.book.take_generated()))
+        horizon = now - self.window_s
+        while self._steps and self._steps[0][0] < horizon:
+            self._steps.popleft()
+        while self._gen_ticks and self._gen_ticks[0][0] < horizon:
+            self._gen_ticks.popleft()
+        span = self.window_s
+        scheduled = sum(s[1] for s in self._steps)
+        if self._engine_split:
+            view.prompt_tps = sum(s[2] for s in self._steps) / span
+            view.gen_tps = sum(s[3] for s in self._steps) / span
+        else:
+            generated = sum(g for _, g in self._gen_ticks)
+            view.gen_tps = generated / span
+            view.prompt_tps = max(scheduled - generated, 0) / span
+        view.steps_per_s = len(self._steps) / span
+        view.num_preempted_recent = sum(s[4] for s in self._steps)
+        if not self._steps:
+            view.scheduled_tokens = 0
+        self._prompt_hist.append(view.prompt_tps)
+        self._gen_hist.append(view.gen_tps)
+        view.prompt_history = list(self._prompt_hist)
+        view.gen_history = list(self._gen_hist)
+        self._kv_hist.append(view.kv_usage)
+        view.kv_history = list(self._kv_hist)
+        view.num_finished, view.num_failed = self.book.num_finished, self.book.num_failed
+        view.tokens_per_step = list(self._tokens_per_step)
+        if view.hit_rate_recent is not None:
+            self._hit_hist.append(view.hit_rate_recent)
+        view.hit_rate_history = list(self._hit_hist)
+        ttfts, tpots = list(self.book.ttft_samples), list(self.book.tpot_samples)
+        view.ttft_p50, view.ttft_p95 = percentile(ttfts, 50), percentile(ttfts, 95)
+        view.tpot_p50, view.tpot_p95 = percentile(tpots, 50), percentile(tpots, 95)
+        return view
+
+    def _fold(self, sample: StatsSample, view: DashboardView) -> None:
+        view.num_stats += 1
+        view.num_running = sample.num_running_reqs
+        view.num_waiting = sample.num_waiting_reqs
+        view.num_preempted_total += sample.num_preempted_reqs
+        if sample.num_preemptions_total is not None:  # exact even when samples were dropped
+            view.num_preempted_total = sample.num_preemptions_total
+        view.scheduled_tokens = sample.num_scheduled_tokens
+        view.token_budget = sample.token_budget or view.token_budget
+        view.step_ms = sample.step_time_s * 1000
+        view.num_steps = sample.num_steps
+        view.kv_usage = sample.kv_cache_usage
+        view.num_total_blocks = sample.num_total_blocks
+        view.num_free_blocks = sample.num_free_blocks
+        view.num_used_blocks = max(sample.num_total_blocks - sample.num_free_blocks, 0)
+        self._tokens_per_step.append(float(sample.num_scheduled_tokens))
+        if sample.num_prompt_tokens is not None and sample.num_generation_tokens is not None:
+            self._engine_split = True
+        self._steps.append((sample.ts, sample.num_scheduled_tokens, sample.num_prompt_tokens or 0,
+                            sample.num_generation_tokens or 0, sample.num_preempted_reqs))
+        if sample.block_states is not None:
+            view.block_states = sample.block_states
+            view.block_ref_counts = sample.block_ref_counts
+            states = sample.block_states
+            view.num_cached_blocks = states.count(BLOCK_CACHED)
+            view.num_used_blocks = states.count(BLOCK_IN_USE)
+            view.num_free_blocks = states.count(BLOCK_FREE) + view.num_cached_blocks
+        if sample.prefix_queries:
+            self._fold_prefix(sample, view)
+
+    def _fold_prefix(self, sample: StatsSample, view: DashboardView) -> None:
+        entry = (max(sample.prefix_requests, 1), sample.prefix_queries, sample.prefix_hits)
+        self._prefix_recent.append(entry)
+        for i in range(3):
+            self._prefix_sums[i] += entry[i]
+        while len(self._prefix_recent) > 1 and self._prefix_sums[0] - self._prefix_recent[0][0] >= self.recent_requests:
+            old = self._prefix_recent.popleft()
+            for i in range(3):
+                self._prefix_sums[i] -= old[i]
+        self._prefix_all[0] += sample.prefix_queries
+        self._prefix_all[1] += sample.prefix_hits
+        view.hit_rate_recent = self._prefix_sums[2] / self._prefix_sums[1] if self._prefix_sums[1] else None
+        view.hit_rate_all = self._prefix_all[1] / self._prefix_all[0] if self._prefix_all[0] else None

@@ -1,0 +1,39 @@
+"""BlockPoolPanel: the block map with its usage summary, legend and the range in view."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+
+from lm_console.tui.render import fmt_count
+from lm_console.tui.telemetry import DashboardView
+from lm_console.tui.widgets.block_map import BlockMap, legend_text
+
+
+class BlockPoolPanel(Vertical):
+    """Border title: usage and counts; body: the map; last line: legend and blocks in view."""
+
+    def compose(self) -> ComposeResult:
+        yield BlockMap(id="block-map")
+        yield Static(legend_text(), id="block-legend")
+
+    def on_mount(self) -> None:
+        self.border_title = "KV block pool"
+
+    def show(self, view: DashboardView) -> None:
+        block_map = self.query_one(BlockMap)
+        block_map.set_blocks(view.block_states, view.block_ref_counts)
+        cached = "?" if view.num_cached_blocks is None else fmt_count(view.num_cached_blocks)
+        self.border_title = (
+            f"KV block pool ─ usage {view.kv_usage * 100:.0f}% · in use {fmt_count(view.num_used_blocks)}"
+            f" · cached {cached} · free {fmt_count(view.num_free_blocks)} of {fmt_count(view.num_total_blocks)}"
+        )
+        first, last = block_map.blocks_in_view()
+        total = len(block_map.states)
+        if total and (first > 0 or last < total - 1):
+            self.border_subtitle = f"showing {fmt_count(first + 1)}-{fmt_count(last + 1)} of {fmt_count(total)} · scroll for more"
+        elif not total:
+            self.border_subtitle = "waiting for the first block map"
+        else:
+            self.border_subtitle = f"all {fmt_count(total)} blocks"

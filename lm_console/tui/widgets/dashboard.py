@@ -1,0 +1,47 @@
+"""Dashboard: the first tab, laid out as in shared/CONSOLE.md."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+
+from lm_console.load_generator import LoadGenerator
+from lm_console.request_book import RequestBook
+from lm_console.tui.telemetry import DashboardView
+from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
+from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
+from lm_console.tui.widgets.latency_panel import LatencyPanel
+from lm_console.tui.widgets.load_panel import LoadPanel
+from lm_console.tui.widgets.prefix_panel import PrefixPanel
+from lm_console.tui.widgets.request_table import RequestTable
+from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
+from lm_console.tui.widgets.throughput_panel import ThroughputPanel
+
+
+class Dashboard(Vertical):
+    """Scheduler, block pool, throughput, prefix cache, latency, requests, KV events, load."""
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="dash-top"):
+            with Vertical(id="dash-left"):
+                yield SchedulerPanel(id="scheduler")
+                yield ThroughputPanel(id="throughput")
+            with Vertical(id="dash-right"):
+                yield BlockPoolPanel(id="block-pool")
+                with Horizontal(id="dash-cache-row"):
+                    yield PrefixPanel(id="prefix")
+                    yield LatencyPanel(id="latency")
+        yield LoadPanel(id="load")
+        with Horizontal(id="dash-bottom"):
+            yield RequestTable(id="requests")
+            yield KVEventsPanel(id="kv-events")
+
+    def show(self, view: DashboardView, book: RequestBook, load: LoadGenerator | None, now: float) -> None:
+        """Render one tick (the caller wraps this in batch_update)."""
+        self.query_one(SchedulerPanel).show(view)
+        self.query_one(ThroughputPanel).show(view)
+        self.query_one(BlockPoolPanel).show(view)
+        self.query_one(PrefixPanel).show(view)
+        self.query_one(LatencyPanel).show(view)
+        self.query_one(LoadPanel).show(load)
+        self.query_one(RequestTable).show(book.rows(now), now, len(book.active))

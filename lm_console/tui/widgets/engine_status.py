@@ -1,0 +1,25 @@
+"""EngineStatus: the top line (model, device, dtype, block size, pool size) and engine state."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from lm_console.client.types import EngineInfo
+from lm_console.tui.render import fmt_count
+
+STATES = {"starting": "[#e5c07b]◌ starting…[/]", "serving": "[#98c379]● serving[/]",
+          "dead": "[b #e06c75]✖ dead[/]", "paused": "[#e5c07b]● serving (display paused)[/]"}
+
+
+class EngineStatus(Static):
+    """A one-line header: what is loaded and whether it is alive."""
+
+    def show(self, info: EngineInfo | None, state: str) -> None:
+        if info is None or not info.num_blocks:
+            model = info.model if info is not None else "engine"
+            left = f"[b]lm-console[/]  {model} · loading"
+        else:
+            left = (f"[b]lm-console[/]  {info.model} · {info.device} · {info.dtype} · "
+                    f"block {info.block_size} · {fmt_count(info.num_blocks)} blocks · "
+                    f"budget {fmt_count(info.max_num_batched_tokens)} tok · {info.max_num_seqs} seqs")
+        self.update(f"{left}    engine {STATES.get(state, state)}")

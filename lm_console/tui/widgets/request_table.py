@@ -1,0 +1,45 @@
+"""RequestTable: the console's requests (load and chat) with state, tokens, TTFT and elapsed."""
+
+from __future__ import annotations
+
+from textual.widgets import DataTable
+
+from lm_console.request_book import ABORTED, FAILED, FINISHED, RUNNING, WAITING, TrackedRequest
+from lm_console.tui.render import fmt_seconds
+
+STATE_STYLE = {WAITING: "#e5c07b", RUNNING: "#98c379", FINISHED: "#5c6370", ABORTED: "#d19a66",
+               FAILED: "#e06c75"}
+COLUMNS = ("id", "state", "prompt", "gen", "cached", "TTFT", "elapsed")
+WIDTHS = (10, 8, 6, 5, 6, 7, 8)
+
+
+class RequestTable(DataTable):
+    """Rows keyed by request id; updated in place each tick."""
+
+    def on_mount(self) -> None:
+        self.border_title = "Requests"
+        self.cursor_type = "row"
+        self.zebra_stripes = False
+        for name, width in zip(COLUMNS, WIDTHS):
+            self.add_column(name, key=name, width=width)
+
+    def show(self, rows: list[TrackedRequest], now: float, num_active: int) -> None:
+        order = [r.request_id for r in rows]
+        if order != [key.value for key in self.rows]:
+            self.clear()  # membership or order changed: rebuild (a few dozen rows)
+            for request in rows:
+                self.add_row(*self._cells(request, now), key=request.request_id)
+        else:
+            for request in rows:
+                for column, value in zip(COLUMNS[1:], self._cells(request, now)[1:]):
+                    self.update_cell(request.request_id, column, value)
+        self.border_title = f"Requests ─ {num_active} in flight"
+
+    @staticmethod
+    def _cells(request: TrackedRequest, now: float) -> tuple[str, ...]:
+        style = STATE_STYLE.get(request.state, "")
+        return (
+            request.request_id, f"[{style}]{request.state}[/]", f"{request.num_prompt_tokens:>6}",
+            f"{request.num_generated:>5}", f"{request.num_cached:>6}", f"{fmt_seconds(request.ttft_s):>7}",
+            f"{request.elapsed(now):6.1f} s",
+        )

@@ -1,0 +1,44 @@
+"""Telemetry and RequestBook: rates, windows, hit rates, percentiles, request states."""
+
+from __future__ import annotations
+
+from lm_console.client.types import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, StatsSample, StreamChunk
+from lm_console.request_book import FINISHED, RUNNING, WAITING, RequestBook, percentile
+from lm_console.tui.render import bar, sparkline
+from lm_console.tui.telemetry import Telemetry
+
+
+def test_rates_and_block_counts() -> None:
+    book = RequestBook()
+    telemetry = Telemetry(book, window_s=2.0, recent_requests=4)
+    for i in range(20):  # 10 steps a second for 2 s
+        telemetry.add_stats(StatsSample(ts=100.0 + i * 0.1, num_scheduled_tokens=50, token_budget=64,
+                                        num_prompt_tokens=40, num_generation_tokens=10, num_steps=i + 1,
+                                        prefix_requests=1, prefix_queries=100, prefix_hits=50 if i < 16 else 100,
+                                        block_states=bytes([3, BLOCK_IN_USE, BLOCK_CACHED, BLOCK_FREE])))
+    view = telemetry.flush(101.95)
+    assert view.steps_per_s == 10.0
+    assert view.prompt_tps == 400.0 and view.gen_tps == 100.0
+    assert view.num_used_blocks == 1 and view.num_cached_blocks == 1 and view.num_free_blocks == 2
+    assert view.hit_rate_recent == 1.0  # the last 4 requests all hit fully
+    assert abs(view.hit_rate_all - (16 * 50 + 4 * 100) / 2000) < 1e-9
+    assert telemetry.flush(110.0).steps_per_s == 0.0  # the window emptied
+
+
+def test_request_book_states_and_latency() -> None:
+    book = RequestBook(linger_s=5.0)
+    book.submit("a", "load", 10.0, 32)
+    assert book.rows(10.0)[0].state == WAITING
+    book.on_chunk(StreamChunk("a", "x", 1, 32, 16), 10.5)
+    assert book.active["a"].state == RUNNING and book.active["a"].ttft_s == 0.5
+    book.on_chunk(StreamChunk("a", "y", 2, 32, 16, finished=True, finish_reason="length"), 11.5)
+    assert "a" not in book.active and book.done[-1].state == FINISHED
+    assert book.ttft_samples[-1] == 0.5 and abs(book.tpot_samples[-1] - 0.5) < 1e-9
+    assert book.take_generated() == 3 and book.take_generated() == 0
+    assert book.rows(20.0) == []  # lingered out
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+
+
+def test_render_helpers() -> None:
+    assert sparkline([0, 1, 2], 5) == "  ▁▅█"
+    assert bar(0.5, 4) == "██  " and bar(1.5, 2) == "██"
