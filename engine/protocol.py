@@ -47,7 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class EngineCoreRequestType(enum.IntEnum):
     """First frame of every message on the input socket (one byte)."""
 
-    ADD = 0  # payload: EngineCoreRequest
+    ADD = 0  # payload: list[EngineCoreRequest], admitted together before the next step
     ABORT = 1  # payload: list[str] of request ids
     UTILITY = 2  # payload: UtilityCall
     SHUTDOWN = 3  # payload: empty

@@ -51,7 +51,7 @@ class EngineCoreProc:
         self.output_sockets = output_sockets
         self.publisher = publisher
         self.encoder = MsgpackEncoder()
-        self.request_decoder = MsgpackDecoder(EngineCoreRequest)
+        self.request_decoder = MsgpackDecoder(list[EngineCoreRequest])
         self.abort_decoder = MsgpackDecoder(list[str])
         self.utility_decoder = MsgpackDecoder(UtilityCall)
         self.poller = zmq.Poller()
@@ -60,6 +60,7 @@ class EngineCoreProc:
         if death_fd is not None:
             self.poller.register(death_fd, zmq.POLLIN)
         self.num_rejected_messages = 0
+        self.parent_died = False
 
     # -- the loop ---------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
@@ -81,6 +82,7 @@ class EngineCoreProc:
         events = dict(self.poller.poll(None if block else 0))
         if self.death_fd is not None and self.death_fd in events:
             logger.warning("The frontend process died; the engine core exits.")
+            self.parent_died = True
             return False
         if self.input_socket not in events:
             return True
@@ -98,7 +100,8 @@ class EngineCoreProc:
             request_type = EngineCoreRequestType(frames[0].bytes[0])
             payload = frames[1:]
             if request_type == EngineCoreRequestType.ADD:
-                self._add_request(self.request_decoder.decode(payload))
+                for request in self.request_decoder.decode(payload):
+                    self._add_request(request)
             elif request_type == EngineCoreRequestType.ABORT:
                 self.engine_core.abort_requests(self.abort_decoder.decode(payload))
             elif request_type == EngineCoreRequestType.UTILITY:
@@ -215,6 +218,8 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
         for socket in (input_socket, *output_sockets):
             socket.close(linger=_CLOSE_LINGER_MS)  # let a start-up failure or death reason out
         context.term()
+        if proc is not None and proc.parent_died:
+            addresses.cleanup()  # the frontend cannot remove its socket dir any more
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

@@ -102,8 +102,7 @@ class AsyncLLM:
         for text, request, parent, index in children:
             self.output_processor.add_request(request, text, parent, index, queue=collector)
         try:
-            for _, request, _, _ in children:
-                self.engine_core.add_request(request)
+            self.engine_core.add_requests([request for _, request, _, _ in children])
         except BaseException:
             self.output_processor.abort_requests([request_id])
             raise

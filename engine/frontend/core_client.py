@@ -23,6 +23,11 @@ class EngineCoreClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Add several requests at once (one message to a separate core process)."""
+        for request in requests:
+            self.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         raise NotImplementedError
 

@@ -78,11 +78,14 @@ class LLM:
         # Validate everything first, so a bad prompt is rejected before any request runs.
         processed = [self._process(prompt, params) for prompt, params in zip(prompts, params_list)]
         request_ids: list[str] = []
+        engine_requests = []
         for request_id, children in processed:
             request_ids.append(request_id)
             for text, child_request, parent, index in children:
                 self.output_processor.add_request(child_request, text, parent, index)
-                self.engine_core.add_request(child_request)
+                engine_requests.append(child_request)
+        # One message: the core admits the whole batch before its first step, as in-process.
+        self.engine_core.add_requests(engine_requests)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(

@@ -113,8 +113,13 @@ class MPClient(EngineCoreClient):
         self.resources.send(request_type, obj, self.encoder)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        request.client_index = self.client_index
-        self._send(EngineCoreRequestType.ADD, request)
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Send requests in one message: the core admits them all before its next step."""
+        for request in requests:
+            request.client_index = self.client_index
+        self._send(EngineCoreRequestType.ADD, requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

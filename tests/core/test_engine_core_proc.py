@@ -42,7 +42,7 @@ def test_malformed_frames_are_rejected_and_the_engine_keeps_serving(tiny_llama_d
         [EngineCoreRequestType.READY.frame(), b"\xc0"],  # a core -> frontend type
         [add, b"\xff\xfe not msgpack"],
         [add, msgspec.msgpack.encode([1, 2, 3])],  # wrong schema
-        [add, msgspec.msgpack.encode(["id", [1, 2], tensor_ext])],  # tensor frame missing
+        [add, msgspec.msgpack.encode([["id", [1, 2], tensor_ext]])],  # tensor frame missing
         [abort],  # no payload
         [abort, msgspec.msgpack.encode({"not": "a list"})],
         [utility, msgspec.msgpack.encode(UtilityCall(1, 5, "get_stats"))],  # no such client
@@ -78,18 +78,20 @@ def test_the_core_exits_when_its_parent_dies(tiny_llama_dir) -> None:
         "from engine import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(tiny_llama_dir)!r}, dtype='float32', max_model_len=128, num_gpu_blocks_override=64)\n"
-        "    print(llm.engine_core.proc.pid, flush=True)\n"
+        "    print(llm.engine_core.proc.pid, llm.engine_core.resources.addresses.ipc_dir, flush=True)\n"
         "    time.sleep(60)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        core_pid = int(parent.stdout.readline())
-        assert not _is_gone(core_pid)
+        pid_text, ipc_dir = parent.stdout.readline().split()
+        core_pid = int(pid_text)
+        assert not _is_gone(core_pid) and os.path.isdir(ipc_dir)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 5
         while not _is_gone(core_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _is_gone(core_pid), "the engine core outlived its parent"
+        assert not os.path.exists(ipc_dir), "the core removes the dead frontend's socket dir"
     finally:
         parent.kill()
