@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError
@@ -171,5 +171,3 @@ class LLM:
         except EngineDeadError:
             pass  # nothing left to abort
 
-
-PromptsArg = Union[PromptType, Sequence[PromptType]]

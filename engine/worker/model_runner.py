@@ -126,7 +126,7 @@ class ModelRunner:
         num_reqs = batch.num_reqs
         # Issue the block-table DMA first: it overlaps the CPU work below (seed 1828-1985).
         batch.block_table.commit_block_table(num_reqs)
-        req_ids = [r for r in batch.req_ids[:num_reqs]]
+        req_ids = batch.req_ids[:num_reqs]  # a slice: already a copy
         num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
                                  dtype=np.int64)
         cu_num_tokens = np.cumsum(num_scheduled)
@@ -266,7 +266,7 @@ class ModelRunner:
     def _get_sampling_metadata(self) -> SamplingMetadata:
         batch = self.input_batch
         if batch.batch_changed or self._sampling_metadata is None:
-            states = [s for s in batch.states[:batch.num_reqs]]
+            states = batch.states[:batch.num_reqs]
             self._sampling_metadata = SamplingMetadata.from_params(
                 [s.sampling_params for s in states],
                 [s.output_token_ids for s in states],
