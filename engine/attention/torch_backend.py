@@ -2,9 +2,11 @@
 
 One step's batch is split once into decode rows (query_len == 1) and prefill chunks; the split
 (a `_Plan`) is stored on the AttentionMetadata and reused by every layer:
-- decodes: rows are bucketed by context length; each bucket's K/V blocks are gathered into one
-  padded tensor and attended with two batched matmuls; grouped-query heads ride along the
-  query axis, so K/V are never repeated;
+- decodes: with the C kernel (kernels/cpu_decode_attention.py, bf16 and fp32), one call per
+  layer reads every decode row's K/V in place from the paged cache. Without it, rows are
+  bucketed by context length; each bucket's K/V blocks are gathered into one padded tensor and
+  attended with two batched matmuls; grouped-query heads ride along the query axis, so K/V are
+  never repeated;
 - prefill chunks: one SDPA call each; `is_causal` when the chunk has no cached context (K/V come
   straight from the input), an explicit bottom-right-aligned causal mask over the gathered
   context otherwise.
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.attention.metadata import AttentionMetadata
+from kernels import cpu_decode_attention
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -76,15 +79,30 @@ class _DecodeGroup:
 
 
 @dataclass(slots=True)
+class _DecodeRows:
+    """All decode rows of a step, as the C kernel takes them."""
+
+    token_idx: Tensor | None  # [num_decodes] int64 rows of q; None = the first rows, in order
+    block_table: Tensor  # [num_decodes, max_blocks] int32, contiguous
+    seq_lens: Tensor  # [num_decodes] int32
+
+
+@dataclass(slots=True)
 class _Plan:
     """How one step's batch is attended; built once per AttentionMetadata."""
 
     num_tokens: int
     write_slots: Tensor  # [num_written] int64
     write_idx: Tensor | None  # rows of the input whose slot is not -1; None = all rows
-    num_decodes: int
-    decode_groups: list[_DecodeGroup]
+    decode_rows: list[int]  # request indices with query_len == 1
     prefills: list[_Prefill]
+    # Built on first use, for whichever decode path the layers take.
+    decode_groups: list[_DecodeGroup] | None = None
+    decode_kernel_rows: _DecodeRows | None = None
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_rows)
 
 
 # A decode row joins the current group while it needs more than this share of the group's
@@ -152,8 +170,23 @@ def _build_plan(md: AttentionMetadata) -> _Plan:
                 num_blocks = -(-seq_lens[i] // block_size)
                 block_ids = md.block_table[i, :num_blocks].long()
             prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids))
-    groups = _group_decodes(md, decode_rows) if decode_rows else []
-    return _Plan(num_tokens, slots, write_idx, len(decode_rows), groups, prefills)
+    return _Plan(num_tokens, slots, write_idx, decode_rows, prefills)
+
+
+def _kernel_rows(md: AttentionMetadata, rows: list[int]) -> _DecodeRows:
+    """The decode rows' token indices, block-table rows and lengths for the C kernel."""
+    device = md.block_table.device
+    token_rows = [md.query_start_loc_cpu[i] for i in rows]
+    in_order = token_rows == list(range(len(rows)))
+    if rows == list(range(len(rows))):
+        block_table = md.block_table[: len(rows)]
+    else:
+        block_table = md.block_table.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+    return _DecodeRows(
+        None if in_order else torch.tensor(token_rows, dtype=torch.long, device=device),
+        block_table.to(torch.int32).contiguous(),
+        torch.tensor([md.seq_lens_cpu[i] for i in rows], dtype=torch.int32, device=device),
+    )
 
 
 def _decode_blocked(group: _DecodeGroup, window: int | None, block_size: int) -> Tensor | None:
@@ -260,21 +293,33 @@ def paged_attention(
     num_heads = q.shape[1] // head_dim
     _write_cache(k[:num_tokens], v[:num_tokens], kv_cache, plan.write_slots, plan.write_idx)
 
-    groups = plan.decode_groups
-    if len(groups) == 1 and groups[0].token_idx is None and plan.num_decodes == q.shape[0]:
-        # Pure decode step, tokens in request order: the group's output is the output.
-        return _attend_decodes(q, kv_cache, groups[0], num_kv_heads, scale, sliding_window,
-                               logits_soft_cap)
-    out = q.new_zeros(q.shape[0], q.shape[1])  # [num_tokens, H*D]
-    for group in groups:
-        num_rows = len(group.seq_lens)
-        if group.token_idx is None:
-            out[:num_rows] = _attend_decodes(q[:num_rows], kv_cache, group, num_kv_heads, scale,
-                                             sliding_window, logits_soft_cap)
-        else:
-            o = _attend_decodes(q.index_select(0, group.token_idx), kv_cache, group,
-                                num_kv_heads, scale, sliding_window, logits_soft_cap)
-            out.index_copy_(0, group.token_idx, o)
+    use_kernel = plan.decode_rows and cpu_decode_attention.supports(q, kv_cache)
+    pure_decode = plan.num_decodes == q.shape[0]
+    out = q.new_empty(q.shape) if pure_decode and use_kernel else q.new_zeros(q.shape)
+    if use_kernel:
+        if plan.decode_kernel_rows is None:
+            plan.decode_kernel_rows = _kernel_rows(md, plan.decode_rows)
+        rows = plan.decode_kernel_rows
+        cpu_decode_attention.paged_decode_attention(
+            q, out, kv_cache, rows.block_table, rows.seq_lens, rows.token_idx, num_kv_heads,
+            scale, sliding_window, logits_soft_cap)
+    elif plan.decode_rows:
+        if plan.decode_groups is None:
+            plan.decode_groups = _group_decodes(md, plan.decode_rows)
+        groups = plan.decode_groups
+        if len(groups) == 1 and groups[0].token_idx is None and pure_decode:
+            # Pure decode step, tokens in request order: the group's output is the output.
+            return _attend_decodes(q, kv_cache, groups[0], num_kv_heads, scale, sliding_window,
+                                   logits_soft_cap)
+        for group in groups:
+            num_rows = len(group.seq_lens)
+            if group.token_idx is None:
+                out[:num_rows] = _attend_decodes(q[:num_rows], kv_cache, group, num_kv_heads,
+                                                 scale, sliding_window, logits_soft_cap)
+            else:
+                o = _attend_decodes(q.index_select(0, group.token_idx), kv_cache, group,
+                                    num_kv_heads, scale, sliding_window, logits_soft_cap)
+                out.index_copy_(0, group.token_idx, o)
 
     flat = kv_cache.view(2, kv_cache.shape[1], -1)
     for p in plan.prefills:

@@ -14,6 +14,18 @@ from engine.forward_context import get_forward_context, set_forward_context
 BLOCK_SIZE = 16
 
 
+
+@pytest.fixture(autouse=True, params=["c-kernel", "torch-gather"])
+def decode_path(request, monkeypatch):
+    """Every test runs on both decode paths: the C kernel (where it builds) and the gather."""
+    from kernels import cpu_decode_attention
+
+    if request.param == "torch-gather":
+        monkeypatch.setattr(cpu_decode_attention, "supports", lambda q, kv_cache: False)
+    elif cpu_decode_attention.load() is None:
+        pytest.skip("no C compiler: the CPU decode kernel is unavailable")
+    return request.param
+
 def _make_batch(
     requests: list[tuple[int, int]],
     num_heads: int,

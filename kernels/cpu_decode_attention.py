@@ -1,0 +1,132 @@
+"""Paged decode attention for the CPU: a small C kernel (kernels/cpu/) loaded through ctypes.
+
+The torch path gathers each decode row's K/V blocks into a padded copy before attending; at
+long contexts that copy is most of a decode step (memory-bound, two passes over the context).
+The C kernel reads K/V in place from the paged cache with a per-block online softmax, once.
+
+It is compiled on first use with the system C compiler (`cc -O3 -march=native -fopenmp -ffast-math`) into
+the user cache, keyed by the source's hash and the machine, and shares torch's OpenMP runtime
+(same `libgomp.so.1`), so torch.set_num_threads governs it. Where no compiler is found, or
+LMC_CPU_KERNELS=0, `load()` returns None and the engine keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # q, its row stride, out, its
+    ctypes.c_void_p,  # token_idx
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # k_cache, v_cache, block stride
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # block_table, its stride, seq_lens
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # reqs, heads, kv, D, bs
+    ctypes.c_float, ctypes.c_int, ctypes.c_float,  # scale, window, soft_cap
+]
+
+
+class CpuKernelBuildError(RuntimeError):
+    """The C kernel could not be compiled or loaded."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LMC_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lm-console")
+    return Path(root) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
+    target = _cache_dir() / f"paged_decode_attention-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math",
+               str(SOURCE), "-o", str(out), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders each publish a complete file
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (no compiler, disabled, or the build failed)."""
+    if os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found: CPU decode attention stays on the torch path")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (CpuKernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("CPU decode attention kernel unavailable, using the torch path: %s", exc)
+        return None
+    for name in _DTYPES.values():
+        fn = getattr(library, f"paged_decode_attention_{name}")
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return library
+
+
+def supports(q: Tensor, kv_cache: Tensor) -> bool:
+    """Whether the kernel takes these tensors (CPU, bf16 or fp32, contiguous rows)."""
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and kv_cache.dtype == q.dtype
+            and q.stride(1) == 1 and kv_cache.is_contiguous() and load() is not None)
+
+
+def paged_decode_attention(
+    q: Tensor, out: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+    token_idx: Tensor | None, num_kv_heads: int, scale: float, sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> None:
+    """out[token_idx[i]] <- attention of q[token_idx[i]] over request i's cached K/V.
+
+    q, out: [num_tokens, H*D], rows contiguous (any row stride); kv_cache: [2, num_blocks, block_size,
+    Hkv, D] contiguous; block_table: [num_reqs, max_blocks] int32 (row stride 1 along blocks);
+    seq_lens: [num_reqs] int32 (the new token included: its K/V must already be written);
+    token_idx: [num_reqs] int64 or None for rows 0..num_reqs-1.
+    """
+    library = load()
+    if library is None:
+        raise CpuKernelBuildError("the CPU decode attention kernel is not available")
+    _, _, block_size, _, head_dim = kv_cache.shape
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise TypeError("block_table and seq_lens must be int32")
+    if block_table.stride(1) != 1 or not seq_lens.is_contiguous():
+        raise ValueError("block_table rows and seq_lens must be contiguous")
+    if out.shape[1] != q.shape[1] or out.dtype != q.dtype or out.stride(1) != 1:
+        raise ValueError("out must be [num_tokens, H*D] rows of q's dtype")
+    if token_idx is not None and (token_idx.dtype != torch.int64 or not token_idx.is_contiguous()):
+        raise TypeError("token_idx must be a contiguous int64 tensor")
+    fn = getattr(library, f"paged_decode_attention_{_DTYPES[q.dtype]}")
+    status = fn(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), token_idx.data_ptr() if token_idx is not None else None,
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.stride(1),
+        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+        seq_lens.shape[0], q.shape[1] // head_dim, num_kv_heads, head_dim, block_size,
+        scale, sliding_window or 0, logits_soft_cap or 0.0,
+    )
+    if status != 0:
+        raise ValueError(f"unsupported shape for the CPU decode kernel: head_dim {head_dim} "
+                         f"(max 256), block_size {block_size} (max 64), "
+                         f"{q.shape[1] // head_dim} heads over {num_kv_heads} kv heads (group max 16)")

@@ -1,0 +1,88 @@
+"""The CPU decode attention kernel (C, via ctypes) against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode_attention
+
+pytestmark = pytest.mark.skipif(cpu_decode_attention.load() is None,
+                                reason="no C compiler: the CPU decode kernel is unavailable")
+
+
+def _reference(q, kv_cache, block_table, seq_lens, token_idx, num_kv_heads, scale, window, soft_cap):
+    """float64 attention of each decode row over its blocks' first seq_len positions."""
+    _, _, block_size, _, head_dim = kv_cache.shape
+    num_heads = q.shape[1] // head_dim
+    group = num_heads // num_kv_heads
+    out = {}
+    for req, seq_len in enumerate(seq_lens.tolist()):
+        row = req if token_idx is None else int(token_idx[req])
+        num_blocks = -(-seq_len // block_size)
+        kv = kv_cache[:, block_table[req, :num_blocks].long()].reshape(2, -1, num_kv_heads, head_dim)
+        kv = kv[:, :seq_len].double().repeat_interleave(group, dim=2)  # [2, L, H, D]
+        qr = q[row].view(num_heads, head_dim).double()
+        scores = torch.einsum("hd,lhd->hl", qr, kv[0]) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        if window is not None:
+            scores[:, : max(seq_len - window, 0)] = float("-inf")
+        out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), kv[1]).reshape(-1)
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=["d64", "d128", "d48-generic"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 4.0)],
+                         ids=["full", "window", "softcap"])
+def test_matches_float64_reference(dtype, atol, head_dim, num_heads, num_kv_heads, window, soft_cap):
+    torch.manual_seed(0)
+    block_size, num_blocks, num_reqs = 16, 64, 5
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    seq_lens = torch.tensor([1, 15, 16, 17, 90], dtype=torch.int32)  # block edges, ragged
+    block_table = torch.randperm(num_blocks - 1)[: num_reqs * 8].add(1).view(num_reqs, 8).to(torch.int32)
+    # Decode rows scattered among other tokens, as in a mixed prefill+decode batch.
+    token_idx = torch.tensor([6, 0, 3, 7, 2], dtype=torch.long)
+    q = torch.randn(9, num_heads * head_dim).to(dtype)
+    out = torch.full_like(q, 7.0)
+    scale = head_dim ** -0.5
+    cpu_decode_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, token_idx,
+                                                num_kv_heads, scale, window, soft_cap)
+    expected = _reference(q, kv_cache, block_table, seq_lens, token_idx, num_kv_heads, scale,
+                          window, soft_cap)
+    for row, ref in expected.items():
+        torch.testing.assert_close(out[row].double(), ref, atol=atol, rtol=atol)
+    untouched = [r for r in range(9) if r not in expected]
+    assert bool((out[untouched] == 7.0).all()), "rows that are not decode rows must not be written"
+
+
+def test_strided_q_rows_and_in_order_rows():
+    """q may be a column slice of a fused qkv output (row stride > H*D); token_idx None."""
+    torch.manual_seed(1)
+    kv_cache = torch.randn(2, 8, 16, 2, 64)
+    qkv = torch.randn(3, (4 + 2 * 2) * 64)
+    q = qkv[:, : 4 * 64]
+    seq_lens = torch.tensor([5, 33, 20], dtype=torch.int32)
+    block_table = torch.tensor([[1, 0, 0], [2, 3, 4], [5, 6, 0]], dtype=torch.int32)
+    out = torch.empty(3, 4 * 64)
+    cpu_decode_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, None, 2, 0.125)
+    expected = _reference(q, kv_cache, block_table, seq_lens, None, 2, 0.125, None, None)
+    for row, ref in expected.items():
+        torch.testing.assert_close(out[row].double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_bad_arguments_raise_clear_errors():
+    kv_cache = torch.randn(2, 4, 16, 1, 64)
+    q = torch.randn(1, 64)
+    with pytest.raises(TypeError, match="int32"):
+        cpu_decode_attention.paged_decode_attention(q, torch.empty_like(q), kv_cache,
+                                                    torch.zeros(1, 1, dtype=torch.int64),
+                                                    torch.ones(1, dtype=torch.int32), None, 1, 0.1)
+    big = torch.randn(2, 4, 16, 1, 512)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        q = torch.randn(1, 512)
+        cpu_decode_attention.paged_decode_attention(q, torch.empty_like(q), big,
+                                                    torch.zeros(1, 1, dtype=torch.int32),
+                                                    torch.ones(1, dtype=torch.int32), None, 1, 0.1)
