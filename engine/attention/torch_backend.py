@@ -2,12 +2,13 @@
 
 One step's batch is split once into decode rows (query_len == 1) and prefill chunks; the split
 (a `_Plan`) is stored on the AttentionMetadata and reused by every layer:
-- decodes: with the C kernel (kernels/cpu_decode_attention.py, bf16 and fp32), one call per
+- decodes: with the C kernel (kernels/cpu_attention.py, bf16 and fp32), one call per
   layer reads every decode row's K/V in place from the paged cache. Without it, rows are
   bucketed by context length; each bucket's K/V blocks are gathered into one padded tensor and
   attended with two batched matmuls; grouped-query heads ride along the query axis, so K/V are
   never repeated;
-- prefill chunks: one SDPA call each; `is_causal` when the chunk has no cached context (K/V come
+- prefill chunks: with the C kernel, one call for all chunks, reading K/V (the chunk's own,
+  just written, and any cached context) in place. Without it, one SDPA call each; `is_causal` when the chunk has no cached context (K/V come
   straight from the input), an explicit bottom-right-aligned causal mask over the gathered
   context otherwise.
 """
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.attention.metadata import AttentionMetadata
-from kernels import cpu_decode_attention
+from kernels import cpu_attention
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -63,6 +64,7 @@ class _Prefill:
     num_context: int  # tokens already in the cache before this chunk
     seq_len: int
     block_ids: Tensor | None  # [num_blocks] int64; None when num_context == 0 (no gather)
+    req_index: int = -1  # the request's row in the batch (its block table row)
     masks: dict[int | None, Tensor | None] = field(default_factory=dict)  # window -> allowed
 
 
@@ -88,6 +90,16 @@ class _DecodeRows:
 
 
 @dataclass(slots=True)
+class _PrefillRows:
+    """All prefill chunks of a step, as the C kernel takes them (int32 tensors)."""
+
+    block_table: Tensor  # [num_chunks, max_blocks]
+    q_starts: Tensor  # [num_chunks]
+    q_lens: Tensor
+    seq_lens: Tensor
+
+
+@dataclass(slots=True)
 class _Plan:
     """How one step's batch is attended; built once per AttentionMetadata."""
 
@@ -99,6 +111,7 @@ class _Plan:
     # Built on first use, for whichever decode path the layers take.
     decode_groups: list[_DecodeGroup] | None = None
     decode_kernel_rows: _DecodeRows | None = None
+    prefill_kernel_rows: _PrefillRows | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -169,7 +182,7 @@ def _build_plan(md: AttentionMetadata) -> _Plan:
             if num_context > 0:
                 num_blocks = -(-seq_lens[i] // block_size)
                 block_ids = md.block_table[i, :num_blocks].long()
-            prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids))
+            prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids, i))
     return _Plan(num_tokens, slots, write_idx, decode_rows, prefills)
 
 
@@ -186,6 +199,22 @@ def _kernel_rows(md: AttentionMetadata, rows: list[int]) -> _DecodeRows:
         None if in_order else torch.tensor(token_rows, dtype=torch.long, device=device),
         block_table.to(torch.int32).contiguous(),
         torch.tensor([md.seq_lens_cpu[i] for i in rows], dtype=torch.int32, device=device),
+    )
+
+
+def _prefill_rows(md: AttentionMetadata, prefills: list[_Prefill]) -> _PrefillRows:
+    """The prefill chunks' block-table rows, starts and lengths for the C kernel."""
+    device = md.block_table.device
+    rows = torch.tensor([p.req_index for p in prefills], dtype=torch.long, device=device)
+
+    def int32(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return _PrefillRows(
+        md.block_table.index_select(0, rows).to(torch.int32).contiguous(),
+        int32([p.q_start for p in prefills]),
+        int32([p.q_end - p.q_start for p in prefills]),
+        int32([p.seq_len for p in prefills]),
     )
 
 
@@ -293,17 +322,28 @@ def paged_attention(
     num_heads = q.shape[1] // head_dim
     _write_cache(k[:num_tokens], v[:num_tokens], kv_cache, plan.write_slots, plan.write_idx)
 
-    use_kernel = plan.decode_rows and cpu_decode_attention.supports(q, kv_cache)
+    # The kernels read every token's K/V from the cache: all of them must have been written.
+    use_kernels = plan.write_idx is None and cpu_attention.supports(q, kv_cache)
     pure_decode = plan.num_decodes == q.shape[0]
-    out = q.new_empty(q.shape) if pure_decode and use_kernel else q.new_zeros(q.shape)
-    if use_kernel:
-        if plan.decode_kernel_rows is None:
-            plan.decode_kernel_rows = _kernel_rows(md, plan.decode_rows)
-        rows = plan.decode_kernel_rows
-        cpu_decode_attention.paged_decode_attention(
-            q, out, kv_cache, rows.block_table, rows.seq_lens, rows.token_idx, num_kv_heads,
-            scale, sliding_window, logits_soft_cap)
-    elif plan.decode_rows:
+    # Every row gets written when the kernels cover all tokens (no padding rows to zero).
+    out = q.new_empty(q.shape) if use_kernels and num_tokens == q.shape[0] else q.new_zeros(q.shape)
+    if use_kernels:
+        if plan.decode_rows:
+            if plan.decode_kernel_rows is None:
+                plan.decode_kernel_rows = _kernel_rows(md, plan.decode_rows)
+            rows = plan.decode_kernel_rows
+            cpu_attention.paged_decode_attention(
+                q, out, kv_cache, rows.block_table, rows.seq_lens, rows.token_idx, num_kv_heads,
+                scale, sliding_window, logits_soft_cap)
+        if plan.prefills:
+            if plan.prefill_kernel_rows is None:
+                plan.prefill_kernel_rows = _prefill_rows(md, plan.prefills)
+            chunks = plan.prefill_kernel_rows
+            cpu_attention.paged_prefill_attention(
+                q, out, kv_cache, chunks.block_table, chunks.q_starts, chunks.q_lens,
+                chunks.seq_lens, num_kv_heads, scale, sliding_window, logits_soft_cap)
+        return out
+    if plan.decode_rows:
         if plan.decode_groups is None:
             plan.decode_groups = _group_decodes(md, plan.decode_rows)
         groups = plan.decode_groups

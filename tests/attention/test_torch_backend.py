@@ -18,11 +18,11 @@ BLOCK_SIZE = 16
 @pytest.fixture(autouse=True, params=["c-kernel", "torch-gather"])
 def decode_path(request, monkeypatch):
     """Every test runs on both decode paths: the C kernel (where it builds) and the gather."""
-    from kernels import cpu_decode_attention
+    from kernels import cpu_attention
 
     if request.param == "torch-gather":
-        monkeypatch.setattr(cpu_decode_attention, "supports", lambda q, kv_cache: False)
-    elif cpu_decode_attention.load() is None:
+        monkeypatch.setattr(cpu_attention, "supports", lambda q, kv_cache: False)
+    elif cpu_attention.load() is None:
         pytest.skip("no C compiler: the CPU decode kernel is unavailable")
     return request.param
 

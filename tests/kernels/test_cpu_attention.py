@@ -1,13 +1,13 @@
-"""The CPU decode attention kernel (C, via ctypes) against a float64 reference."""
+"""The CPU attention kernels (C, via ctypes: decode and prefill) against float64 references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_decode_attention
+from kernels import cpu_attention
 
-pytestmark = pytest.mark.skipif(cpu_decode_attention.load() is None,
+pytestmark = pytest.mark.skipif(cpu_attention.load() is None,
                                 reason="no C compiler: the CPU decode kernel is unavailable")
 
 
@@ -48,7 +48,7 @@ def test_matches_float64_reference(dtype, atol, head_dim, num_heads, num_kv_head
     q = torch.randn(9, num_heads * head_dim).to(dtype)
     out = torch.full_like(q, 7.0)
     scale = head_dim ** -0.5
-    cpu_decode_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, token_idx,
+    cpu_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, token_idx,
                                                 num_kv_heads, scale, window, soft_cap)
     expected = _reference(q, kv_cache, block_table, seq_lens, token_idx, num_kv_heads, scale,
                           window, soft_cap)
@@ -67,7 +67,7 @@ def test_strided_q_rows_and_in_order_rows():
     seq_lens = torch.tensor([5, 33, 20], dtype=torch.int32)
     block_table = torch.tensor([[1, 0, 0], [2, 3, 4], [5, 6, 0]], dtype=torch.int32)
     out = torch.empty(3, 4 * 64)
-    cpu_decode_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, None, 2, 0.125)
+    cpu_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, None, 2, 0.125)
     expected = _reference(q, kv_cache, block_table, seq_lens, None, 2, 0.125, None, None)
     for row, ref in expected.items():
         torch.testing.assert_close(out[row].double(), ref, atol=2e-6, rtol=2e-6)
@@ -77,12 +77,77 @@ def test_bad_arguments_raise_clear_errors():
     kv_cache = torch.randn(2, 4, 16, 1, 64)
     q = torch.randn(1, 64)
     with pytest.raises(TypeError, match="int32"):
-        cpu_decode_attention.paged_decode_attention(q, torch.empty_like(q), kv_cache,
+        cpu_attention.paged_decode_attention(q, torch.empty_like(q), kv_cache,
                                                     torch.zeros(1, 1, dtype=torch.int64),
                                                     torch.ones(1, dtype=torch.int32), None, 1, 0.1)
     big = torch.randn(2, 4, 16, 1, 512)
     with pytest.raises(ValueError, match="head_dim 512"):
         q = torch.randn(1, 512)
-        cpu_decode_attention.paged_decode_attention(q, torch.empty_like(q), big,
+        cpu_attention.paged_decode_attention(q, torch.empty_like(q), big,
                                                     torch.zeros(1, 1, dtype=torch.int32),
                                                     torch.ones(1, dtype=torch.int32), None, 1, 0.1)
+
+
+def _prefill_reference(q, kv_cache, block_table, q_starts, q_lens, seq_lens, num_kv_heads, scale,
+                       window, soft_cap):
+    """float64 causal attention of each chunk's queries over its sequence's cached K/V."""
+    _, _, block_size, _, head_dim = kv_cache.shape
+    num_heads = q.shape[1] // head_dim
+    out = {}
+    for c in range(len(q_lens)):
+        start, length, seq_len = int(q_starts[c]), int(q_lens[c]), int(seq_lens[c])
+        num_blocks = -(-seq_len // block_size)
+        kv = kv_cache[:, block_table[c, :num_blocks].long()].reshape(2, -1, num_kv_heads, head_dim)
+        kv = kv[:, :seq_len].double().repeat_interleave(num_heads // num_kv_heads, dim=2)
+        qr = q[start : start + length].view(length, num_heads, head_dim).double()
+        scores = torch.einsum("qhd,lhd->hql", qr, kv[0]) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(seq_len - length, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        o = torch.einsum("hql,lhd->qhd", scores.softmax(-1), kv[1]).reshape(length, -1)
+        for i in range(length):
+            out[start + i] = o[i]
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["d64", "d40"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (3, 3)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (13, None), (None, 4.0), (40, 2.5)],
+                         ids=["full", "window", "softcap", "both"])
+def test_prefill_matches_float64_reference(dtype, atol, head_dim, num_heads, num_kv_heads, window,
+                                           soft_cap):
+    torch.manual_seed(0)
+    block_size, num_blocks = 16, 96
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    # A whole prompt, a chunk after cached context ending mid-block, a 2-token chunk, and a
+    # chunk longer than one query tile starting at a block edge.
+    q_lens = torch.tensor([37, 20, 2, 33], dtype=torch.int32)
+    seq_lens = torch.tensor([37, 75, 18, 64], dtype=torch.int32)
+    q_starts = torch.tensor([0, 37, 57, 59], dtype=torch.int32)
+    block_table = torch.randperm(num_blocks - 1)[: 4 * 6].add(1).view(4, 6).to(torch.int32)
+    q = torch.randn(int(q_lens.sum()), num_heads * head_dim).to(dtype)
+    out = torch.full_like(q, 7.0)
+    scale = head_dim ** -0.5
+    cpu_attention.paged_prefill_attention(q, out, kv_cache, block_table, q_starts, q_lens, seq_lens,
+                                          num_kv_heads, scale, window, soft_cap)
+    expected = _prefill_reference(q, kv_cache, block_table, q_starts, q_lens, seq_lens,
+                                  num_kv_heads, scale, window, soft_cap)
+    assert sorted(expected) == list(range(q.shape[0]))
+    for row, ref in expected.items():
+        torch.testing.assert_close(out[row].double(), ref, atol=atol, rtol=atol)
+
+
+def test_prefill_bad_arguments():
+    kv_cache = torch.randn(2, 4, 16, 1, 64)
+    q = torch.randn(3, 64)
+    ones = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one entry per chunk"):
+        cpu_attention.paged_prefill_attention(q, torch.empty_like(q), kv_cache,
+                                              torch.zeros(1, 1, dtype=torch.int32), ones,
+                                              torch.ones(2, dtype=torch.int32), ones, 1, 0.1)

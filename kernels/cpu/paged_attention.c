@@ -241,3 +241,184 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
 
 DEFINE_ENTRY(paged_decode_attention_bf16, task_bf16, uint16_t, task_bf16_fn, task_bf16_d64, task_bf16_d128)
 DEFINE_ENTRY(paged_decode_attention_f32, task_f32, float, task_f32_fn, task_f32_d64, task_f32_d128)
+
+/* ---------------------------------------------------------------------------------------
+ * Prefill chunks (query_len > 1) over the paged cache, K/V of the chunk already written.
+ *
+ * A task is one query head and a tile of QUERY_TILE consecutive query tokens of one chunk.
+ * Queries are held transposed (qt[d][j]) so that one key's scores for the whole tile come
+ * from head_dim broadcast-FMAs over a vector of QUERY_TILE lanes: no horizontal sums, and
+ * each K/V block (converted once to fp32) serves QUERY_TILE queries. Softmax is online per
+ * block, masked by each query's causal (and sliding-window) range.
+ * ------------------------------------------------------------------------------------- */
+#define QUERY_TILE 16
+
+/* Element access for the two cache dtypes; `bf16` is a compile-time constant at every call. */
+static inline __attribute__((always_inline)) float load_at(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_load((const uint16_t *)base + i) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store_at(void *base, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)base)[i] = bf16_store_value(v);
+    else ((float *)base)[i] = v;
+}
+
+/* QUERY_TILE floats as one vector (one zmm with AVX-512; GCC splits it elsewhere). */
+typedef float tile_vec __attribute__((vector_size(QUERY_TILE * sizeof(float))));
+
+static inline __attribute__((always_inline)) void prefill_task(
+        const void *q, int64_t q_row_stride, void *out, int64_t out_row_stride,
+        const void *k_cache, const void *v_cache, int64_t block_stride, const int32_t *blocks,
+        int first_pos, int num_queries, int head, int group, int head_dim, int num_kv_heads,
+        int block_size, float scale, int window, float soft_cap, int bf16) {
+    tile_vec qt[MAX_HEAD_DIM], acc[MAX_HEAD_DIM]; /* [d] -> the tile's queries / outputs */
+    tile_vec scores[MAX_BLOCK], allowed[MAX_BLOCK]; /* [t] -> the tile's queries */
+    float kf[MAX_BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    tile_vec running_max, running_sum = {0}, block_max, correction;
+    int pos[QUERY_TILE], lowest[QUERY_TILE]; /* each query's key range [lowest, pos] */
+    const int kv_head = head / group;
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+
+    for (int j = 0; j < QUERY_TILE; j++) {
+        const int valid = j < num_queries;
+        const int64_t base = (int64_t)(valid ? j : 0) * q_row_stride + (int64_t)head * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            qt[d][j] = valid ? load_at(q, base + d, bf16) * scale : 0.f;
+            acc[d][j] = 0.f;
+        }
+        pos[j] = first_pos + (valid ? j : num_queries - 1);
+        lowest[j] = window > 0 ? pos[j] - window + 1 : 0;
+        running_max[j] = -FLT_MAX;
+    }
+    const int last_pos = first_pos + num_queries - 1;
+    const int start = lowest[0] > 0 ? lowest[0] : 0;
+    for (int first = (start / block_size) * block_size; first <= last_pos; first += block_size) {
+        const int64_t block = blocks[first / block_size];
+        const int lo = first < start ? start - first : 0;
+        const int hi = last_pos + 1 - first < block_size ? last_pos + 1 - first : block_size;
+        const int64_t kv_base = block * block_stride + (int64_t)kv_head * head_dim;
+
+        for (int t = lo; t < hi; t++)
+            for (int d = 0; d < head_dim; d++) kf[t][d] = load_at(k_cache, kv_base + t * row_stride + d, bf16);
+        /* Four keys at a time: independent FMA chains instead of one latency-bound chain. */
+        int t = lo;
+        for (; t + 4 <= hi; t += 4) {
+            tile_vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            for (int d = 0; d < head_dim; d++) {
+                const tile_vec qd = qt[d];
+                s0 += qd * kf[t][d];
+                s1 += qd * kf[t + 1][d];
+                s2 += qd * kf[t + 2][d];
+                s3 += qd * kf[t + 3][d];
+            }
+            scores[t] = s0; scores[t + 1] = s1; scores[t + 2] = s2; scores[t + 3] = s3;
+        }
+        for (; t < hi; t++) {
+            tile_vec sum = {0};
+            for (int d = 0; d < head_dim; d++) sum += qt[d] * kf[t][d];
+            scores[t] = sum;
+        }
+        for (t = lo; t < hi; t++) {
+            const int key_pos = first + t;
+            for (int j = 0; j < QUERY_TILE; j++)
+                allowed[t][j] = (key_pos <= pos[j] && key_pos >= lowest[j]) ? 1.f : 0.f;
+        }
+        float *flat = (float *)&scores[lo], *mask = (float *)&allowed[lo];
+        const int num_flat = (hi - lo) * QUERY_TILE;
+        if (soft_cap > 0.f)
+            for (int i = 0; i < num_flat; i++) flat[i] = soft_cap * tanhf(flat[i] / soft_cap);
+        for (int i = 0; i < num_flat; i++) flat[i] = mask[i] > 0.f ? flat[i] : -FLT_MAX;
+        block_max = running_max;
+        for (t = lo; t < hi; t++)
+            for (int j = 0; j < QUERY_TILE; j++)
+                block_max[j] = scores[t][j] > block_max[j] ? scores[t][j] : block_max[j];
+        for (int j = 0; j < QUERY_TILE; j++) correction[j] = expf(running_max[j] - block_max[j]);
+        running_max = block_max;
+        /* Masked keys get weight 0, also for a query that has seen no key yet (max -FLT_MAX). */
+        for (t = lo; t < hi; t++) scores[t] -= block_max;
+        for (int i = 0; i < num_flat; i++) flat[i] = expf(flat[i]) * mask[i];
+        running_sum *= correction;
+        for (t = lo; t < hi; t++) running_sum += scores[t];
+
+        for (t = lo; t < hi; t++)
+            for (int e = 0; e < head_dim; e++) kf[t][e] = load_at(v_cache, kv_base + t * row_stride + e, bf16);
+        int d = 0;
+        for (; d + 4 <= head_dim; d += 4) { /* four output columns: four FMA chains */
+            tile_vec a0 = acc[d] * correction, a1 = acc[d + 1] * correction;
+            tile_vec a2 = acc[d + 2] * correction, a3 = acc[d + 3] * correction;
+            for (int u = lo; u < hi; u++) {
+                const tile_vec p = scores[u];
+                a0 += p * kf[u][d];
+                a1 += p * kf[u][d + 1];
+                a2 += p * kf[u][d + 2];
+                a3 += p * kf[u][d + 3];
+            }
+            acc[d] = a0; acc[d + 1] = a1; acc[d + 2] = a2; acc[d + 3] = a3;
+        }
+        for (; d < head_dim; d++) {
+            tile_vec a = acc[d] * correction;
+            for (int u = lo; u < hi; u++) a += scores[u] * kf[u][d];
+            acc[d] = a;
+        }
+    }
+    for (int j = 0; j < num_queries; j++) {
+        const float inv = running_sum[j] > 0.f ? 1.f / running_sum[j] : 0.f;
+        const int64_t base = (int64_t)j * out_row_stride + (int64_t)head * head_dim;
+        for (int d = 0; d < head_dim; d++) store_at(out, base + d, acc[d][j] * inv, bf16);
+    }
+}
+
+static void prefill_task_bf16(const void *q, int64_t q_row_stride, void *out, int64_t out_row_stride,
+                              const void *k_cache, const void *v_cache, int64_t block_stride,
+                              const int32_t *blocks, int first_pos, int num_queries, int head,
+                              int group, int head_dim, int num_kv_heads, int block_size,
+                              float scale, int window, float soft_cap) {
+    prefill_task(q, q_row_stride, out, out_row_stride, k_cache, v_cache, block_stride, blocks,
+                 first_pos, num_queries, head, group, head_dim, num_kv_heads, block_size, scale,
+                 window, soft_cap, 1);
+}
+
+static void prefill_task_f32(const void *q, int64_t q_row_stride, void *out, int64_t out_row_stride,
+                             const void *k_cache, const void *v_cache, int64_t block_stride,
+                             const int32_t *blocks, int first_pos, int num_queries, int head,
+                             int group, int head_dim, int num_kv_heads, int block_size,
+                             float scale, int window, float soft_cap) {
+    prefill_task(q, q_row_stride, out, out_row_stride, k_cache, v_cache, block_stride, blocks,
+                 first_pos, num_queries, head, group, head_dim, num_kv_heads, block_size, scale,
+                 window, soft_cap, 0);
+}
+
+/* chunk c: query rows q_starts[c] .. + q_lens[c], the last q_lens[c] of seq_lens[c] tokens. */
+#define DEFINE_PREFILL_ENTRY(NAME, TASK, T)                                                     \
+int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,                     \
+         const T *k_cache, const T *v_cache, int64_t block_stride,                              \
+         const int32_t *block_table, int64_t block_table_stride, const int32_t *q_starts,       \
+         const int32_t *q_lens, const int32_t *seq_lens, int num_chunks, int num_heads,         \
+         int num_kv_heads, int head_dim, int block_size, float scale, int window,               \
+         float soft_cap) {                                                                      \
+    if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0                  \
+        || num_heads % num_kv_heads != 0) return -1;                                            \
+    int tiles_before[num_chunks + 1];                                                           \
+    tiles_before[0] = 0;                                                                        \
+    for (int c = 0; c < num_chunks; c++)                                                        \
+        tiles_before[c + 1] = tiles_before[c] + (q_lens[c] + QUERY_TILE - 1) / QUERY_TILE;      \
+    const int num_tasks = tiles_before[num_chunks] * num_heads;                                 \
+    const int group = num_heads / num_kv_heads;                                                 \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                            \
+    for (int task = 0; task < num_tasks; task++) {                                              \
+        const int tile = task / num_heads, head = task % num_heads;                             \
+        int c = 0;                                                                              \
+        while (tiles_before[c + 1] <= tile) c++;                                                \
+        const int first = (tile - tiles_before[c]) * QUERY_TILE;                                \
+        const int n = q_lens[c] - first < QUERY_TILE ? q_lens[c] - first : QUERY_TILE;         \
+        const int64_t row = (int64_t)q_starts[c] + first;                                      \
+        TASK(q + row * q_row_stride, q_row_stride, out + row * out_row_stride, out_row_stride,  \
+             k_cache, v_cache, block_stride, block_table + (int64_t)c * block_table_stride,     \
+             seq_lens[c] - q_lens[c] + first, n, head, group, head_dim, num_kv_heads,           \
+             block_size, scale, window, soft_cap);                                              \
+    }                                                                                           \
+    return 0;                                                                                   \
+}
+
+DEFINE_PREFILL_ENTRY(paged_prefill_attention_bf16, prefill_task_bf16, uint16_t)
+DEFINE_PREFILL_ENTRY(paged_prefill_attention_f32, prefill_task_f32, float)
