@@ -54,7 +54,7 @@ static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t blo
     for (int g = 0; g < group; g++) {                                                           \
         const T *src = q_row + (int64_t)(kv_head * group + g) * head_dim;                       \
         for (int d = 0; d < head_dim; d++) { qf[g][d] = LOAD(src + d) * scale; acc[g][d] = 0.f; } \
-        running_max[g] = -FLT_MAX; /* finite: built with -ffast-math */                                                             \
+        running_max[g] = -FLT_MAX; /* finite: -ffast-math */                              \
         running_sum[g] = 0.f;                                                                   \
     }                                                                                           \
     const int start = (window > 0 && seq_len > window) ? seq_len - window : 0;                  \
@@ -139,12 +139,21 @@ static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t blo
             qv[g][j] = _mm512_mul_ps(LOAD16(src + 16 * j), scale_v);                            \
             acc[g][j] = _mm512_setzero_ps();                                                    \
         }                                                                                       \
-        running_max[g] = -FLT_MAX; /* finite: built with -ffast-math */                                                             \
+        running_max[g] = -FLT_MAX; /* finite: -ffast-math */                              \
         running_sum[g] = 0.f;                                                                   \
     }                                                                                           \
     const int start = (window > 0 && seq_len > window) ? seq_len - window : 0;                  \
     for (int first = (start / block_size) * block_size; first < seq_len; first += block_size) { \
         const int64_t block = blocks[first / block_size];                                       \
+        if (first + block_size < seq_len) { /* blocks are scattered: fetch the next one early */\
+            const int64_t next = blocks[first / block_size + 1] * block_stride + (int64_t)kv_head * 16 * NV;\
+            for (int t = 0; t < block_size; t++) {                                              \
+                for (int off = 0; off < (int)(16 * NV * sizeof(T)); off += 64) {            \
+                    __builtin_prefetch((const char *)(k_cache + next + (int64_t)t * row_stride) + off);\
+                    __builtin_prefetch((const char *)(v_cache + next + (int64_t)t * row_stride) + off);\
+                }                                                                           \
+            }                                                                                   \
+        }                                                                                       \
         const int lo = first < start ? start - first : 0;                                       \
         const int hi = seq_len - first < block_size ? seq_len - first : block_size;             \
         const T *k_block = k_cache + block * block_stride + (int64_t)kv_head * 16 * NV;         \
@@ -225,16 +234,17 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0                  \
         || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP) return -1;    \
     const int group = num_heads / num_kv_heads;                                                 \
-    const int num_tasks = num_reqs * num_kv_heads;                                              \
     const FN task_fn = PICK_TASK(TASK, D64, D128, head_dim);                                    \
+    /* One task per request, its kv heads in turn: the heads after the first find the           \
+       request's blocks in this core's L2. */                                                   \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                            \
-    for (int task = 0; task < num_tasks; task++) {                                              \
-        const int req = task / num_kv_heads, kv_head = task % num_kv_heads;                     \
+    for (int req = 0; req < num_reqs; req++) {                                                  \
         const int64_t row = token_idx ? token_idx[req] : req;                                   \
-        task_fn(q + row * q_row_stride, k_cache, v_cache, block_stride,                              \
-             block_table + (int64_t)req * block_table_stride, seq_lens[req], kv_head, group,    \
-             head_dim, num_kv_heads, block_size, scale, window, soft_cap,                       \
-             out + row * out_row_stride);                                                            \
+        for (int kv_head = 0; kv_head < num_kv_heads; kv_head++)                                \
+            task_fn(q + row * q_row_stride, k_cache, v_cache, block_stride,                     \
+                    block_table + (int64_t)req * block_table_stride, seq_lens[req], kv_head,    \
+                    group, head_dim, num_kv_heads, block_size, scale, window, soft_cap,         \
+                    out + row * out_row_stride);                                                \
     }                                                                                           \
     return 0;                                                                                   \
 }
