@@ -1,0 +1,99 @@
+"""CPU attention: the C kernels against the torch path, on the embedded model's shapes.
+
+Decode: B requests with `ctx` tokens of context in scattered blocks, one layer (9 query heads
+over 3 kv heads, head_dim 64), the C kernel vs the padded gather + batched matmuls. Prefill: one
+T-token chunk, the C kernel vs torch SDPA. Both measured in this run, best of several repeats;
+prints the ratio (torch time / kernel time).
+
+    python benchmarks/cpu_attention.py [--threads 2] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import torch_backend
+from engine.attention.metadata import AttentionMetadata
+from kernels import cpu_attention
+
+BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM, NUM_BLOCKS = 16, 3, 3, 64, 4000
+
+
+def best_ms(fn: Callable[[], object], iters: int = 10, repeats: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - start) / iters * 1e3)
+    return best
+
+
+def decode_case(dtype: torch.dtype, batch: int, ctx: int) -> tuple[float, float]:
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    max_blocks = -(-ctx // BLOCK_SIZE)
+    table = torch.randperm(NUM_BLOCKS)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    q = torch.randn(batch, NUM_KV_HEADS * GROUP * HEAD_DIM, dtype=dtype)
+    out = torch.empty_like(q)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    md = AttentionMetadata(batch, batch, torch.arange(batch + 1, dtype=torch.int32), seq_lens, table,
+                           torch.full((batch,), -1, dtype=torch.long), 1, ctx,
+                           list(range(batch + 1)), [ctx] * batch, BLOCK_SIZE)
+    groups = torch_backend._group_decodes(md, list(range(batch)))
+
+    def torch_path() -> None:
+        for group in groups:
+            rows = q[: len(group.seq_lens)] if group.token_idx is None else q.index_select(0, group.token_idx)
+            torch_backend._attend_decodes(rows, cache, group, NUM_KV_HEADS, HEAD_DIM ** -0.5, None, None)
+
+    kernel = best_ms(lambda: cpu_attention.paged_decode_attention(
+        q, out, cache, table, seq_lens, None, NUM_KV_HEADS, HEAD_DIM ** -0.5))
+    return kernel, best_ms(torch_path)
+
+
+def prefill_case(dtype: torch.dtype, length: int) -> tuple[float, float]:
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    num_blocks = -(-length // BLOCK_SIZE)
+    table = torch.randperm(NUM_BLOCKS)[:num_blocks].view(1, -1).to(torch.int32)
+    k = cache[0][table[0].long()].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)
+    v = cache[1][table[0].long()].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)
+    q = torch.randn(length, NUM_KV_HEADS * GROUP * HEAD_DIM, dtype=dtype)
+    out = torch.empty_like(q)
+    one = torch.tensor([length], dtype=torch.int32)
+    qh = q.view(length, -1, HEAD_DIM).transpose(0, 1)
+    kernel = best_ms(lambda: cpu_attention.paged_prefill_attention(
+        q, out, cache, table, torch.zeros(1, dtype=torch.int32), one, one, NUM_KV_HEADS,
+        HEAD_DIM ** -0.5), iters=3)
+    sdpa = best_ms(lambda: F.scaled_dot_product_attention(
+        qh[None], k[None], v[None], is_causal=True, enable_gqa=True), iters=3)
+    return kernel, sdpa
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if cpu_attention.load() is None:
+        raise SystemExit("the C kernels are unavailable (no compiler, or LMC_CPU_KERNELS=0)")
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype}, {args.threads} threads, 9 heads over 3 kv heads, head_dim 64 (one layer)")
+    print(f"{'case':28s} {'C kernel ms':>12s} {'torch ms':>10s} {'ratio':>7s}")
+    for batch, ctx in ((32, 128), (32, 432), (64, 600)):
+        kernel, base = decode_case(dtype, batch, ctx)
+        print(f"{f'decode B={batch} ctx={ctx}':28s} {kernel:12.2f} {base:10.2f} {base / kernel:6.2f}x")
+    for length in (128, 272, 512):
+        kernel, base = prefill_case(dtype, length)
+        print(f"{f'prefill T={length} (vs SDPA)':28s} {kernel:12.2f} {base:10.2f} {base / kernel:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
