@@ -120,3 +120,19 @@ def test_sliding_window_blocks_are_freed_during_generation(make_llm, tiny_gemma3
     num_tokens, _, in_use = observed[-1]
     assert in_use <= cdiv(num_tokens, BLOCK_SIZE) + len(sliding) * max_real
     assert in_use < 2 * cdiv(num_tokens, BLOCK_SIZE)  # 6 full-attention groups would need 6x
+
+
+def test_mistral_all_sliding_layers_use_one_sliding_group(make_llm, tiny_mistral_dir) -> None:
+    """A window on every layer: one SlidingWindowSpec group (unitary coordinator), HF-exact."""
+    llm = make_llm(str(tiny_mistral_dir), **IN_PROCESS, num_gpu_blocks_override=NUM_BLOCKS)
+    groups = llm.engine_core.engine_core.kv_cache_config.kv_cache_groups
+    assert [g.kv_cache_spec for g in groups] == [SlidingWindowSpec(BLOCK_SIZE, 24)]
+    prompts = random_prompts(llm.config.hf_config.vocab_size, 4, 30, 120, seed=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=5), use_tqdm=False)
+    exact, failures = compare_greedy(outputs, hf_greedy(tiny_mistral_dir, prompts, MAX_TOKENS))
+    assert not failures, failures
+    assert exact >= len(prompts) - 1
+    # Second pass over the same prompts: sliding-window prefix hits, same tokens.
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+    assert all(o.num_cached_tokens > 0 for o in again)
