@@ -21,10 +21,13 @@ class ForwardContext:
     """State of one model forward pass.
 
     attn_metadata is None for a run without a KV cache (e.g. the memory-profiling dummy run):
-    attention then treats all tokens as one causal sequence and writes no cache.
+    attention then treats all tokens as one causal sequence and writes no cache. With several
+    KV cache groups (hybrid models), group_attn_metadata[g] is group g's metadata (its own
+    block table and slot mapping; group 0's is attn_metadata itself).
     """
 
     attn_metadata: AttentionMetadata | None
+    group_attn_metadata: list[AttentionMetadata] | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -47,11 +50,14 @@ def has_forward_context() -> bool:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[ForwardContext]:
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None,
+    group_attn_metadata: list[AttentionMetadata] | None = None,
+) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention layer for the duration of the block."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata=attn_metadata)
+    _forward_context = ForwardContext(attn_metadata=attn_metadata, group_attn_metadata=group_attn_metadata)
     try:
         yield _forward_context
     finally:

@@ -43,6 +43,12 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2)
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma3 text model: 5 sliding-window layers (window 24) and 1 global layer."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=5)
+
+
 @pytest.fixture
 def make_llm():
     """Build LLMs for one test; afterwards assert that none of them leaked a KV block."""

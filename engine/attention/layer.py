@@ -45,11 +45,16 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache: Tensor | None = None  # a plain attribute: not saved, not moved by .to()
+        self.kv_cache_group_id = 0  # set with the cache (hybrid models: the layer's KV cache group)
         self.backend: ModuleType = torch_backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [num_tokens, H*D], k/v [num_tokens, Hkv*D] -> [num_tokens, H*D]."""
-        attn_metadata = get_forward_context().attn_metadata
+        ctx = get_forward_context()
+        attn_metadata = ctx.attn_metadata
+        if self.kv_cache_group_id and attn_metadata is not None:
+            assert ctx.group_attn_metadata is not None, "hybrid KV cache groups need per-group metadata"
+            attn_metadata = ctx.group_attn_metadata[self.kv_cache_group_id]
         if attn_metadata is None:
             return torch_backend.causal_attention(
                 q, k, v, self.num_kv_heads, self.scale, self.sliding_window,

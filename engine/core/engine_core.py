@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash
 from engine.core.kv_cache.hashing import get_hash_fn_by_name
+from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
 from engine.core.sched.scheduler import Scheduler
 from engine.errors import DuplicateRequestError, InsufficientKVCacheError
 from engine.executor.uniproc import UniProcExecutor
@@ -34,6 +35,7 @@ class EngineCore:
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
+            kv_cache_config=self.kv_cache_config,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -52,13 +54,20 @@ class EngineCore:
         self._last_block_map_time = float("-inf")
 
     def _initialize_kv_caches(self) -> int:
-        """Size the KV cache from the memory budget (or the override), then allocate it."""
+        """Size the KV cache from the memory budget (or the override), then allocate it.
+
+        Sets self.kv_cache_config: the model's KV cache groups (one for full-attention models,
+        several for hybrid sliding-window models) over the num_blocks blocks (seed: 1213-1221).
+        """
         config = self.config
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
         else:
             num_blocks = self.model_executor.determine_num_available_blocks()
-        blocks_per_request = -(-config.max_model_len // config.block_size)
+        self.kv_cache_config: KVCacheConfig = get_kv_cache_config(self.model_executor.get_kv_cache_spec(), num_blocks)
+        blocks_per_request = self.kv_cache_config.max_num_blocks_per_request(
+            config.max_model_len, config.max_num_batched_tokens
+        )
         # Block 0 is the null block, so one max-length request needs one more.
         if num_blocks < blocks_per_request + 1:
             block_bytes = self.model_executor.worker.get_kv_cache_block_bytes()

@@ -26,6 +26,10 @@ class UniProcExecutor:
     def determine_num_available_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_available_blocks"))
 
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        """Each attention layer's KVCacheSpec (all workers hold the same model)."""
+        return self.collective_rpc("get_kv_cache_spec")[0]
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import UnsupportedArchitectureError
+from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -13,6 +14,9 @@ MODEL_REGISTRY: dict[str, type] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Text-only prompts for now: the vision tower is wired by the multimodal pipeline.
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 

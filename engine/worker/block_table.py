@@ -56,3 +56,40 @@ class BlockTable:
         """[num_reqs, widest row's blocks] int32 view of the committed device table."""
         max_blocks = int(self.num_blocks_per_row[:num_reqs].max()) if num_reqs else 0
         return self.buffer.gpu[:num_reqs, :max(max_blocks, 1)]
+
+
+class MultiGroupBlockTable:
+    """One BlockTable per KV cache group (seed: MultiGroupBlockTable, lines 1792-1802).
+
+    block_ids arguments are tuples with one list per group, as the scheduler sends them.
+    A model with a single group (every full-attention model) has exactly one table, so the
+    per-step cost is the single-table cost plus a loop of length one.
+    """
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int,
+                 device: torch.device, num_kv_cache_groups: int = 1) -> None:
+        self.block_tables = [BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+                             for _ in range(num_kv_cache_groups)]
+
+    def __getitem__(self, kv_cache_group_id: int) -> BlockTable:
+        return self.block_tables[kv_cache_group_id]
+
+    def __len__(self) -> int:
+        return len(self.block_tables)
+
+    def add_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table.add_row(ids, row_idx)
+
+    def append_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table.append_row(ids, row_idx)
+
+    def move_row(self, src: int, tgt: int) -> None:
+        for table in self.block_tables:
+            table.move_row(src, tgt)
+
+    def commit_block_table(self, num_reqs: int) -> None:
+        """Issue every group's host-to-device copy of rows [0, num_reqs)."""
+        for table in self.block_tables:
+            table.commit_block_table(num_reqs)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.worker.block_table import BlockTable
+from engine.worker.block_table import MultiGroupBlockTable
 
 
 @dataclass(slots=True)
@@ -20,7 +20,7 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group
     num_computed_tokens: int
     mm_features: list = field(default_factory=list)
 
@@ -37,7 +37,7 @@ class InputBatch:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str | None] = [None] * max_num_reqs
@@ -46,7 +46,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         max_num_blocks = -(-max_model_len // block_size)
-        self.block_table = BlockTable(max_num_reqs, max_num_blocks, block_size, device)
+        self.block_table = MultiGroupBlockTable(max_num_reqs, max_num_blocks, block_size, device,
+                                                num_kv_cache_groups)
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
         self._num_rows = 0  # one past the highest occupied row
         self.batch_changed = True  # sampling metadata must be rebuilt

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.layer import bind_kv_caches, get_kv_cache_shape, set_attention_backend
+from engine.attention.layer import set_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
+from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from engine.core.sched.output import SchedulerOutput
 from engine.forward_context import set_forward_context
 from engine.models.loader import load_model
@@ -20,6 +21,7 @@ from engine.sample.sampler import Sampler
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
@@ -46,7 +48,7 @@ class ModelRunner:
         self.dtype = config.dtype
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        hf = config.hf_config
+        hf = config.hf_config.get_text_config()  # a VLM's language model config (else itself)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -66,7 +68,7 @@ class ModelRunner:
             slot_mapping=buffer(max_num_tokens, dtype=torch.int64),
             query_start_loc=buffer(max_num_seqs + 1, dtype=torch.int32),
             seq_lens=buffer(max_num_seqs, dtype=torch.int32),
-            block_table=self.input_batch.block_table.buffer,
+            block_table=self.input_batch.block_table[0].buffer,
             logits_indices=buffer(max_num_seqs, dtype=torch.int64),
         )
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
@@ -74,6 +76,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.group_metadata_builder: GroupAttentionMetadataBuilder | None = None  # hybrid models
         self._sampling_metadata: SamplingMetadata | None = None
         self._state: ExecuteModelState | None = None
 
@@ -97,19 +101,33 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[: self.config.max_num_seqs])
         torch.sort(logits, dim=-1, descending=True)
 
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KVCacheSpec, by layer name (seed: get_kv_cache_specs)."""
+        assert self.model is not None
+        return get_kv_cache_spec(self.model, self.block_size)
+
     def get_kv_cache_block_bytes(self) -> int:
-        """Bytes one block takes across all layers (K and V)."""
+        """Bytes one block takes across the layers it spans (K and V): all layers for a single
+        KV cache group, one layer per group for hybrid models (see kv_cache_spec.py)."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        num_layers = get_kv_cache_config(self.get_kv_cache_spec(), 0).num_layers_per_block
+        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
         assert self.model is not None
-        bind_kv_caches(self.model, self.kv_caches)
+        self.kv_cache_config = get_kv_cache_config(self.get_kv_cache_spec(), num_blocks)
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        if num_groups > 1:  # one block table (and slot mapping) per KV cache group
+            self.input_batch = InputBatch(self.config.max_num_seqs, self.max_model_len,
+                                          self.block_size, self.device, num_groups)
+            self.buffers.block_table = self.input_batch.block_table[0].buffer
+            self.group_metadata_builder = GroupAttentionMetadataBuilder(
+                self.input_batch.block_table, self.buffers.input_ids.cpu.shape[0], self.device)
+        self.kv_caches = allocate_kv_caches(self.model, self.kv_cache_config, self.block_size,
+                                            self.dtype, self.device)
+        # Decode graphs read group 0's block table only: hybrid models run eagerly.
         if (self.device.type == "cuda" and self.attention_backend == "triton"
-                and not self.config.enforce_eager):
+                and not self.config.enforce_eager and num_groups == 1):
             self.cuda_graphs = CudaGraphRunner(self.model, self.buffers, self.config.max_num_seqs,
                                                self.block_size, self.max_model_len)
             self.cuda_graphs.capture()
@@ -141,8 +159,8 @@ class ModelRunner:
         bufs = self.buffers
         bufs.positions.np[:total] = positions
         bufs.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
-        bufs.slot_mapping.np[:total] = batch.block_table.compute_slot_mapping(req_indices,
-                                                                             positions)
+        bufs.slot_mapping.np[:total] = batch.block_table[0].compute_slot_mapping(req_indices,
+                                                                                positions)
         bufs.query_start_loc.np[0] = 0
         bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         bufs.seq_lens.np[:num_reqs] = seq_lens
@@ -157,7 +175,7 @@ class ModelRunner:
                 num_reqs=num_reqs,
                 query_start_loc=bufs.query_start_loc.copy_to_gpu(num_reqs + 1),
                 seq_lens=bufs.seq_lens.copy_to_gpu(num_reqs),
-                block_table=batch.block_table.get_device_tensor(num_reqs),
+                block_table=batch.block_table[0].get_device_tensor(num_reqs),
                 slot_mapping=bufs.slot_mapping.copy_to_gpu(total),
                 max_query_len=max_query_len,
                 max_seq_len=int(seq_lens.max()),
@@ -165,7 +183,11 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens.tolist(),
                 block_size=self.block_size,
             )
-            with set_forward_context(attn_metadata):
+            group_metadata = None
+            if self.group_metadata_builder is not None:
+                group_metadata = self.group_metadata_builder.build(attn_metadata, req_indices,
+                                                                   positions)
+            with set_forward_context(attn_metadata, group_metadata):
                 hidden_states = self.model(bufs.input_ids.copy_to_gpu(total),
                                            bufs.positions.copy_to_gpu(total))
         bufs.logits_indices.np[:num_reqs] = cu_num_tokens - 1
@@ -241,7 +263,7 @@ class ModelRunner:
                 output_token_ids=list(new_req.output_token_ids),
                 sampling_params=params,
                 generator=generator,
-                block_ids=list(new_req.block_ids[0]),
+                block_ids=tuple(list(ids) for ids in new_req.block_ids),
                 num_computed_tokens=new_req.num_computed_tokens,
                 mm_features=new_req.mm_features,
             )
@@ -253,14 +275,15 @@ class ModelRunner:
             req_state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             if new_block_ids is not None:
-                req_state.block_ids.extend(new_block_ids[0])
+                for ids, new_ids in zip(req_state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 batch.add_request(req_state)
                 continue
             batch.num_computed_tokens_cpu[row] = req_state.num_computed_tokens
             if new_block_ids is not None:
-                batch.block_table.append_row(new_block_ids[0], row)
+                batch.block_table.append_row(new_block_ids, row)
         batch.condense()
 
     def _get_sampling_metadata(self) -> SamplingMetadata:

@@ -7,6 +7,7 @@ import os
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_cache.kv_cache_spec import KVCacheSpec
 from engine.core.sched.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from engine.worker.model_runner_output import ModelRunnerOutput
@@ -62,6 +63,10 @@ class Worker:
     def get_kv_cache_block_bytes(self) -> int:
         assert self.model_runner is not None
         return self.model_runner.get_kv_cache_block_bytes()
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        assert self.model_runner is not None
+        return self.model_runner.get_kv_cache_spec()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None

@@ -58,17 +58,21 @@ def test_backend_matches_torch_backend(requests, window):
     assert torch.equal(kv_cache, kv_ref)  # same slots written, -1 skipped
 
 
-def test_tiny_model_greedy_tokens_match_torch_backend(tiny_mistral_dir, make_llm):
+@pytest.mark.parametrize("model_fixture", ["tiny_mistral_dir", "tiny_gemma3_dir"])
+def test_tiny_model_greedy_tokens_match_torch_backend(model_fixture, request, make_llm):
     """Chunked prefills, mixed batches and decodes through the kernels; sliding window 24.
 
-    On a GPU the Triton run replays CUDA graphs for its decode steps (padded batches)."""
+    Mistral: one sliding-window KV cache group; Gemma3: hybrid groups, each layer reading its
+    group's block table (null blocks behind the window). On a GPU the Triton run replays CUDA
+    graphs for the single-group model's decode steps (padded batches)."""
+    model_dir = request.getfixturevalue(model_fixture)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(n)]}
                for n in (45, 9, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(str(tiny_mistral_dir), dtype="float32", device=DEVICE.type,
+        llm = make_llm(str(model_dir), dtype="float32", device=DEVICE.type,
                        max_model_len=256, max_num_batched_tokens=32,
                        num_gpu_blocks_override=64, attention_backend=backend,
                        multiprocess=False)

@@ -17,7 +17,7 @@ from engine.platform import cpu_has_fast_bf16, cpuinfo_has_fast_bf16, detect_dev
 
 def test_registry_maps_supported_architectures():
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM"):
+                 "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
         assert get_model_class(SimpleNamespace(architectures=[name])) is MODEL_REGISTRY[name]
 
 

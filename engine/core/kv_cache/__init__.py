@@ -17,6 +17,16 @@ from engine.core.kv_cache.hashing import (
     sha256,
     sha256_cbor,
 )
+from engine.core.kv_cache.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+    get_kv_cache_config,
+    get_kv_cache_groups,
+)
 from engine.core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine.core.kv_cache.metrics import PrefixCacheStats
 
@@ -29,15 +39,23 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "FreeKVCacheBlockQueue",
+    "FullAttentionSpec",
     "KVCacheBlock",
     "KVCacheBlocks",
+    "KVCacheConfig",
     "KVCacheEvent",
+    "KVCacheGroupSpec",
     "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
     "PrefixCacheStats",
+    "SlidingWindowSpec",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
     "get_hash_fn_by_name",
+    "get_kv_cache_config",
+    "get_kv_cache_groups",
     "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",

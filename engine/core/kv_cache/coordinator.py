@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import BlockPool
 from engine.core.kv_cache.hashing import BlockHash, BlockHashListWithBlockSize
-from engine.core.kv_cache.single_type import KVCacheSpec, SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
+from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from engine.core.kv_cache.single_type import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+    spec_manager_map,
+)
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -154,6 +160,94 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
 
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several KV cache groups of different specs, with prefix caching (seed: lines 3163-3189).
+
+    Groups of equal spec form one attention group and are searched together (a block hash hits
+    only if every group of the spec has it cached). Full attention comes first: its hits are
+    downward closed, so any shorter length the other types settle on is still a hit for it.
+    Invariant: attention_groups partition the group ids; every group has the same block size.
+    """
+
+    def __init__(
+        self,
+        kv_cache_specs: Sequence[KVCacheSpec],
+        num_gpu_blocks: int,
+        max_model_len: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(
+            kv_cache_specs, num_gpu_blocks, max_model_len, use_eagle, enable_caching, enable_kv_cache_events, hash_block_size
+        )
+        self.verify_and_split_kv_cache_groups()
+
+    def verify_and_split_kv_cache_groups(self) -> None:
+        """Bucket the groups by spec into attention_groups, full attention first."""
+        group_ids_by_spec: dict[KVCacheSpec, list[int]] = {}
+        for group_id, spec in enumerate(self.kv_cache_specs):
+            group_ids_by_spec.setdefault(spec, []).append(group_id)
+        self.attention_groups: list[tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]] = sorted(
+            ((spec, ids, spec_manager_map[type(spec)]) for spec, ids in group_ids_by_spec.items()),
+            key=lambda group: not isinstance(group[0], FullAttentionSpec),
+        )
+        block_sizes = {spec.block_size for spec in self.kv_cache_specs}
+        if len(block_sizes) != 1:
+            raise NotImplementedError(f"hybrid KV cache groups need one block size, got {sorted(block_sizes)}")
+        self.block_size = block_sizes.pop()
+        assert self.block_size % self.hash_block_size == 0, "block_size must be a multiple of hash_block_size"
+        num_full = sum(1 for spec, _, _ in self.attention_groups if isinstance(spec, FullAttentionSpec))
+        # One full type plus one other: a single pass reaches the fixed point (seed: is_simple_hybrid).
+        self.is_simple_hybrid = len(self.attention_groups) == 2 and num_full == 1
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Shrink the hit length until every attention type accepts it (seed: fixed point, lines 3163-3189).
+
+        Each pass asks every type for its longest hit within the current length; the length
+        only decreases, so the loop ends. Full attention is searched once and then cut.
+        """
+        hashes: list[BlockHash] | BlockHashListWithBlockSize = block_hashes
+        if self.block_size != self.hash_block_size:
+            hashes = BlockHashListWithBlockSize(block_hashes, self.hash_block_size, self.block_size)
+        block_size = self.block_size
+        hits_by_type: list[tuple[list[KVCacheBlock], ...] | None] = [None] * len(self.attention_groups)
+        hit_length = max_cache_hit_length
+        while True:
+            curr_hit_length = hit_length
+            for idx, (spec, group_ids, manager_cls) in enumerate(self.attention_groups):
+                cached = hits_by_type[idx]
+                if cached is not None and manager_cls is FullAttentionManager:
+                    # Downward closed: the earlier, longer hit cut to the new length is still a hit.
+                    curr_hit_length = min(curr_hit_length, len(cached[0]) * block_size) // block_size * block_size
+                    continue
+                hits = manager_cls.find_longest_cache_hit(
+                    block_hashes=hashes,
+                    max_length=curr_hit_length,
+                    kv_cache_group_ids=group_ids,
+                    block_pool=self.block_pool,
+                    kv_cache_spec=spec,
+                    use_eagle=self.use_eagle,
+                    alignment_tokens=block_size,
+                )
+                hits_by_type[idx] = hits
+                curr_hit_length = len(hits[0]) * block_size
+            if curr_hit_length >= hit_length or self.is_simple_hybrid:
+                hit_length = curr_hit_length
+                break
+            hit_length = curr_hit_length
+        num_blocks = hit_length // block_size
+        hit_blocks: list[list[KVCacheBlock]] = [[] for _ in self.kv_cache_specs]
+        for (_, group_ids, _), hits in zip(self.attention_groups, hits_by_type):
+            assert hits is not None
+            for group_id, blocks in zip(group_ids, hits):
+                hit_blocks[group_id] = blocks[:num_blocks]
+        return tuple(hit_blocks), hit_length
+
+
 def get_kv_cache_coordinator(
     kv_cache_specs: Sequence[KVCacheSpec],
     num_gpu_blocks: int,
@@ -169,7 +263,4 @@ def get_kv_cache_coordinator(
         return KVCacheCoordinatorNoPrefixCache(*args)
     if len(kv_cache_specs) == 1:
         return UnitaryKVCacheCoordinator(*args)
-    raise NotImplementedError(
-        f"{len(kv_cache_specs)} KV cache groups need the HybridKVCacheCoordinator (seed: lines 3163-3189), "
-        "which arrives with Gemma3; use one group or disable prefix caching."
-    )
+    return HybridKVCacheCoordinator(*args)

@@ -12,7 +12,7 @@ from engine.core.kv_cache.block_pool import BlockPool
 from engine.core.kv_cache.coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from engine.core.kv_cache.events import KVCacheEvent
 from engine.core.kv_cache.metrics import PrefixCacheStats
-from engine.core.kv_cache.single_type import FullAttentionSpec
+from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ class KVCacheManager:
 
     Layers: KVCacheManager -> KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool.
     Invariants: a request holds blocks from its first successful allocate_slots until free();
-    allocate_slots either allocates everything asked for or changes nothing and returns None.
+    allocate_slots either allocates everything asked for or returns None having changed nothing
+    but the freeing of blocks that fell behind a sliding window (stage 1).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class KVCacheManager:
         hash_block_size: int | None = None,
         log_stats: bool = True,
         use_eagle: bool = False,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         if num_blocks < 2:
             raise InvalidEngineArgsError(f"num_blocks={num_blocks} is too small: block 0 is the null block, need >= 2.")
@@ -84,8 +86,14 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
+        # No config: one full-attention group (every model without sliding-window layers).
+        kv_cache_specs = [FullAttentionSpec(block_size=block_size)]
+        if kv_cache_config is not None:
+            kv_cache_specs = kv_cache_config.kv_cache_specs
+            if any(spec.block_size != block_size for spec in kv_cache_specs):
+                raise InvalidEngineArgsError(f"KV cache groups {kv_cache_specs} disagree with block_size={block_size}.")
         self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
-            kv_cache_specs=[FullAttentionSpec(block_size=block_size)],
+            kv_cache_specs=kv_cache_specs,
             num_gpu_blocks=num_blocks,
             max_model_len=max_model_len,
             enable_caching=enable_caching,

@@ -6,32 +6,15 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import BlockPool
 from engine.core.kv_cache.hashing import BlockHash, BlockHashListWithBlockSize
+from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 
 if TYPE_CHECKING:
     from engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    """The manager-side part of a KV cache group's spec: what the block managers need to know."""
-
-    block_size: int  # tokens per block
-
-
-@dataclass(frozen=True, slots=True)
-class FullAttentionSpec(KVCacheSpec):
-    """Every token attends to every earlier token (seed: FullAttentionSpec, lines 2254-2269)."""
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -228,11 +211,94 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return num_common_blocks
 
 
-# seed: spec_manager_map, lines 2254-2269. SlidingWindowSpec -> SlidingWindowManager lands with the
-# multimodal/Gemma3 issue: it overrides get_num_skipped_tokens, find_longest_cache_hit (right to
-# left) and get_num_common_prefix_blocks (0); remove_skipped_blocks above already serves it.
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention: blocks behind the window are freed (seed: SlidingWindowManager, lines 2422-2470).
+
+    The token at position p attends to positions (p - sliding_window, p], so once
+    num_computed_tokens tokens are in the cache the first num_computed_tokens - sliding_window + 1
+    are dead weight: remove_skipped_blocks (base class) frees their blocks and puts the null
+    block in their place. A running request therefore holds about
+    cdiv(sliding_window, block_size) + 1 real blocks, however long it grows.
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool, kv_cache_group_id: int) -> None:
+        assert isinstance(kv_cache_spec, SlidingWindowSpec), kv_cache_spec
+        super().__init__(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens the next token no longer sees (seed: lines 2434-2447)."""
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash] | BlockHashListWithBlockSize,
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool = False,
+        alignment_tokens: int | None = None,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Scan right to left for a run of cached blocks that covers the window (seed: lines 2449-2466).
+
+        A hit of L tokens is usable when the blocks holding tokens [L - sliding_window + 1, L)
+        are cached: cdiv(sliding_window - 1, block_size) contiguous blocks ending at L, or a
+        shorter run that starts at block 0. Blocks before the run are returned as the null
+        block. Unlike full attention, a miss does not end the search: an earlier run may do.
+        """
+        assert isinstance(kv_cache_spec, SlidingWindowSpec), kv_cache_spec
+        block_size = kv_cache_spec.block_size
+        alignment_tokens = alignment_tokens or block_size
+        num_contiguous_needed = cdiv(kv_cache_spec.sliding_window - 1, block_size)
+        if use_eagle:
+            num_contiguous_needed += 1  # EAGLE recomputes the last hit block (popped below)
+        max_num_blocks = max_length // block_size
+        null_block = block_pool.null_block
+        computed_blocks: tuple[list[KVCacheBlock], ...] = tuple(
+            [null_block] * max_num_blocks for _ in kv_cache_group_ids
+        )
+        num_contiguous = 0
+        match_found = False
+        if num_contiguous_needed == 0:
+            # A window of one token needs no cached KV: every aligned length is a hit.
+            max_num_blocks -= max_num_blocks % (alignment_tokens // block_size)
+            return tuple([null_block] * max_num_blocks for _ in kv_cache_group_ids)
+        for i in range(max_num_blocks - 1, -1, -1):
+            cached_blocks = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached_blocks is None:
+                num_contiguous = 0
+                continue
+            if num_contiguous == 0 and (i + 1) * block_size % alignment_tokens != 0:
+                continue  # a hit must end on an alignment boundary: this block cannot end one
+            for computed, cached in zip(computed_blocks, cached_blocks):
+                computed[i] = cached
+            num_contiguous += 1
+            if num_contiguous >= num_contiguous_needed:
+                # Blocks i .. i + num_contiguous - 1 cover the window: the hit ends there.
+                for computed in computed_blocks:
+                    del computed[i + num_contiguous :]
+                match_found = True
+                break
+        if not match_found:
+            # Only a run that starts at block 0 can be shorter than the window.
+            for computed in computed_blocks:
+                del computed[num_contiguous:]
+        if use_eagle and computed_blocks[0]:
+            for computed in computed_blocks:
+                computed.pop()
+        return computed_blocks
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Always 0: the prefix blocks are null blocks, so no cascade attention (seed: lines 2467-2470)."""
+        return 0
+
+
+# seed: spec_manager_map, lines 2254-2269.
 spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 

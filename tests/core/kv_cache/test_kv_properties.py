@@ -13,8 +13,13 @@ from engine.core.kv_cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    FullAttentionSpec,
     KVCacheBlock,
+    KVCacheConfig,
     KVCacheManager,
+    SlidingWindowSpec,
+    get_block_hash,
+    get_kv_cache_config,
     make_block_hash_with_group_id,
 )
 from engine.core.kv_cache.block_pool import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
@@ -31,13 +36,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     """Drives a KVCacheManager like a scheduler would and checks the BlockPool after every step."""
 
     enable_caching = True
+    kv_cache_config: KVCacheConfig | None = None  # None: one full-attention group
 
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(
             num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
             enable_caching=self.enable_caching, enable_kv_cache_events=True,
+            kv_cache_config=self.kv_cache_config,
         )
+        self.num_groups = self.manager.num_kv_cache_groups
+        self.last_computed: dict[str, int] = {}  # computed tokens at each request's last allocation
         self.pool = self.manager.block_pool
         self.requests: dict[str, Request] = {}
         self.pins: list[KVCacheBlock] = []  # references taken with touch() outside any request
@@ -52,11 +61,18 @@ class KVCacheMachine(RuleBasedStateMachine):
                 len(self.pool.kv_event_queue), len(self.pool.cached_block_hash_to_block))
 
     def _allocate(self, request: Request, num_new_tokens: int, num_computed: int = 0, computed=None) -> bool:  # type: ignore[no-untyped-def]
+        # Stage 1 frees blocks behind a sliding window even when the allocation then fails (a
+        # no-regret change); apply it first so that "None changes nothing else" stays checkable.
+        total_computed = min(request.num_computed_tokens + num_computed, MAX_MODEL_LEN)
+        self.manager.coordinator.remove_skipped_blocks(request.request_id, total_computed)
+        if request.request_id in self.last_computed:
+            self.last_computed[request.request_id] = total_computed
         before = self._snapshot()
         blocks = self.manager.allocate_slots(request, num_new_tokens, num_computed, computed)
         if blocks is None:
             assert self._snapshot() == before, "allocate_slots returned None after changing state"
             return False
+        self.last_computed[request.request_id] = request.num_computed_tokens + num_computed
         request.num_computed_tokens = request.num_computed_tokens + num_computed + num_new_tokens
         return True
 
@@ -88,7 +104,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def free_request(self, data: st.DataObject) -> None:
         request = self.requests.pop(data.draw(st.sampled_from(sorted(self.requests))))
         self.manager.free(request)
-        assert self.manager.get_block_ids(request.request_id) == ([],)
+        assert self.manager.get_block_ids(request.request_id) == ([],) * self.num_groups
 
     @rule(block_ids=st.sets(st.integers(1, NUM_BLOCKS - 1), max_size=4))
     def evict(self, block_ids: set[int]) -> None:
@@ -120,24 +136,25 @@ class KVCacheMachine(RuleBasedStateMachine):
         for event in self.manager.take_events():
             if isinstance(event, BlockStored):
                 assert len(event.token_ids) == len(event.block_hashes) * BLOCK_SIZE
-                self.stored_keys.update(make_block_hash_with_group_id(h, 0) for h in event.block_hashes)
+                self.stored_keys.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
-                    key = make_block_hash_with_group_id(h, 0)
-                    assert self.stored_keys[key] > 0, "BlockRemoved for a hash never stored"
-                    self.stored_keys[key] -= 1
+                    assert self.stored_keys[h] > 0, "BlockRemoved for a hash never stored"
+                    self.stored_keys[h] -= 1
             else:
                 assert isinstance(event, AllBlocksCleared)
                 self.stored_keys.clear()
         # After draining, the replayed stream describes exactly the map's content.
-        assert +self.stored_keys == Counter(key for key, _ in self.pool.cached_block_hash_to_block.items())
+        # Events carry no group id, so hybrid groups are replayed by block hash alone.
+        assert +self.stored_keys == Counter(get_block_hash(key) for key, _ in self.pool.cached_block_hash_to_block.items())
 
     # -- invariants --------------------------------------------------------------------------------
     @invariant()
     def ref_counts_match_holders(self) -> None:
         holders: Counter[int] = Counter(b.block_id for b in self.pins)
         for rid in self.requests:
-            ids = self.manager.get_block_ids(rid)[0]
+            # Null blocks (id 0) stand in for sliding-window blocks that were freed.
+            ids = [i for group in self.manager.get_block_ids(rid) for i in group if i != 0]
             assert len(ids) == len(set(ids)), "a request holds a block twice"
             holders.update(ids)
         for block in self.pool.blocks[1:]:
@@ -174,9 +191,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert not mapped_ids
         # A request's cached blocks carry that request's hash (or none, after evict_blocks).
         for rid, request in self.requests.items():
-            for i, block in enumerate(self.manager.get_blocks(rid).blocks[0]):
-                if block.block_hash is not None:
-                    assert block.block_hash == make_block_hash_with_group_id(request.block_hashes[i], 0)
+            for group_id, blocks in enumerate(self.manager.get_blocks(rid).blocks):
+                for i, block in enumerate(blocks):
+                    if block.block_hash is not None:
+                        assert block.block_hash == make_block_hash_with_group_id(request.block_hashes[i], group_id)
 
     @invariant()
     def block_states_match(self) -> None:
@@ -204,6 +222,27 @@ class KVCacheMachineNoCaching(KVCacheMachine):
     enable_caching = False
 
 
+class HybridKVCacheMachine(KVCacheMachine):
+    """A full-attention group and two sliding-window groups (windows 3 and 5) sharing one pool."""
+
+    kv_cache_config = get_kv_cache_config(
+        {"full": FullAttentionSpec(BLOCK_SIZE), "local3": SlidingWindowSpec(BLOCK_SIZE, 3),
+         "local5": SlidingWindowSpec(BLOCK_SIZE, 5)},
+        num_blocks=NUM_BLOCKS,
+    )
+
+    @invariant()
+    def sliding_groups_hold_only_the_window(self) -> None:
+        for rid in self.requests:
+            full, *local = self.manager.get_blocks(rid).blocks
+            assert not any(b.is_null for b in full)
+            for manager, blocks in zip(self.manager.coordinator.single_type_managers[1:], local):
+                assert len(blocks) == len(full)
+                # Exactly the blocks behind the window (as of the last allocation) are null.
+                skipped = manager.get_num_skipped_tokens(self.last_computed[rid]) // BLOCK_SIZE
+                assert [b.is_null for b in blocks] == [True] * skipped + [False] * (len(blocks) - skipped)
+
+
 _SETTINGS = settings(
     max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -211,3 +250,5 @@ TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = _SETTINGS
 TestKVCacheMachineNoCaching = KVCacheMachineNoCaching.TestCase
 TestKVCacheMachineNoCaching.settings = settings(_SETTINGS, max_examples=60)
+TestHybridKVCacheMachine = HybridKVCacheMachine.TestCase
+TestHybridKVCacheMachine.settings = settings(_SETTINGS, max_examples=100)
