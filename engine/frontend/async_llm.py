@@ -46,7 +46,7 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.config.max_model_len, self.config.hf_config.vocab_size,
+            self.tokenizer, self.config.max_model_len, self.config.text_config.vocab_size,
             eos_token_id, extra_stop_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         if stat_loggers is None:

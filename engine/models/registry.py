@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import UnsupportedArchitectureError
+from engine.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -13,6 +14,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
 }
 
 

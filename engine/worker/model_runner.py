@@ -46,7 +46,7 @@ class ModelRunner:
         self.dtype = config.dtype
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        hf = config.hf_config
+        hf = config.text_config
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
