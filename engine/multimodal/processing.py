@@ -218,3 +218,64 @@ def _parse_uuids(uuids: Any, num_images: int) -> list[str | None]:
     return [None if u is None else str(u) for u in uuids]
 
 
+
+
+# -- P1 side: the largest item, for the encoder budget (torch- and transformers-free) -----------
+def read_image_processor_config(model_dir: Path) -> dict[str, Any]:
+    """The image processor's settings from processor_config.json or preprocessor_config.json."""
+    import json
+
+    model_dir = Path(model_dir)
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            if isinstance(data.get("image_processor"), dict):
+                merged = dict(data["image_processor"])
+                merged.setdefault("image_seq_len", data.get("image_seq_len"))
+                return merged
+            if "size" in data or "max_image_size" in data:
+                return data
+    return {}
+
+
+def _idefics3_max_tokens_per_item(model_dir: Path, hf_config: Any) -> int:
+    """Most embeddings one image yields: (ceil(longest_edge / tile)^2 + 1) tiles x image_seq_len."""
+    import math
+
+    vision = hf_config.vision_config
+    scale = int(getattr(hf_config, "scale_factor", 2))
+    per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 // scale**2
+    config = read_image_processor_config(model_dir)
+    if not config.get("do_image_splitting", True):
+        return per_tile
+    longest = int((config.get("size") or {}).get("longest_edge", 4 * 364))
+    tile = int((config.get("max_image_size") or {}).get("longest_edge", 364))
+    side = math.ceil(longest / tile)
+    return (side * side + (1 if side > 1 else 0)) * per_tile
+
+
+# config.architectures name -> max embeddings of one item (P1's encoder budget and cache size).
+MAX_TOKENS_PER_ITEM: dict[str, Any] = {
+    "Idefics3ForConditionalGeneration": _idefics3_max_tokens_per_item,
+    "SmolVLMForConditionalGeneration": _idefics3_max_tokens_per_item,
+}
+
+
+def get_max_tokens_per_mm_item(model_dir: Path, hf_config: Any) -> int:
+    """The model's largest mm item in encoder embeddings (0 for a text-only model)."""
+    for name in getattr(hf_config, "architectures", None) or ():
+        if name in MAX_TOKENS_PER_ITEM:
+            return int(MAX_TOKENS_PER_ITEM[name](model_dir, hf_config))
+    return 0
+
+
+def make_mm_processor(config: Any) -> MultiModalProcessor | None:
+    """The frontend's MultiModalProcessor for an EngineConfig, None for a text-only model."""
+    if not is_multimodal_config(config.hf_config):
+        return None
+    mm = config.mm_config
+    return MultiModalProcessor(
+        config.model_dir, config.model_name, config.hf_config,
+        hasher_algorithm=mm.mm_hasher_algorithm if mm is not None else "auto",
+        cache_bytes=mm.processor_cache_bytes if mm is not None else 0)
