@@ -17,7 +17,7 @@ from typing import Any
 
 DEMO_VLM_NAME = "demo-vlm"
 DEMO_VLM_LABEL = "untrained vision tower: answers ignore the image"
-_DEMO_VERSION = "1"  # bump when the recipe below changes
+_DEMO_VERSION = "3"  # bump when the recipe below changes
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
@@ -119,17 +119,31 @@ def _copy_text_weights(model: Any, text_dir: Path) -> None:
                 param = params[target]
                 if param.shape == tensor.shape:
                     param.copy_(tensor)
-                else:  # the embedding grew by the image tokens: keep the old rows
+                else:  # the embedding grew by the image tokens: keep the old rows, and zero the
+                    # new ones so that the (tied) head never prefers an image token
                     param[: tensor.shape[0]].copy_(tensor)
+                    param[tensor.shape[0]:].zero_()
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    # The random connector's outputs have unit scale; the LM's token embeddings are far smaller.
+    # Match them, so the image tokens perturb the LM instead of drowning the text.
+    with torch.no_grad():
+        embed = model.model.text_model.embed_tokens.weight
+        model.model.connector.modality_projection.proj.weight.mul_(float(embed.float().std()))
+
+
+def demo_vlm_target() -> Path:
+    """Where the demo VLM lives (built or not)."""
+    from engine.models.embedded import cache_dir
+
+    return cache_dir() / "models" / f"{DEMO_VLM_NAME}-v{_DEMO_VERSION}"
 
 
 def demo_vlm_dir() -> Path:
     """The demo VLM's directory, built once (atomically) from the embedded SmolLM2."""
-    from engine.models.embedded import DEFAULT_MODEL, cache_dir, resolve_model_path
+    from engine.models.embedded import DEFAULT_MODEL, resolve_model_path
 
-    target = cache_dir() / "models" / f"{DEMO_VLM_NAME}-v{_DEMO_VERSION}"
+    target = demo_vlm_target()
     if (target / "config.json").is_file():
         return target
     text_dir = resolve_model_path(DEFAULT_MODEL)
