@@ -152,7 +152,10 @@ class EncoderRunner:
 def _to_tensor(value: Any, device: torch.device) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(device)
-    return torch.from_numpy(np.ascontiguousarray(value)).to(device)
+    array = np.ascontiguousarray(value)
+    if not array.flags.writeable:  # a view of a received ZMQ frame: torch wants writable memory
+        array = array.copy()
+    return torch.from_numpy(array).to(device)
 
 
 def maybe_create_encoder_runner(model: Any, config: Any) -> EncoderRunner | None:
