@@ -43,7 +43,7 @@ def main() -> None:
             _, request = processor.process_inputs(f"{label}{i}", prompt, params)
             processor.finalize_for_send([request])
             (miss_s if label == "miss" else hit_s).append(time.perf_counter() - start)
-            size = sum(len(memoryview(f)) for f in encoder.encode(request))
+            size = sum(memoryview(f).nbytes for f in encoder.encode(request))
             if label == "miss":
                 miss_bytes = size
             else:
