@@ -128,3 +128,16 @@ def test_chat_with_an_image_through_asyncllm(tiny_idefics3_dir, png) -> None:
     assert prompt_tokens > 20  # the image's placeholder expansion is in the prompt
     assert encoder_cache is not None and encoder_cache.num_encoder_runs == 1
     assert 1 <= num_tokens <= 5
+
+
+def test_cli_chat_image_option_and_models_listing(png) -> None:
+    from typer.testing import CliRunner
+
+    from lm_console.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["chat", "--plain", "--fake", "--image", png], input="hello\n")
+    assert result.exit_code == 0, result.output
+    assert "text-only" in result.stderr and "hello" in result.stdout  # the fake engine has no vision
+    listing = runner.invoke(app, ["models"])
+    assert listing.exit_code == 0 and "demo-vlm" in listing.stdout and "ignore the image" in listing.stdout
