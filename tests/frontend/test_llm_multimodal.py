@@ -17,7 +17,7 @@ from engine.errors import (
 from mm_factory import make_image, png_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-ENGINE = dict(multiprocess=False, max_model_len=512, kv_cache_memory=1 << 24, block_size=16)
+ENGINE = dict(multiprocess=False, dtype="float32", max_model_len=512, kv_cache_memory=1 << 24, block_size=16)
 
 
 def image_prompt(image, text: str = "<image>What is this?") -> dict:

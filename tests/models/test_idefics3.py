@@ -72,7 +72,8 @@ def test_prompt_expansion_equals_hf_processor(tiny_idefics3_dir, hf_processor) -
 
 def test_greedy_equals_hf_on_image_prompts(tiny_idefics3_dir, hf_model, hf_processor, make_llm) -> None:
     max_tokens = 12
-    llm = make_llm(str(tiny_idefics3_dir), multiprocess=False, max_model_len=512, kv_cache_memory=1 << 24)
+    llm = make_llm(str(tiny_idefics3_dir), multiprocess=False, dtype="float32", max_model_len=512,
+                   kv_cache_memory=1 << 24)
     outputs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in PROMPTS],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                            use_tqdm=False)
@@ -87,7 +88,8 @@ def test_greedy_equals_hf_on_image_prompts(tiny_idefics3_dir, hf_model, hf_proce
 
 def test_image_changes_the_output(tiny_idefics3_dir, make_llm) -> None:
     """Guards against a merge that silently drops the image: another image, another answer."""
-    llm = make_llm(str(tiny_idefics3_dir), multiprocess=False, max_model_len=512, kv_cache_memory=1 << 24)
+    llm = make_llm(str(tiny_idefics3_dir), multiprocess=False, dtype="float32", max_model_len=512,
+                   kv_cache_memory=1 << 24)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first, second = llm.generate([{"prompt": "<image>Hi", "multi_modal_data": {"image": make_image(seed)}}
                                   for seed in (10, 11)], params, use_tqdm=False)

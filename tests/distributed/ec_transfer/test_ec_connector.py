@@ -14,7 +14,8 @@ from engine.errors import InvalidEngineArgsError
 from mm_factory import make_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-ENGINE = dict(multiprocess=False, max_model_len=512, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+ENGINE = dict(multiprocess=False, dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
+              enable_prefix_caching=False)
 
 
 def test_config_from_dict_or_json_and_roles() -> None:
