@@ -10,13 +10,16 @@ from lm_console.client.protocol import ConsoleClient
 from lm_console.client.types import EngineUnavailable
 
 
-async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO = sys.stdin,
-                   stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr, show_stats: bool = False,
-                   images: list[str] | None = None) -> int:
+async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | None = None,
+                   stdout: TextIO | None = None, stderr: TextIO | None = None,
+                   show_stats: bool = False, images: list[str] | None = None) -> int:
     """One user turn per input line; each reply streams to stdout and ends with a newline.
 
     /commands print their notice to stderr. Returns the exit code (1 if the engine failed).
+    The streams default to sys.stdin/stdout/stderr as they are at call time (not at import:
+    a test runner swaps them per invocation).
     """
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     interactive = stdin.isatty()
     try:
         await client.start()
