@@ -44,6 +44,13 @@ class EngineArgs:
     # The engine core in its own process (default; $LMC_MULTIPROCESS=0 flips it), or in this one.
     multiprocess: bool = field(default_factory=lambda: os.environ.get("LMC_MULTIPROCESS", "1") != "0")
     zmq_transport: str = "ipc"  # ipc (private 0700 temp dir) | tcp (loopback)
+    # Multimodal (engine/multimodal/config.py) and encoder-cache transfer (engine/distributed/ec_transfer).
+    mm_processor_cache_gb: float = 1.0
+    mm_hasher_algorithm: str = "auto"
+    disable_chunked_mm_input: bool = False
+    encoder_cache_size: int | None = None
+    max_num_encoder_input_tokens: int | None = None
+    ec_transfer_config: dict[str, Any] | str | None = None  # dict or JSON string
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments, resolve the model and build the EngineConfig."""
@@ -55,7 +62,8 @@ class EngineArgs:
         hf_config = _load_hf_config(model_dir)
         device = detect_device() if self.device == "auto" else _torch_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
-        model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        model_max = int(getattr(text_config, "max_position_embeddings", 2048) or 2048)
         max_model_len = self.max_model_len or min(model_max, 8192)
         if max_model_len > model_max:
             raise InvalidEngineArgsError(
@@ -86,7 +94,28 @@ class EngineArgs:
             log_stats=self.log_stats,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            mm_config=self.create_mm_config(),
+            ec_transfer_config=self.create_ec_transfer_config(),
         )
+
+    def create_mm_config(self) -> Any:
+        """The resolved MultiModalConfig (validated)."""
+        from engine.multimodal.config import MultiModalConfig
+
+        mm_config = MultiModalConfig(
+            mm_processor_cache_gb=self.mm_processor_cache_gb, mm_hasher_algorithm=self.mm_hasher_algorithm,
+            disable_chunked_mm_input=self.disable_chunked_mm_input, encoder_cache_size=self.encoder_cache_size,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens)
+        mm_config.verify()
+        return mm_config
+
+    def create_ec_transfer_config(self) -> Any:
+        """ECTransferConfig from ec_transfer_config (dict or JSON string), or None."""
+        if self.ec_transfer_config is None:
+            return None
+        from engine.distributed.ec_transfer.config import ECTransferConfig
+
+        return ECTransferConfig.from_arg(self.ec_transfer_config)
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -141,7 +170,8 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, num_threads=self.num_threads,
             enable_kv_cache_events=self.enable_kv_cache_events, log_stats=self.log_stats,
-            num_blocks=info.num_blocks,
+            num_blocks=info.num_blocks, mm_config=self.create_mm_config(),
+            ec_transfer_config=self.create_ec_transfer_config(),
         )
 
 
@@ -172,6 +202,16 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton (engine/attention/selector.py)
     enforce_eager: bool = False  # no CUDA graphs
     extra: dict[str, Any] = field(default_factory=dict)
+    mm_config: Any = None  # engine.multimodal.config.MultiModalConfig
+    ec_transfer_config: Any = None  # engine.distributed.ec_transfer.config.ECTransferConfig | None
+
+    @property
+    def text_config(self) -> Any:
+        """The language model's config (a VLM's text_config; the config itself otherwise)."""
+        hf = self.hf_config
+        if hasattr(hf, "get_text_config"):
+            return hf.get_text_config()
+        return hf
 
 
 def _load_hf_config(model_dir: Path) -> Any:

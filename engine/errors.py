@@ -52,3 +52,27 @@ def fresh_error(error: BaseException) -> BaseException:
         return error
     copy.__cause__ = error.__cause__
     return copy
+
+
+class MultiModalInputError(EngineError, ValueError):
+    """A multimodal input (image) of a request could not be used; the request is rejected."""
+
+
+class ImageNotFoundError(MultiModalInputError, FileNotFoundError):
+    """An image path does not name a readable file."""
+
+
+class InvalidImageError(MultiModalInputError):
+    """Image data is corrupt, truncated, of an unsupported format, or not an image source."""
+
+
+class MultiModalNotSupportedError(MultiModalInputError):
+    """An image was sent to a text-only model."""
+
+
+class TooManyMultiModalItemsError(MultiModalInputError, InvalidPromptError):
+    """The images of a prompt do not fit max_model_len or the encoder cache."""
+
+
+class MultiModalCacheMissError(MultiModalInputError):
+    """The engine core's processor cache lacks an item the frontend sent without data."""

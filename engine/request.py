@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine.multimodal.inputs import MultiModalFeatureSpec
+
 if TYPE_CHECKING:
     from engine.core.kv_cache.hashing import BlockHash
     from engine.protocol import EngineCoreEvent, EngineCoreEventType
@@ -40,21 +42,6 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
 }
-
-
-@dataclass(slots=True)
-class MultiModalFeatureSpec:
-    """One multimodal item of a request (filled by the multimodal issue).
-
-    mm_hash identifies the item for the encoder cache and the prefix-cache extra keys;
-    offset/length place its placeholder tokens in the prompt.
-    """
-
-    identifier: str
-    offset: int
-    length: int
-    modality: str = "image"
-    data: Any = None
 
 
 @dataclass(eq=False)

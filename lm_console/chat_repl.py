@@ -11,7 +11,8 @@ from lm_console.client.types import EngineUnavailable
 
 
 async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO = sys.stdin,
-                   stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr, show_stats: bool = False) -> int:
+                   stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr, show_stats: bool = False,
+                   images: list[str] | None = None) -> int:
     """One user turn per input line; each reply streams to stdout and ends with a newline.
 
     /commands print their notice to stderr. Returns the exit code (1 if the engine failed).
@@ -22,6 +23,8 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO = 
     except EngineUnavailable as error:
         stderr.write(f"error: the engine failed to start: {error}\n{error.hint}\n")
         return 1
+    for path in images or ():  # `lmc chat --image PATH`: goes with the first message
+        stderr.write(session.attach_image(path) + "\n")
     try:
         while True:
             if interactive:

@@ -13,10 +13,11 @@ from lm_console.client.types import GenParams, StreamChunk
 from lm_console.request_book import RequestBook
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful, concise assistant."
-TEXT_ONLY_NOTICE = ("Images are not supported yet: this model is text-only. Image attachment "
-                    "(ctrl+i, /image PATH) comes with the multimodal models.")
+TEXT_ONLY_NOTICE = ("This model is text-only: it cannot take images. Start the console with "
+                    "--model demo-vlm (or a vision-language model directory) to attach them with /image PATH.")
+MULTIMODAL_NOTICE = "Vision-language model: /image PATH attaches an image to your next message."
 COMMANDS_HELP = ("/clear starts over · /system TEXT sets the system prompt · "
-                 "/temp X, /top_p X, /max N change sampling · /image PATH (text-only for now)")
+                 "/temp X, /top_p X, /max N change sampling · /image PATH attaches an image")
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class ChatSession:
     clock: Callable[[], float] = time.time
     messages: list[dict[str, Any]] = field(default_factory=list)
     current_request_id: str | None = None
+    pending_images: list[str] = field(default_factory=list)  # attached, sent with the next message
     last_stats: ReplyStats | None = None
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
@@ -68,6 +70,8 @@ class ChatSession:
             if name == "clear":
                 self.clear()
                 return "Conversation cleared."
+            if name == "image":
+                return self.attach_image(arg)
             if name == "system":
                 self.system_prompt = arg
                 return f"System prompt set to: {arg or '(none)'}"
@@ -82,9 +86,27 @@ class ChatSession:
                 return f"max_tokens = {self.params.max_tokens}"
         except ValueError:
             return f"Not a number: {arg!r}. {COMMANDS_HELP}"
-        if name == "image":
-            return TEXT_ONLY_NOTICE
         return f"Unknown command /{name}. {COMMANDS_HELP}"
+
+    @property
+    def multimodal(self) -> bool:
+        info = getattr(self.client, "info", None)
+        return bool(getattr(info, "multimodal", False))
+
+    def attach_image(self, path: str) -> str:
+        """Attach an image file to the next message; returns the notice to show."""
+        if not self.multimodal:
+            return TEXT_ONLY_NOTICE
+        if not path:
+            return "Usage: /image PATH (a PNG, JPEG, GIF, BMP, WEBP or TIFF file)."
+        try:
+            from lm_console.image_preview import describe_image
+
+            description, _ = describe_image(path)
+        except Exception as error:  # noqa: BLE001 - the engine's image errors: show, keep chatting
+            return f"Cannot attach {path}: {error}"
+        self.pending_images.append(path)
+        return f"Attached {description}; it goes with your next message."
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages sent to the model: the system prompt first, when there is one."""
@@ -93,7 +115,12 @@ class ChatSession:
 
     async def send(self, text: str) -> AsyncIterator[StreamChunk]:
         """Add a user turn and stream the assistant's reply (kept even when stopped early)."""
-        self.messages.append({"role": "user", "content": text})
+        if self.pending_images:
+            parts: list[dict[str, Any]] = [{"type": "image", "image": path} for path in self.pending_images]
+            self.messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
+            self.pending_images = []
+        else:
+            self.messages.append({"role": "user", "content": text})
         request_id = f"chat-{next(self._ids):04d}"
         self.current_request_id = request_id
         start = self.clock()

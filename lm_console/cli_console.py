@@ -84,6 +84,9 @@ def chat(
     max_tokens: Annotated[int, typer.Option(help="Most tokens in one reply.")] = 256,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed (reproducible replies).")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="--plain: print each reply's stats to stderr.")] = False,
+    image: Annotated[Optional[list[str]], typer.Option(
+        "--image", help="Attach an image file to the first message (repeatable; needs a VLM, e.g. "
+                        "--model demo-vlm).")] = None,
     fake: FakeOpt = False,
 ) -> None:
     """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
@@ -100,7 +103,7 @@ def chat(
 
         session = ChatSession(client, system_prompt=system_prompt, params=params)
         try:
-            code = asyncio.run(run_repl(client, session, show_stats=stats))
+            code = asyncio.run(run_repl(client, session, show_stats=stats, images=list(image or [])))
         except KeyboardInterrupt:
             code = 130
         raise typer.Exit(code)
@@ -109,6 +112,7 @@ def chat(
     app = ConsoleApp(client, chat_only=True, log_path=default_log_path())
     app.session.system_prompt = system_prompt
     app.session.params = params
+    app.initial_images = list(image or [])
     run_app(app)
 
 

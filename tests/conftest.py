@@ -49,6 +49,14 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=5)
 
 
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Idefics3 (SmolVLM-style) VLM with its processor (tests/mm_factory.py)."""
+    from mm_factory import make_tiny_idefics3_dir
+
+    return make_tiny_idefics3_dir(tmp_path_factory.mktemp("tiny_idefics3"))
+
+
 @pytest.fixture
 def make_llm():
     """Build LLMs for one test; afterwards assert that none of them leaked a KV block."""

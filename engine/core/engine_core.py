@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash
 from engine.core.kv_cache.hashing import get_hash_fn_by_name
 from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
+from engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
 from engine.core.sched.scheduler import Scheduler
 from engine.errors import DuplicateRequestError, InsufficientKVCacheError
 from engine.executor.uniproc import UniProcExecutor
@@ -27,22 +28,29 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_executor = UniProcExecutor(config)
-        num_blocks = self._initialize_kv_caches()
-        config.num_blocks = num_blocks
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            enable_caching=config.enable_prefix_caching,
-            enable_kv_cache_events=config.enable_kv_cache_events,
-            kv_cache_config=self.kv_cache_config,
-        )
+        self.mm = MultiModalCore(config)
+        if self.mm.is_producer_only:  # an encoder-only engine allocates no KV cache
+            config.num_blocks = 2
+            self.kv_cache_manager: KVCacheManager = EncoderOnlyKVCacheManager(config.max_model_len,
+                                                                             config.block_size)
+        else:
+            num_blocks = self._initialize_kv_caches()
+            config.num_blocks = num_blocks
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+                enable_caching=config.enable_prefix_caching,
+                enable_kv_cache_events=config.enable_kv_cache_events,
+                kv_cache_config=self.kv_cache_config,
+            )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             log_stats=config.log_stats,
+            encoder_scheduler=self.mm.encoder_scheduler,
         )
         hash_fn = get_hash_fn_by_name(config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -84,6 +92,7 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, engine_request: EngineCoreRequest) -> None:
         """Admit a validated request into the scheduler's WAITING queue."""
+        self.mm.preprocess_request(engine_request)
         request = Request(
             request_id=engine_request.request_id,
             prompt_token_ids=engine_request.prompt_token_ids,
@@ -97,6 +106,7 @@ class EngineCore:
         )
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")
+        self.mm.validate_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -195,7 +195,7 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             model_name=config.model_name, model_dir=str(config.model_dir),
             tokenizer_dir=str(config.tokenizer_dir), device=str(config.device),
             dtype=str(config.dtype).removeprefix("torch."), max_model_len=config.max_model_len,
-            vocab_size=int(config.hf_config.vocab_size), block_size=config.block_size,
+            vocab_size=int(config.text_config.vocab_size), block_size=config.block_size,
             num_blocks=config.num_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid())

@@ -19,6 +19,7 @@ from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.mp_client import AsyncMPClient
 from engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from engine.frontend.output_processor import OutputProcessor
+from engine.multimodal.processing import make_mm_processor
 from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.loggers import LoggingStatLogger, StatLoggerBase
@@ -46,8 +47,8 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.config.max_model_len, self.config.hf_config.vocab_size,
-            eos_token_id, extra_stop_ids)
+            self.tokenizer, self.config.max_model_len, self.config.text_config.vocab_size,
+            eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config))
         self.output_processor = OutputProcessor(self.tokenizer)
         if stat_loggers is None:
             stat_loggers = [LoggingStatLogger()] if self.engine_args.log_stats else []
@@ -71,7 +72,7 @@ class AsyncLLM:
             "max_model_len": info.max_model_len, "max_num_batched_tokens": info.max_num_batched_tokens,
             "max_num_seqs": info.max_num_seqs, "enable_prefix_caching": info.enable_prefix_caching,
             "vocab_size": info.vocab_size, "kv_events_endpoint": info.kv_events_endpoint,
-            "multimodal": False,
+            "multimodal": self.input_processor.mm_processor is not None,
         }
 
     @property
@@ -102,7 +103,9 @@ class AsyncLLM:
         for text, request, parent, index in children:
             self.output_processor.add_request(request, text, parent, index, queue=collector)
         try:
-            self.engine_core.add_requests([request for _, request, _, _ in children])
+            requests = [request for _, request, _, _ in children]
+            self.input_processor.finalize_for_send(requests)
+            self.engine_core.add_requests(requests)
         except BaseException:
             self.output_processor.abort_requests([request_id])
             raise

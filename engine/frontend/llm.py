@@ -11,6 +11,7 @@ from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingPa
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.output_processor import OutputProcessor
+from engine.multimodal.processing import make_mm_processor
 from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -38,8 +39,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.config.max_model_len, self.config.hf_config.vocab_size,
-            eos_token_id, extra_stop_ids,
+            self.tokenizer, self.config.max_model_len, self.config.text_config.vocab_size,
+            eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -84,6 +85,7 @@ class LLM:
             for text, child_request, parent, index in children:
                 self.output_processor.add_request(child_request, text, parent, index)
                 engine_requests.append(child_request)
+        self.input_processor.finalize_for_send(engine_requests)
         # One message: the core admits the whole batch before its first step, as in-process.
         self.engine_core.add_requests(engine_requests)
         return self._run_engine(request_ids, use_tqdm)
@@ -100,19 +102,13 @@ class LLM:
         if not messages:
             raise InvalidPromptError("messages is empty: pass a list of {'role', 'content'} dicts.")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            for message in conversation:
-                if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                    raise InvalidPromptError(
-                        f"Each chat message must be a dict with 'role' and 'content'; got {message!r}."
-                    )
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        from engine.multimodal.chat import build_chat_prompt
+
+        prompts: list[PromptType] = [
+            build_chat_prompt(self.tokenizer, self.input_processor.mm_processor, conversation,
+                              add_generation_prompt, chat_template_kwargs)
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:

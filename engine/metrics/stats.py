@@ -20,6 +20,21 @@ class PrefixCacheStatsSnapshot(msgspec.Struct, array_like=True, gc=False):
     hits: int = 0
 
 
+class EncoderCacheStats(msgspec.Struct, array_like=True, gc=False):
+    """The encoder cache (seed: EncoderCache): occupancy in embedding slots, cumulative counters."""
+
+    num_entries: int = 0
+    num_slots: int = 0
+    num_used_slots: int = 0  # referenced by a request
+    num_freeable_slots: int = 0  # unreferenced, kept until the space is needed
+    num_free_slots: int = 0
+    num_lookups: int = 0
+    num_hits: int = 0
+    num_encoder_runs: int = 0
+    num_external_loads: int = 0
+    num_evictions: int = 0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """Scheduler and KV cache state after one step (the console's main feed).
 
@@ -44,6 +59,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     timestamp: float = 0.0  # time.time() when the snapshot was taken
     block_states: bytes | None = None
     block_ref_counts: bytes | None = None
+    encoder_cache: EncoderCacheStats | None = None  # multimodal models only
 
 
 class BlockPoolState(msgspec.Struct, array_like=True, gc=False):

@@ -167,7 +167,21 @@ def list_known_models() -> list[KnownModel]:
             source=f"pip package {spec.package.replace('_', '-')} ({spec.filename})",
             gguf_path=gguf_path, converted=converted, path=path if converted else None,
         ))
+    models.append(_demo_vlm_entry())
     return models
+
+
+def _demo_vlm_entry() -> KnownModel:
+    from engine.models.demo_vlm import DEMO_VLM_LABEL, DEMO_VLM_NAME, demo_vlm_target
+
+    target = demo_vlm_target()
+    built = _is_model_dir(target)
+    return KnownModel(
+        name=DEMO_VLM_NAME,
+        description=f"demo vision-language model: {DEFAULT_MODEL} + a random SigLIP tower and "
+                    f"Idefics3 connector ({DEMO_VLM_LABEL})",
+        license="Apache-2.0", source=f"built locally from {DEFAULT_MODEL}",
+        gguf_path=None, converted=built, path=target if built else None)
 
 
 def _known_name(model: str) -> str | None:
@@ -179,6 +193,10 @@ def _known_name(model: str) -> str | None:
 
 def resolve_model_path(model: str | None) -> Path:
     """An HF-format model directory for a known name (None = default), a directory or a .gguf."""
+    if model is not None and model.lower() == "demo-vlm":
+        from engine.models.demo_vlm import demo_vlm_dir
+
+        return demo_vlm_dir()
     name = _known_name(DEFAULT_MODEL if model is None else model)
     if name is not None:
         spec = _EMBEDDED[name]
@@ -198,7 +216,7 @@ def resolve_model_path(model: str | None) -> Path:
                                  "Hugging Face-format model directory")
     if path.is_file() and path.suffix == ".gguf":
         return ensure_converted(path)
-    known = ", ".join(_EMBEDDED)
+    known = ", ".join([*_EMBEDDED, "demo-vlm"])
     raise ModelNotFoundError(
         f"model {model!r} not found: it is not a known model name ({known}), not a directory "
         f"with config.json, and not a .gguf file (looked for {str(path.resolve())!r})"

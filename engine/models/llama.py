@@ -129,8 +129,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings,
                                           rope_parameters(config))
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
+        # inputs_embeds: text + image embeddings already merged by a multimodal wrapper.
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, D/2], shared by layers
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
@@ -152,9 +153,13 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings [num_tokens, hidden_size] (multimodal wrappers merge into these)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.errors import UnsupportedArchitectureError
 from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from engine.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -17,6 +18,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Text-only prompts for now: the vision tower is wired by the multimodal pipeline.
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
 }
 
 

@@ -20,6 +20,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
 from engine.worker.cuda_graph import CudaGraphRunner
+from engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_runner
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -48,7 +49,7 @@ class ModelRunner:
         self.dtype = config.dtype
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        hf = config.hf_config.get_text_config()  # a VLM's language model config (else itself)
+        hf = config.text_config  # a VLM's language model config (else the config itself)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -80,6 +81,9 @@ class ModelRunner:
         self.group_metadata_builder: GroupAttentionMetadataBuilder | None = None  # hybrid models
         self._sampling_metadata: SamplingMetadata | None = None
         self._state: ExecuteModelState | None = None
+        # Multimodal models: encoder_cache, encoder execution, embedding merge (encoder_runner.py).
+        self.encoder_runner: EncoderRunner | None = None
+        self._encoder_only_output: ModelRunnerOutput | None = None
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -87,6 +91,7 @@ class ModelRunner:
         if self.attention_backend != "torch":  # the layers default to the torch backend
             set_attention_backend(self.model,
                                   load_attention_backend(self.attention_backend, self.device))
+        self.encoder_runner = maybe_create_encoder_runner(self.model, self.config)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -137,6 +142,10 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward pass and keep the last-token logits for sample_tokens()."""
         self._update_states(scheduler_output)
+        encoder = self.encoder_runner
+        if encoder is not None:
+            encoder.update_states(scheduler_output)
+            encoder.execute_mm_encoder(scheduler_output, self.requests)
         if scheduler_output.is_empty:
             self._state = None
             return
@@ -155,6 +164,11 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         positions = num_computed[req_indices] + offsets
         seq_lens = num_computed + num_scheduled
+        if encoder is not None and encoder.is_producer_only:  # ECConnector producer: no decoder
+            self._state = None
+            self._encoder_only_output = encoder.make_encoder_only_output(
+                req_ids, (seq_lens >= batch.num_tokens[:num_reqs]).tolist())
+            return
 
         bufs = self.buffers
         bufs.positions.np[:total] = positions
@@ -164,8 +178,13 @@ class ModelRunner:
         bufs.query_start_loc.np[0] = 0
         bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         bufs.seq_lens.np[:num_reqs] = seq_lens
+        input_ids = bufs.input_ids.copy_to_gpu(total)
+        inputs_embeds = None
+        if encoder is not None:
+            inputs_embeds = encoder.get_inputs_embeds(input_ids, batch.states[:num_reqs], num_computed,
+                                                      num_scheduled)
         graph_size = None
-        if self.cuda_graphs is not None and max_query_len == 1:
+        if self.cuda_graphs is not None and max_query_len == 1 and inputs_embeds is None:
             graph_size = self.cuda_graphs.padded_size(num_reqs)
         if graph_size is not None:
             hidden_states = self.cuda_graphs.replay(num_reqs, graph_size)
@@ -187,9 +206,12 @@ class ModelRunner:
             if self.group_metadata_builder is not None:
                 group_metadata = self.group_metadata_builder.build(attn_metadata, req_indices,
                                                                    positions)
+            positions_gpu = bufs.positions.copy_to_gpu(total)
             with set_forward_context(attn_metadata, group_metadata):
-                hidden_states = self.model(bufs.input_ids.copy_to_gpu(total),
-                                           bufs.positions.copy_to_gpu(total))
+                if inputs_embeds is None:
+                    hidden_states = self.model(input_ids, positions_gpu)
+                else:
+                    hidden_states = self.model(input_ids, positions_gpu, inputs_embeds)
         bufs.logits_indices.np[:num_reqs] = cu_num_tokens - 1
         logits_indices = bufs.logits_indices.copy_to_gpu(num_reqs)
         logits = self.model.compute_logits(hidden_states[logits_indices])
@@ -201,6 +223,9 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput:
         """Sample from the stored logits; append the new tokens to the worker's own state."""
         state, self._state = self._state, None
+        if self._encoder_only_output is not None:
+            output, self._encoder_only_output = self._encoder_only_output, None
+            return output
         if state is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch

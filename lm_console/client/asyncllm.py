@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lm_console.client.types import (
-    EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StatsSample, StreamChunk,
+    EncoderCacheSample, EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StatsSample, StreamChunk,
 )
 
 _DEAD_HINT = ("The engine core process stopped (its log is below). Restart the console "
@@ -56,6 +56,7 @@ class AsyncLLMConsoleClient:
             max_num_seqs=int(summary.get("max_num_seqs", 0)),
             vocab_size=min(int(summary.get("vocab_size") or 1 << 30), len(self.tokenizer)),
             multimodal=bool(summary.get("multimodal", False)),
+            notice=_model_notice(summary.get("model_dir")),
         )
         return self.info
 
@@ -77,22 +78,28 @@ class AsyncLLMConsoleClient:
 
     async def generate(self, prompt: str | list[int], params: GenParams,
                        request_id: str) -> AsyncIterator[StreamChunk]:
+        engine_prompt: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        async for chunk in self._stream(engine_prompt, params, request_id):
+            yield chunk
+
+    async def _stream(self, engine_prompt: Any, params: GenParams, request_id: str) -> AsyncIterator[StreamChunk]:
         from engine.sampling_params import RequestOutputKind, SamplingParams
 
         sampling = SamplingParams(
             temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
             seed=params.seed, ignore_eos=params.ignore_eos, output_kind=RequestOutputKind.DELTA,
         )
-        engine_prompt: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         with _dead_as_unavailable(self):
             async for output in self._engine().generate(engine_prompt, sampling, request_id=request_id):
                 yield chunk_of(output)
 
     async def chat(self, messages: list[dict[str, Any]], params: GenParams,
                    request_id: str) -> AsyncIterator[StreamChunk]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        async for chunk in self.generate(list(token_ids), params, request_id):
+        from engine.multimodal.chat import build_chat_prompt
+
+        # Images ride as content parts; the prompt builder renders the model's chat template.
+        prompt = build_chat_prompt(self.tokenizer, self._engine().input_processor.mm_processor, messages)
+        async for chunk in self._stream(prompt, params, request_id):
             yield chunk
 
     async def abort(self, request_id: str) -> None:
@@ -169,7 +176,30 @@ def stats_sample_of(stats: Any) -> StatsSample:
         num_generation_tokens=get("num_generation_tokens", None),
         block_states=_as_bytes(get("block_states", None)),
         block_ref_counts=_as_bytes(get("block_ref_counts", None)),
+        encoder_cache=encoder_cache_sample_of(get("encoder_cache", None)),
     )
+
+
+def encoder_cache_sample_of(stats: Any) -> EncoderCacheSample | None:
+    """Convert the engine's EncoderCacheStats (duck-typed); None for a text-only engine."""
+    if stats is None:
+        return None
+    return EncoderCacheSample(**{name: int(getattr(stats, name, 0) or 0)
+                                 for name in EncoderCacheSample.__dataclass_fields__})
+
+
+def _model_notice(model_dir: Any) -> str | None:
+    """The demo VLM's caveat, read from the marker file its builder writes."""
+    import json
+    from pathlib import Path
+
+    if not model_dir:
+        return None
+    marker = Path(str(model_dir)) / "lmc_demo.json"
+    try:
+        return str(json.loads(marker.read_text()).get("label")) if marker.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def kv_records_of(batch: Any) -> list[KVEventRecord]:

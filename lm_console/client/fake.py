@@ -18,6 +18,8 @@ _DEAD = object()  # queue sentinel: the engine died
 def default_reply(messages: list[dict[str, Any]]) -> str:
     """The fake model's answer: it says what it is and echoes the question."""
     question = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+    if isinstance(question, list):  # content parts: the text parts
+        question = " ".join(p.get("text", "") for p in question if isinstance(p, dict))
     return (f"This is the **fake engine** (no model is loaded). You asked: *{question.strip()}*. "
             "A real reply streams here token by token, with TTFT and tok/s in the footer.")
 

@@ -39,6 +39,7 @@ class EngineInfo:
     max_num_seqs: int = 0
     vocab_size: int = 32000
     multimodal: bool = False
+    notice: str | None = None  # shown beside the model name (e.g. the demo VLM's caveat)
 
 
 @dataclass(slots=True)
@@ -64,6 +65,23 @@ class StatsSample:
     num_generation_tokens: int | None = None
     block_states: bytes | None = None  # one byte a block: BLOCK_FREE .. BLOCK_NULL
     block_ref_counts: bytes | None = None  # one byte a block, saturating at 255
+    encoder_cache: EncoderCacheSample | None = None  # multimodal engines only
+
+
+@dataclass(slots=True)
+class EncoderCacheSample:
+    """The encoder cache after one step: occupancy in embedding slots, cumulative counters."""
+
+    num_entries: int = 0
+    num_slots: int = 0
+    num_used_slots: int = 0
+    num_freeable_slots: int = 0
+    num_free_slots: int = 0
+    num_lookups: int = 0
+    num_hits: int = 0
+    num_encoder_runs: int = 0
+    num_external_loads: int = 0
+    num_evictions: int = 0
 
 
 @dataclass(slots=True)

@@ -77,6 +77,7 @@ class ConsoleApp(App[None]):
         self.display_paused = False
         self.dead_error: BaseException | None = None
         self.quitting = False
+        self.initial_images: list[str] = []  # `lmc chat --image PATH`: attached once the engine is up
 
     # -- layout ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -109,7 +110,7 @@ class ConsoleApp(App[None]):
             self.engine_died(error)
             return
         self.engine_state = "serving"
-        self.query_one(ChatView).engine_ready = True
+        self.query_one(ChatView).on_engine_ready(self.info, self.initial_images)
         self.load = LoadGenerator(self.client, self.book, self.shape, self.info.vocab_size,
                                   seed=self.seed, clock=self.clock)
         if not self.chat_only:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lm_console.client.types import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, KVEventRecord, StatsSample
+from lm_console.client.types import (
+    BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, EncoderCacheSample, KVEventRecord, StatsSample,
+)
 from lm_console.request_book import RequestBook, percentile
 
 
@@ -51,6 +53,7 @@ class DashboardView:
     tpot_p95: float | None = None
     num_events: int = 0
     num_stats: int = 0
+    encoder_cache: EncoderCacheSample | None = None  # latest; None for a text-only engine
 
 
 class Telemetry:
@@ -158,6 +161,8 @@ class Telemetry:
             view.num_free_blocks = states.count(BLOCK_FREE) + view.num_cached_blocks
         if sample.prefix_queries:
             self._fold_prefix(sample, view)
+        if sample.encoder_cache is not None:
+            view.encoder_cache = sample.encoder_cache
 
     def _fold_prefix(self, sample: StatsSample, view: DashboardView) -> None:
         entry = (max(sample.prefix_requests, 1), sample.prefix_queries, sample.prefix_hits)

@@ -14,6 +14,7 @@ from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOut
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from engine.core.sched.encoder_scheduling import EncoderScheduler
     from engine.worker.model_runner_output import ModelRunnerOutput
 
 _FINISH_REASON = {
@@ -42,6 +43,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         log_stats: bool = True,
+        encoder_scheduler: EncoderScheduler | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_running_reqs = max_num_seqs
@@ -49,6 +51,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.log_stats = log_stats  # record request events (queue time) and step counts
+        # Multimodal models: encoder budget, encoder cache, ECConnector (encoder_scheduling.py).
+        self.encoder_scheduler = encoder_scheduler
         self.requests: dict[str, Request] = {}
         self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []
@@ -105,6 +109,9 @@ class Scheduler:
         cached_reqs: list[Request] = []
         new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
         preempted: list[Request] = []
+        encoder = self.encoder_scheduler
+        if encoder is not None:
+            encoder.begin_step()
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
@@ -117,6 +124,13 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
+            plan = None
+            if encoder is not None and request.mm_features:
+                plan = encoder.try_schedule(request, request.num_computed_tokens, num_new_tokens)
+                num_new_tokens = plan.num_new_tokens
+                if num_new_tokens <= 0:
+                    req_index += 1
+                    continue
             while True:
                 new_blocks = kv.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
@@ -128,6 +142,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if plan is not None:
+                encoder.commit(request, plan)  # type: ignore[union-attr]
             cached_reqs.append(request)
             new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -144,12 +160,20 @@ class Scheduler:
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                     break
                 num_new_tokens = min(num_new_tokens, token_budget)
+                plan = None
+                if encoder is not None and request.mm_features:
+                    plan = encoder.try_schedule(request, num_computed_tokens, num_new_tokens)
+                    num_new_tokens = plan.num_new_tokens
+                    if num_new_tokens <= 0:
+                        break
                 new_blocks = kv.allocate_slots(
                     request, num_new_tokens, num_new_computed_tokens=num_computed_tokens,
                     new_computed_blocks=computed_blocks,
                 )
                 if new_blocks is None:
                     break
+                if plan is not None:
+                    encoder.commit(request, plan)  # type: ignore[union-attr]
                 self.waiting.pop_request()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -177,6 +201,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
+        if encoder is not None:
+            encoder.finish_step(scheduler_output)
         # The worker advances by what was scheduled; so does the scheduler, before the step
         # runs (seed: _update_after_schedule), so the next schedule() sees the new progress.
         num_prompt_tokens = 0
@@ -192,6 +218,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder_scheduler is not None:
+            self.encoder_scheduler.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -214,6 +242,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
+            if request.mm_features and self.encoder_scheduler is not None:
+                self.encoder_scheduler.free_consumed(request)
             req_index = model_runner_output.req_id_to_index[request_id]
             generated = sampled[req_index]
             new_token_ids: list[int] = []
@@ -273,6 +303,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder_scheduler is not None:
+            self.encoder_scheduler.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -298,6 +330,7 @@ class Scheduler:
             num_generation_tokens=self._last_num_generation_tokens,
             num_preemptions_total=self.num_preemptions_total,
             timestamp=time.time(),
+            encoder_cache=self.encoder_scheduler.make_stats() if self.encoder_scheduler is not None else None,
         )
 
 

@@ -21,7 +21,7 @@ KEYS = (
 )
 NOTES = (
     "Chat commands: /clear, /system TEXT, /temp X, /top_p X, /max N, /image PATH "
-    "(this model is text-only: image attachment comes with the multimodal models).\n\n"
+    "(attaches an image to the next message; needs a vision-language model such as demo-vlm).\n\n"
     "Block map: [#5fd35f]█[/] in use (brighter = shared by more requests), [#4fa3e0]▒[/] cached and "
     "evictable, [#5c6370]·[/] free, [#e06c75]×[/] the null block. Prefix hit rate = cached prompt "
     "tokens / prompt tokens looked up. Latency and the request table cover the console's own "

@@ -6,7 +6,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Input, Label, Static, TextArea
 
-from lm_console.chat_session import TEXT_ONLY_NOTICE, ChatSession
+from lm_console.chat_session import MULTIMODAL_NOTICE, TEXT_ONLY_NOTICE, ChatSession
+from lm_console.client.types import EngineInfo
 
 
 class ChatSettings(Vertical):
@@ -30,6 +31,13 @@ class ChatSettings(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "Settings"
+
+    def show_capabilities(self, info: EngineInfo) -> None:
+        """Once the engine is up: can this model take images (and any caveat of the model)?"""
+        text = MULTIMODAL_NOTICE if info.multimodal else TEXT_ONLY_NOTICE
+        if info.notice:
+            text += f" Note: {info.notice}."
+        self.query_one("#capabilities", Static).update(f"[#7f848e]{text}[/]")
 
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
         if event.text_area.id == "system-prompt":

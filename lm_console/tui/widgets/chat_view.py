@@ -6,9 +6,10 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Static
 
 from lm_console.chat_session import COMMANDS_HELP, ChatSession
-from lm_console.client.types import EngineUnavailable
+from lm_console.client.types import EngineInfo, EngineUnavailable
 from lm_console.tui.widgets.chat_message import ChatMessage
 from lm_console.tui.widgets.chat_settings import ChatSettings
 from lm_console.tui.widgets.prompt_input import PromptInput
@@ -53,9 +54,31 @@ class ChatView(Horizontal):
         transcript.scroll_end(animate=False)
         return message
 
+    def on_engine_ready(self, info: EngineInfo, images: list[str] | None = None) -> None:
+        """The engine is up: show what the model can take, attach images given on the command line."""
+        self.engine_ready = True
+        self.query_one(ChatSettings).show_capabilities(info)
+        for path in images or ():
+            self.attach_image(path)
+
+    def attach_image(self, path: str) -> None:
+        """Attach an image to the next message, with a half-cell block preview."""
+        count = len(self.session.pending_images)
+        self.add_message("notice", self.session.attach_image(path))
+        if len(self.session.pending_images) > count:
+            from lm_console.image_preview import describe_image, half_block_preview
+
+            _, image = describe_image(path)
+            transcript = self.query_one("#transcript", VerticalScroll)
+            transcript.mount(Static(half_block_preview(image), classes="image-preview"))
+            transcript.scroll_end(animate=False)
+
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         if event.text.strip() == "/clear":
             self.action_clear()
+            return
+        if event.text.startswith("/image"):
+            self.attach_image(event.text[len("/image"):].strip())
             return
         notice = self.session.command(event.text)
         if notice is not None:

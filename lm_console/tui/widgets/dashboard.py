@@ -9,6 +9,7 @@ from lm_console.load_generator import LoadGenerator
 from lm_console.request_book import RequestBook
 from lm_console.tui.telemetry import DashboardView
 from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
+from lm_console.tui.widgets.encoder_cache_panel import EncoderCachePanel
 from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
 from lm_console.tui.widgets.latency_panel import LatencyPanel
 from lm_console.tui.widgets.load_panel import LoadPanel
@@ -31,6 +32,7 @@ class Dashboard(Vertical):
                 with Horizontal(id="dash-cache-row"):
                     yield PrefixPanel(id="prefix")
                     yield LatencyPanel(id="latency")
+                yield EncoderCachePanel(id="encoder-cache")  # shown once a VLM reports it
         yield LoadPanel(id="load")
         with Horizontal(id="dash-bottom"):
             yield RequestTable(id="requests")
@@ -43,5 +45,6 @@ class Dashboard(Vertical):
         self.query_one(BlockPoolPanel).show(view)
         self.query_one(PrefixPanel).show(view)
         self.query_one(LatencyPanel).show(view)
+        self.query_one(EncoderCachePanel).show(view.encoder_cache)
         self.query_one(LoadPanel).show(load)
         self.query_one(RequestTable).show(book.rows(now), now, len(book.active))

@@ -19,7 +19,8 @@ class EngineStatus(Static):
             model = info.model if info is not None else "engine"
             left = f"[b]lm-console[/]  {model} · loading"
         else:
-            left = (f"[b]lm-console[/]  {info.model} · {info.device} · {info.dtype} · "
+            notice = f" [#e5c07b]({info.notice})[/]" if info.notice else ""
+            left = (f"[b]lm-console[/]  {info.model}{notice} · {info.device} · {info.dtype} · "
                     f"block {info.block_size} · {fmt_count(info.num_blocks)} blocks · "
                     f"budget {fmt_count(info.max_num_batched_tokens)} tok · {info.max_num_seqs} seqs")
         self.update(f"{left}    engine {STATES.get(state, state)}")
