@@ -61,6 +61,7 @@ class _Prefill:
     seq_len: int
     block_ids: Tensor | None  # [num_blocks] int64; None when num_context == 0 (no gather)
     masks: dict[int | None, Tensor | None] = field(default_factory=dict)  # window -> allowed
+    spans: list[tuple[int, int]] | None = None  # bidirectional position spans (images, Gemma3)
 
 
 @dataclass(slots=True)
@@ -151,7 +152,8 @@ def _build_plan(md: AttentionMetadata) -> _Plan:
             if num_context > 0:
                 num_blocks = -(-seq_lens[i] // block_size)
                 block_ids = md.block_table[i, :num_blocks].long()
-            prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids))
+            spans = md.bidirectional_spans.get(i) if md.bidirectional_spans else None
+            prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids, spans=spans))
     groups = _group_decodes(md, decode_rows) if decode_rows else []
     return _Plan(num_tokens, slots, write_idx, len(decode_rows), groups, prefills)
 
@@ -183,12 +185,33 @@ def _causal_allowed(num_context: int, seq_len: int, window: int | None,
     return allowed
 
 
+def _bidirectional_allowed(num_context: int, seq_len: int, window: int | None,
+                           spans: list[tuple[int, int]], device: torch.device) -> Tensor:
+    """Like _causal_allowed, but the positions of each span also see each other's later ones.
+
+    HF Gemma3's image mask: full layers OR(causal, same span); sliding layers
+    AND(key > query - window, OR(causal, same span)).
+    """
+    allowed = _causal_allowed(num_context, seq_len, None, device)
+    for start, end in spans:
+        end = min(end, seq_len)
+        if end > max(start, num_context):
+            allowed[max(start, num_context) - num_context : end - num_context, start:end] = True
+    if window is not None:
+        q_pos = torch.arange(num_context, seq_len, device=device)[:, None]
+        allowed &= torch.arange(seq_len, device=device)[None, :] > q_pos - window
+    return allowed
+
+
 def _prefill_allowed(p: _Prefill, window: int | None, device: torch.device) -> Tensor | None:
     """The chunk's mask for `window`, cached on the chunk; None = plain causal (is_causal)."""
     if window not in p.masks:
-        plain = p.num_context == 0 and (window is None or p.seq_len <= window)
-        p.masks[window] = None if plain else _causal_allowed(p.num_context, p.seq_len, window,
-                                                             device)
+        if p.spans:
+            p.masks[window] = _bidirectional_allowed(p.num_context, p.seq_len, window, p.spans, device)
+        elif p.num_context == 0 and (window is None or p.seq_len <= window):
+            p.masks[window] = None
+        else:
+            p.masks[window] = _causal_allowed(p.num_context, p.seq_len, window, device)
     return p.masks[window]
 
 
