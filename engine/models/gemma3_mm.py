@@ -121,6 +121,12 @@ class Gemma3VLForConditionalGeneration(Gemma3ForConditionalGeneration):
             if missing:
                 raise ValueError(f"checkpoint lacks {prefix} tensors, e.g. {sorted(missing)[:5]}")
 
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        # The language model's check; the tower and projector are checked in load_weights.
+        text_params = {n: p for n, p in params.items()
+                       if not n.startswith(("vision_tower.", "multi_modal_projector."))}
+        super()._check_all_loaded(text_params, loaded)
+
 
 def _strip(name: str, prefixes: tuple[str, ...]) -> str:
     for prefix in prefixes:
