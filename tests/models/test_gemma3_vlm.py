@@ -108,24 +108,38 @@ def test_stray_soft_token_in_the_prompt_is_rejected(tiny_gemma3_vlm_dir, hf_proc
 
 
 def hf_greedy(hf_model, hf_processor, text, images, max_tokens):
+    """(prompt ids, greedy token ids, their log-probabilities) from transformers' generate."""
     inputs = hf_processor(text=[text], images=[images], return_tensors="pt")
     with torch.inference_mode():
-        generated = hf_model.generate(**inputs, do_sample=False, max_new_tokens=max_tokens,
-                                      min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
-    return inputs["input_ids"][0].tolist(), generated[0, inputs["input_ids"].shape[1]:].tolist()
+        out = hf_model.generate(**inputs, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]  # [vocab] per step
+    return inputs["input_ids"][0].tolist(), tokens, logprobs
+
+
+def assert_matches_hf(output, expected) -> None:
+    """Same prompt ids, same greedy tokens, and the top-5 log-probabilities within fp32 noise:
+    the tiny random model is so peaked that greedy tokens (and the top logprob, ~0) are too
+    coarse to see the image-attention mask; the runners-up are not."""
+    prompt_ids, tokens, logprobs = expected
+    assert output.prompt_token_ids == prompt_ids
+    assert output.outputs[0].token_ids == tokens
+    for entry, reference in zip(output.outputs[0].logprobs, logprobs, strict=True):
+        ids = sorted(entry)
+        ours = [entry[t].logprob for t in ids]
+        assert ours == pytest.approx(reference[ids].tolist(), rel=1e-4, abs=1e-3)
 
 
 def test_greedy_equals_hf_on_image_prompts(tiny_gemma3_vlm_dir, hf_model, hf_processor, make_llm) -> None:
     max_tokens = 10
-    llm = make_llm(str(tiny_gemma3_vlm_dir), multiprocess=False, max_model_len=512, kv_cache_memory=1 << 24,
-                   block_size=8)
+    llm = make_llm(str(tiny_gemma3_vlm_dir), dtype="float32", multiprocess=False, max_model_len=512,
+                   kv_cache_memory=1 << 24, block_size=8)
     outputs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in PROMPTS],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5),
                            use_tqdm=False)
     for (text, images), output in zip(PROMPTS, outputs):
-        prompt_ids, expected = hf_greedy(hf_model, hf_processor, text, images, max_tokens)
-        assert output.prompt_token_ids == prompt_ids
-        assert output.outputs[0].token_ids == expected
+        assert_matches_hf(output, hf_greedy(hf_model, hf_processor, text, images, max_tokens))
 
 
 def test_bidirectional_image_attention_is_what_makes_it_exact(tiny_gemma3_vlm_dir, hf_model, hf_processor) -> None:
