@@ -35,7 +35,8 @@ _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
 class Gemma3MultiModalProjector(nn.Module):
-    """[B, patches, vision_hidden] -> AvgPool on the patch grid -> Gemma RMSNorm -> @ W -> [B, mm_tokens, text_hidden]."""
+    """[B, patches, vision_hidden] -> AvgPool on the patch grid -> Gemma RMSNorm -> @ W
+    -> [B, mm_tokens, text_hidden] (HF: Gemma3MultiModalProjector)."""
 
     def __init__(self, config: Any, dtype: torch.dtype):
         super().__init__()

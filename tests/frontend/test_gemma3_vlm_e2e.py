@@ -114,6 +114,12 @@ def test_llm_in_its_own_process_serves_text_and_images(tiny_gemma3_vlm_dir, hf_e
     assert llm.config.max_model_len == 256
     image, text = llm.generate([requests()[0], {"prompt": "hello"}], GREEDY, use_tqdm=False)
     assert_matches_hf(image, hf_expected[0])
+    # The same image again: a ProcessorCache hit (no HF processor call, no pixels sent), and the
+    # placeholder ranges are located again in the new prompt.
+    mm_processor = llm.input_processor.mm_processor
+    calls = mm_processor.num_hf_calls
+    assert_matches_hf(llm.generate(requests()[1], GREEDY, use_tqdm=False)[0], hf_expected[1])
+    assert mm_processor.num_hf_calls == calls
     assert len(text.outputs[0].token_ids) == MAX_TOKENS
     vocab = int(text_config.vocab_size if not isinstance(text_config, dict) else text_config["vocab_size"])
     with pytest.raises(InvalidPromptError):
