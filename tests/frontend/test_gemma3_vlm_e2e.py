@@ -13,8 +13,11 @@ from mm_factory import GEMMA3_MM_TOKENS, make_image
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-ENGINE = dict(dtype="float32", multiprocess=False, max_model_len=256, kv_cache_memory=1 << 24, block_size=8)
+# One torch thread: the tiny matmuls only lose to thread hand-offs on a busy 2-core machine.
+ENGINE = dict(dtype="float32", multiprocess=False, max_model_len=256, kv_cache_memory=1 << 24, block_size=8,
+              num_threads=1)
 SHARED = make_image(21)
+NUM_PREEMPT_BLOCKS = 46  # the least max_model_len=80 admits: six requests preempt each other
 # Two prompts on one image (and prefix), one on another image; the image starts at token 6.
 PROMPTS = [
     ("user\n<start_of_image>What is this?", [SHARED]),
@@ -132,3 +135,22 @@ def test_budget_smaller_than_an_image_is_a_clear_error(tiny_gemma3_vlm_dir, make
     with pytest.raises(TooManyMultiModalItemsError, match="max_num_batched_tokens"):
         llm.generate(requests()[0], GREEDY, use_tqdm=False)
     assert len(llm.generate({"prompt": "still serving"}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_preemption_recomputes_images_exactly(tiny_gemma3_vlm_dir, make_llm) -> None:
+    # A pool too small for six requests at once: some are preempted and recomputed,
+    # running their image through the encoder (or its cache) and the bidirectional mask again.
+    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=5)
+    engine = {**ENGINE, "kv_cache_memory": None, "max_model_len": 80, "enable_prefix_caching": False,
+              "max_num_batched_tokens": 32}
+    roomy = make_llm(str(tiny_gemma3_vlm_dir), **engine, num_gpu_blocks_override=1024)
+    baseline = roomy.generate(requests() * 2, params, use_tqdm=False)
+    tight = make_llm(str(tiny_gemma3_vlm_dir), **engine, num_gpu_blocks_override=NUM_PREEMPT_BLOCKS)
+    outputs = tight.generate(requests() * 2, params, use_tqdm=False)
+    assert tight.get_stats().num_preemptions_total > 0
+    for output, reference in zip(outputs, baseline):
+        assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+        for ours, theirs in zip(output.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
+            assert sorted(ours) == sorted(theirs)  # batch composition differs: fp32 noise only
+            assert [ours[t].logprob for t in sorted(ours)] == pytest.approx(
+                [theirs[t].logprob for t in sorted(theirs)], rel=1e-5, abs=1e-4)

@@ -111,7 +111,7 @@ def test_stray_soft_token_in_the_prompt_is_rejected(tiny_gemma3_vlm_dir, hf_proc
 def test_greedy_equals_hf_on_image_prompts(tiny_gemma3_vlm_dir, hf_model, hf_processor, make_llm) -> None:
     max_tokens = 10
     llm = make_llm(str(tiny_gemma3_vlm_dir), dtype="float32", multiprocess=False, max_model_len=512,
-                   kv_cache_memory=1 << 24, block_size=8)
+                   kv_cache_memory=1 << 24, block_size=8, num_threads=1)
     outputs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in PROMPTS],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5),
                            use_tqdm=False)
