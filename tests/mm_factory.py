@@ -57,6 +57,18 @@ _GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_tur
                     "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 
 
+# Gemma3's chat template, reduced to what the tests use (image parts render as <start_of_image>).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
 def make_gemma3_tokenizer() -> Any:
     """A tiny Gemma tokenizer (BPE with byte fallback, "▁" for spaces) whose newline runs merge
     into single tokens as in Gemma's vocabulary ("\\n", "\\n\\n", "\\n\\n\\n", ...)."""
@@ -100,6 +112,8 @@ def make_tiny_gemma3_vlm_dir(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     size = GEMMA3_VISION["image_size"]
     image_processor = Gemma3ImageProcessorPil(size={"height": size, "width": size})
-    Gemma3Processor(image_processor, tokenizer, image_seq_length=GEMMA3_MM_TOKENS).save_pretrained(path)
+    Gemma3Processor(image_processor, tokenizer, image_seq_length=GEMMA3_MM_TOKENS,
+                    chat_template=GEMMA3_CHAT_TEMPLATE).save_pretrained(path)
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return path

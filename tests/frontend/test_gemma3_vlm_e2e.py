@@ -154,3 +154,33 @@ def test_preemption_recomputes_images_exactly(tiny_gemma3_vlm_dir, make_llm) -> 
             assert sorted(ours) == sorted(theirs)  # batch composition differs: fp32 noise only
             assert [ours[t].logprob for t in sorted(ours)] == pytest.approx(
                 [theirs[t].logprob for t in sorted(theirs)], rel=1e-5, abs=1e-4)
+
+
+def test_chat_with_an_image_part_equals_hf(tiny_gemma3_vlm_dir, make_llm) -> None:
+    """OpenAI-style content parts through Gemma3's chat template ("user\\n" + the expansion's
+    "\\n\\n" merge into one token) give HF's prompt ids and greedy tokens."""
+    import base64
+
+    import torch
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from mm_factory import png_bytes
+
+    image = make_image(23)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+    llm = make_llm(str(tiny_gemma3_vlm_dir), enable_prefix_caching=False, **ENGINE)
+    output = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                    {"type": "text", "text": "What is this?"}]}], GREEDY)[0]
+    processor = AutoProcessor.from_pretrained(tiny_gemma3_vlm_dir)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": "What is this?"}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+    model = Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3_vlm_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                   eos_token_id=None, pad_token_id=0)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    newline3 = processor.tokenizer.encode("\n\n\n", add_special_tokens=False)
+    assert len(newline3) == 1 and newline3[0] in output.prompt_token_ids
+    assert output.outputs[0].token_ids == generated[0, inputs["input_ids"].shape[1]:].tolist()
