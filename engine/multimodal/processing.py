@@ -5,7 +5,9 @@ model directory's HF processor (AutoProcessor), on a prompt holding just its pla
 yields the item's placeholder expansion (token ids) and its arrays. The prompt is tokenized
 with one placeholder token per image, and each placeholder is replaced by its expansion;
 because the expansions begin and end with special tokens, this equals what the HF processor
-gives for the whole prompt (a test checks it). Per-item processing is what lets the
+gives for the whole prompt (a test checks it). Gemma3's expansions begin and end with newlines,
+which its tokenizer merges with the prompt's: Gemma3ProcessingInfo re-merges them and then
+locates each image's soft-token run in the final ids. Per-item processing is what lets the
 ProcessorCache skip the HF processor for an image it has seen.
 """
 
