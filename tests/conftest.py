@@ -57,6 +57,13 @@ def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_idefics3_dir(tmp_path_factory.mktemp("tiny_idefics3"))
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mm_factory import make_tiny_gemma3_vlm_dir
+
+    return make_tiny_gemma3_vlm_dir(tmp_path_factory.mktemp("tiny_gemma3_vlm"))
+
+
 @pytest.fixture
 def make_llm():
     """Build LLMs for one test; afterwards assert that none of them leaked a KV block."""

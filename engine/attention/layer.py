@@ -65,7 +65,10 @@ class Attention(nn.Module):
                 "Attention layer has no KV cache: call bind_kv_caches(model, kv_caches) before "
                 "running with attention metadata (or set_forward_context(None) for a dummy run)"
             )
-        return self.backend.paged_attention(
+        # Only the torch backend builds bidirectional image masks: steps that prefill such
+        # image tokens run every layer through it (same cache layout; the kernels serve the rest).
+        backend = torch_backend if attn_metadata.bidirectional_spans else self.backend
+        return backend.paged_attention(
             q, k, v, self.kv_cache, attn_metadata, self.num_kv_heads, self.scale,
             self.sliding_window, self.logits_soft_cap,
         )

@@ -33,5 +33,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Multimodal models with bidirectional attention within an image (Gemma3): request row ->
+    # [(start, end)] token positions that attend each other both ways, for prefill rows whose
+    # new tokens reach into such a span; None (or no entry) = plain causal.
+    bidirectional_spans: dict[int, list[tuple[int, int]]] | None = None
     # Built by the attention backend on first use and shared by all layers of the step.
     plan: Any = field(default=None, repr=False, compare=False)

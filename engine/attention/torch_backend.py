@@ -66,6 +66,7 @@ class _Prefill:
     block_ids: Tensor | None  # [num_blocks] int64; None when num_context == 0 (no gather)
     req_index: int = -1  # the request's row in the batch (its block table row)
     masks: dict[int | None, Tensor | None] = field(default_factory=dict)  # window -> allowed
+    spans: list[tuple[int, int]] | None = None  # bidirectional position spans (images, Gemma3)
 
 
 @dataclass(slots=True)
@@ -182,7 +183,9 @@ def _build_plan(md: AttentionMetadata) -> _Plan:
             if num_context > 0:
                 num_blocks = -(-seq_lens[i] // block_size)
                 block_ids = md.block_table[i, :num_blocks].long()
-            prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids, i))
+            spans = md.bidirectional_spans.get(i) if md.bidirectional_spans else None
+            prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids, i,
+                                     spans=spans))
     return _Plan(num_tokens, slots, write_idx, decode_rows, prefills)
 
 
@@ -245,12 +248,33 @@ def _causal_allowed(num_context: int, seq_len: int, window: int | None,
     return allowed
 
 
+def _bidirectional_allowed(num_context: int, seq_len: int, window: int | None,
+                           spans: list[tuple[int, int]], device: torch.device) -> Tensor:
+    """Like _causal_allowed, but the positions of each span also see each other's later ones.
+
+    HF Gemma3's image mask: full layers OR(causal, same span); sliding layers
+    AND(key > query - window, OR(causal, same span)).
+    """
+    allowed = _causal_allowed(num_context, seq_len, None, device)
+    for start, end in spans:
+        end = min(end, seq_len)
+        if end > max(start, num_context):
+            allowed[max(start, num_context) - num_context : end - num_context, start:end] = True
+    if window is not None:
+        q_pos = torch.arange(num_context, seq_len, device=device)[:, None]
+        allowed &= torch.arange(seq_len, device=device)[None, :] > q_pos - window
+    return allowed
+
+
 def _prefill_allowed(p: _Prefill, window: int | None, device: torch.device) -> Tensor | None:
     """The chunk's mask for `window`, cached on the chunk; None = plain causal (is_causal)."""
     if window not in p.masks:
-        plain = p.num_context == 0 and (window is None or p.seq_len <= window)
-        p.masks[window] = None if plain else _causal_allowed(p.num_context, p.seq_len, window,
-                                                             device)
+        if p.spans:
+            p.masks[window] = _bidirectional_allowed(p.num_context, p.seq_len, window, p.spans, device)
+        elif p.num_context == 0 and (window is None or p.seq_len <= window):
+            p.masks[window] = None
+        else:
+            p.masks[window] = _causal_allowed(p.num_context, p.seq_len, window, device)
     return p.masks[window]
 
 
@@ -324,26 +348,20 @@ def paged_attention(
 
     # The kernels read every token's K/V from the cache: all of them must have been written.
     use_kernels = plan.write_idx is None and cpu_attention.supports(q, kv_cache)
+    # Chunks with bidirectional image spans (Gemma3) take the masked SDPA path.
+    kernel_prefills = use_kernels and not any(p.spans for p in plan.prefills)
     pure_decode = plan.num_decodes == q.shape[0]
     # Every row gets written when the kernels cover all tokens (no padding rows to zero).
-    out = q.new_empty(q.shape) if use_kernels and num_tokens == q.shape[0] else q.new_zeros(q.shape)
-    if use_kernels:
-        if plan.decode_rows:
-            if plan.decode_kernel_rows is None:
-                plan.decode_kernel_rows = _kernel_rows(md, plan.decode_rows)
-            rows = plan.decode_kernel_rows
-            cpu_attention.paged_decode_attention(
-                q, out, kv_cache, rows.block_table, rows.seq_lens, rows.token_idx, num_kv_heads,
-                scale, sliding_window, logits_soft_cap)
-        if plan.prefills:
-            if plan.prefill_kernel_rows is None:
-                plan.prefill_kernel_rows = _prefill_rows(md, plan.prefills)
-            chunks = plan.prefill_kernel_rows
-            cpu_attention.paged_prefill_attention(
-                q, out, kv_cache, chunks.block_table, chunks.q_starts, chunks.q_lens,
-                chunks.seq_lens, num_kv_heads, scale, sliding_window, logits_soft_cap)
-        return out
-    if plan.decode_rows:
+    out = (q.new_empty(q.shape) if kernel_prefills and num_tokens == q.shape[0]
+           else q.new_zeros(q.shape))
+    if use_kernels and plan.decode_rows:
+        if plan.decode_kernel_rows is None:
+            plan.decode_kernel_rows = _kernel_rows(md, plan.decode_rows)
+        rows = plan.decode_kernel_rows
+        cpu_attention.paged_decode_attention(
+            q, out, kv_cache, rows.block_table, rows.seq_lens, rows.token_idx, num_kv_heads,
+            scale, sliding_window, logits_soft_cap)
+    elif plan.decode_rows:
         if plan.decode_groups is None:
             plan.decode_groups = _group_decodes(md, plan.decode_rows)
         groups = plan.decode_groups
@@ -360,6 +378,15 @@ def paged_attention(
                 o = _attend_decodes(q.index_select(0, group.token_idx), kv_cache, group,
                                     num_kv_heads, scale, sliding_window, logits_soft_cap)
                 out.index_copy_(0, group.token_idx, o)
+    if kernel_prefills:
+        if plan.prefills:
+            if plan.prefill_kernel_rows is None:
+                plan.prefill_kernel_rows = _prefill_rows(md, plan.prefills)
+            chunks = plan.prefill_kernel_rows
+            cpu_attention.paged_prefill_attention(
+                q, out, kv_cache, chunks.block_table, chunks.q_starts, chunks.q_lens,
+                chunks.seq_lens, num_kv_heads, scale, sliding_window, logits_soft_cap)
+        return out
 
     flat = kv_cache.view(2, kv_cache.shape[1], -1)
     for p in plan.prefills:

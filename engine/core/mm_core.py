@@ -12,7 +12,7 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.kv_cache.manager import KVCacheBlocks
 from engine.core.sched.encoder_scheduling import EncoderScheduler
 from engine.errors import MultiModalNotSupportedError
-from engine.multimodal.processing import get_max_tokens_per_mm_item, is_multimodal_config
+from engine.multimodal.processing import get_max_tokens_per_mm_item, is_multimodal_config, requires_unsplit_mm_items
 from engine.multimodal.processor_cache import MultiModalReceiverCache
 
 if TYPE_CHECKING:
@@ -49,7 +49,9 @@ class MultiModalCore:
             encoder_cache_size=(mm.encoder_cache_size if mm else None) or budget,
             max_tokens_per_mm_item=get_max_tokens_per_mm_item(config.model_dir, config.hf_config),
             max_num_batched_tokens=budget,
-            disable_chunked_mm_input=bool(mm and mm.disable_chunked_mm_input),
+            # Bidirectional attention within an image (Gemma3) needs the image's tokens in one chunk.
+            disable_chunked_mm_input=bool(mm and mm.disable_chunked_mm_input)
+            or requires_unsplit_mm_items(config.hf_config),
             ec_connector=connector)
 
     def preprocess_request(self, engine_request: EngineCoreRequest) -> None:

@@ -87,7 +87,11 @@ class LLM:
                 engine_requests.append(child_request)
         self.input_processor.finalize_for_send(engine_requests)
         # One message: the core admits the whole batch before its first step, as in-process.
-        self.engine_core.add_requests(engine_requests)
+        try:
+            self.engine_core.add_requests(engine_requests)
+        except BaseException:  # e.g. the in-process core rejected one: forget the whole batch
+            self._abort_all()
+            raise
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(

@@ -208,8 +208,8 @@ _VLM_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_mod
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The language model of a Gemma3 VLM (config.text_config), serving text-only prompts.
 
-    The SigLIP tower and projector weights are skipped here: image inputs arrive with the
-    multimodal pipeline, which subclasses this with the vision path.
+    The SigLIP tower and projector weights are skipped here; the registry serves Gemma3 VLM
+    checkpoints with the subclass that adds the vision path (engine/models/gemma3_mm.py).
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import UnsupportedArchitectureError
-from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3_mm import Gemma3VLForConditionalGeneration
 from engine.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -16,8 +17,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    # Text-only prompts for now: the vision tower is wired by the multimodal pipeline.
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3VLForConditionalGeneration,  # text + images
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
 }

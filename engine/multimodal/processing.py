@@ -5,7 +5,9 @@ model directory's HF processor (AutoProcessor), on a prompt holding just its pla
 yields the item's placeholder expansion (token ids) and its arrays. The prompt is tokenized
 with one placeholder token per image, and each placeholder is replaced by its expansion;
 because the expansions begin and end with special tokens, this equals what the HF processor
-gives for the whole prompt (a test checks it). Per-item processing is what lets the
+gives for the whole prompt (a test checks it). Gemma3's expansions begin and end with newlines,
+which its tokenizer merges with the prompt's: Gemma3ProcessingInfo re-merges them and then
+locates each image's soft-token run in the final ids. Per-item processing is what lets the
 ProcessorCache skip the HF processor for an image it has seen.
 """
 
@@ -53,6 +55,12 @@ class BaseProcessingInfo:
         """Post-expansion token fix-ups (Gemma3 merges newlines); none by default."""
         return token_ids
 
+    def locate_features(self, token_ids: list[int], features: list[MultiModalFeatureSpec]) -> None:
+        """Set each feature's PlaceholderRange against the final token ids (after merge_tokens).
+
+        By default the ranges computed while splicing stand (merge_tokens changed nothing).
+        """
+
 
 class Idefics3ProcessingInfo(BaseProcessingInfo):
     """Idefics3 / SmolVLM: <image> -> tiles of <fake_token_around_image><row_i_col_j><image>*n."""
@@ -65,11 +73,81 @@ class Idefics3ProcessingInfo(BaseProcessingInfo):
         return data
 
 
-# config.architectures name -> processing info; the Gemma3 work adds its own here.
+class Gemma3ProcessingInfo(BaseProcessingInfo):
+    """Gemma3: <start_of_image> -> "\n\n<start_of_image>" + <image_soft_token> * mm_tokens + "<end_of_image>\n\n".
+
+    The HF processor tokenizes the whole expanded text, so the expansion's leading and trailing
+    "\n\n" merge with the newlines around the placeholder into one token ("\n" + "\n\n" is
+    the single "\n\n\n"). Splicing per-item ids leaves such runs split: merge_tokens re-encodes
+    every run of adjacent newline-only tokens as the tokenizer would, and locate_features finds
+    each image's run of soft tokens in the merged ids (seed: Gemma3 §2, lines 3730-3800).
+    """
+
+    placeholder_attr = "boi_token"
+    _MAX_NEWLINES = 32
+
+    def __init__(self, processor: Any) -> None:
+        super().__init__(processor)
+        # HF 5's Gemma3Processor.image_token_id is <start_of_image>; the embeddings go to the soft tokens.
+        self.embed_token_id = int(self.tokenizer.image_token_id)
+        self._newlines: dict[int, int] = {}  # token id -> number of "\n" it spells
+        for count in range(1, self._MAX_NEWLINES + 1):
+            ids = self.tokenizer.encode("\n" * count, add_special_tokens=False)
+            if len(ids) == 1:
+                self._newlines[int(ids[0])] = count
+
+    def merge_tokens(self, token_ids: list[int]) -> list[int]:
+        merged: list[int] = []
+        i = 0
+        while i < len(token_ids):
+            j = i
+            while j < len(token_ids) and token_ids[j] in self._newlines:
+                j += 1
+            if j - i >= 2:  # a run of several newline tokens: encode it as one text
+                count = sum(self._newlines[t] for t in token_ids[i:j])
+                merged += self.tokenizer.encode("\n" * count, add_special_tokens=False)
+                i = j
+            else:
+                merged.append(token_ids[i])
+                i += 1
+        return merged
+
+    def locate_features(self, token_ids: list[int], features: list[MultiModalFeatureSpec]) -> None:
+        positions = [i for i, t in enumerate(token_ids) if t == self.embed_token_id]
+        needed = sum(f.num_embeds for f in features)
+        if len(positions) != needed:
+            raise InvalidPromptError(
+                f"the prompt holds {len(positions) - needed:+d} {self.tokenizer.image_token} tokens besides its "
+                "images' expansions; write one <start_of_image> where each image goes instead.")
+        cursor = 0
+        for feature in features:
+            mine = positions[cursor:cursor + feature.num_embeds]
+            cursor += feature.num_embeds
+            start, end = mine[0], mine[-1] + 1
+            is_embed = None
+            if end - start != len(mine):  # pan-and-scan crops: several runs within one item
+                marks = bytearray(end - start)
+                for p in mine:
+                    marks[p - start] = 1
+                is_embed = bytes(marks)
+            feature.offset, feature.length, feature.is_embed = start, end - start, is_embed
+
+
+# config.architectures name -> processing info.
 PROCESSING_INFOS: dict[str, type[BaseProcessingInfo]] = {
     "Idefics3ForConditionalGeneration": Idefics3ProcessingInfo,
     "SmolVLMForConditionalGeneration": Idefics3ProcessingInfo,
+    "Gemma3ForConditionalGeneration": Gemma3ProcessingInfo,
 }
+
+# Models whose language model attends bidirectionally among one image's tokens: the scheduler
+# must compute the rest of an image's placeholder in one chunk (as disable_chunked_mm_input).
+BIDIRECTIONAL_MM_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
+
+def requires_unsplit_mm_items(hf_config: Any) -> bool:
+    """Whether an image's placeholder tokens must never be split over prefill chunks (torch-free)."""
+    return any(name in BIDIRECTIONAL_MM_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or ())
 
 
 def is_multimodal_config(hf_config: Any) -> bool:
@@ -139,7 +217,9 @@ class MultiModalProcessor:
             expanded += item_ids
             cursor = position + 1
         expanded += token_ids[cursor:]
-        return ProcessedPrompt(info.merge_tokens(expanded), features)
+        merged = info.merge_tokens(expanded)
+        info.locate_features(merged, features)
+        return ProcessedPrompt(merged, features)
 
     def _tokenize(self, prompt: dict[str, Any], tokenizer: Any, num_images: int) -> list[int]:
         if "prompt_token_ids" in prompt:
@@ -255,10 +335,20 @@ def _idefics3_max_tokens_per_item(model_dir: Path, hf_config: Any) -> int:
     return (side * side + (1 if side > 1 else 0)) * per_tile
 
 
+def gemma3_max_tokens_per_item(model_dir: Path, hf_config: Any) -> int:
+    """mm_tokens_per_image per crop: one crop, or 1 + pan_and_scan_max_num_crops with pan-and-scan."""
+    tokens = int(getattr(hf_config, "mm_tokens_per_image", 256))
+    config = read_image_processor_config(model_dir)
+    if config.get("do_pan_and_scan"):
+        return tokens * (1 + int(config.get("pan_and_scan_max_num_crops") or 4))
+    return tokens
+
+
 # config.architectures name -> max embeddings of one item (P1's encoder budget and cache size).
 MAX_TOKENS_PER_ITEM: dict[str, Any] = {
     "Idefics3ForConditionalGeneration": _idefics3_max_tokens_per_item,
     "SmolVLMForConditionalGeneration": _idefics3_max_tokens_per_item,
+    "Gemma3ForConditionalGeneration": gemma3_max_tokens_per_item,
 }
 
 

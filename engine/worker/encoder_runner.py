@@ -140,6 +140,31 @@ class EncoderRunner:
             return None
         return self.model.embed_input_ids(input_ids, multimodal_embeddings=mm_embeds, is_multimodal=is_mm)
 
+    def bidirectional_spans(self, req_states: list[CachedRequestState], num_computed: np.ndarray,
+                            num_scheduled: np.ndarray) -> dict[int, list[tuple[int, int]]] | None:
+        """For a model attending both ways within an image (Gemma3): row -> the image-token runs
+        (start, end positions) that this step's prefill tokens reach into; None when none do.
+
+        The scheduler keeps the rest of such an image in one chunk (requires_unsplit_mm_items),
+        so every key a span's query may see is in the cache or in this step.
+        """
+        if not getattr(self.model, "mm_bidirectional_attention", False):
+            return None
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for row, state in enumerate(req_states):
+            begin, end = int(num_computed[row]), int(num_computed[row] + num_scheduled[row])
+            if end - begin < 2:
+                continue  # a single new token sees every earlier one anyway
+            for feature in state.mm_features:
+                if feature.offset >= end:
+                    break
+                if feature.offset + feature.length <= begin:
+                    continue
+                for start, stop in _embed_runs(feature):
+                    if stop - start > 1 and start < end and stop > begin:
+                        spans.setdefault(row, []).append((start, stop))
+        return spans or None
+
     # -- producer-only engines -----------------------------------------------------------------
     def make_encoder_only_output(self, req_ids: list[str], prefill_done: list[bool]) -> ModelRunnerOutput:
         """A producer runs no decoder: a placeholder token (0) ends each request whose prompt is
@@ -147,6 +172,23 @@ class EncoderRunner:
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[0] if done else [] for done in prefill_done])
+
+
+def _embed_runs(feature: Any) -> list[tuple[int, int]]:
+    """The contiguous runs of embedding positions of one item, as absolute (start, end)."""
+    if feature.is_embed is None:
+        return [(feature.offset, feature.offset + feature.length)]
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, flag in enumerate(feature.is_embed):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((feature.offset + start, feature.offset + i))
+            start = None
+    if start is not None:
+        runs.append((feature.offset + start, feature.offset + len(feature.is_embed)))
+    return runs
 
 
 def _to_tensor(value: Any, device: torch.device) -> Tensor:

@@ -202,6 +202,9 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens.tolist(),
                 block_size=self.block_size,
             )
+            if inputs_embeds is not None:  # image tokens this step: Gemma3 attends both ways within one
+                attn_metadata.bidirectional_spans = encoder.bidirectional_spans(  # type: ignore[union-attr]
+                    batch.states[:num_reqs], num_computed, num_scheduled)
             group_metadata = None
             if self.group_metadata_builder is not None:
                 group_metadata = self.group_metadata_builder.build(attn_metadata, req_indices,

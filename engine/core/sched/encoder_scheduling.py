@@ -62,8 +62,9 @@ class EncoderScheduler:
             if self.disable_chunked_mm_input and feature.length > self.max_num_batched_tokens:
                 raise TooManyMultiModalItemsError(
                     f"an image of request {request.request_id} spans {feature.length} tokens, more than "
-                    f"max_num_batched_tokens={self.max_num_batched_tokens}, and disable_chunked_mm_input "
-                    "forbids splitting it.")
+                    f"max_num_batched_tokens={self.max_num_batched_tokens}, and it may not be split (the "
+                    "model attends bidirectionally within an image, or disable_chunked_mm_input is set); "
+                    "raise max_num_batched_tokens.")
 
     # -- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -82,14 +83,15 @@ class EncoderScheduler:
                 break  # this item (and every later one) lies beyond this step's tokens
             if start_pos + num_tokens <= num_computed_tokens:
                 continue  # already in the KV cache
+            if self.disable_chunked_mm_input and start_pos + num_tokens > end:
+                # The chunk would end inside the item: stop before it (or, when a prefix-cache hit
+                # ended inside it, schedule nothing until its remaining tokens fit in one chunk).
+                plan.num_new_tokens = max(start_pos - num_computed_tokens, 0)
+                break
             if feature.identifier in plan.identifiers:
                 continue  # the same image twice in one prompt: encode it once
             if manager.check_and_update_cache(request, i):
                 continue  # computed before (possibly earlier this step, for another request)
-            if (self.disable_chunked_mm_input and num_computed_tokens < start_pos
-                    and start_pos + num_tokens > end):
-                plan.num_new_tokens = start_pos - num_computed_tokens  # stop before the item
-                break
             external = self.ec_connector is not None and self.ec_connector.has_cache_item(feature.identifier)
             budget = self.encoder_compute_budget - plan.num_compute_embeds
             if not manager.can_allocate(request, i, 1 << 62 if external else budget, plan.num_reserved_embeds):

@@ -99,6 +99,26 @@ def test_disable_chunked_mm_input_never_splits_an_image() -> None:
     assert step(chunked).num_scheduled_tokens == {"r": 8}
 
 
+def test_unsplit_images_stay_whole_when_already_encoded_or_half_cached() -> None:
+    """Bidirectional image attention (Gemma3) needs the rest of an image in one chunk, also when
+    the encoder output is cached (another request) or a prefix-cache hit ends inside the image."""
+    scheduler = make_scheduler(budget=8, disable_chunked_mm_input=True)
+    scheduler.add_request(mm_request("a", 12, ("img", 5, 6)))
+    while "a" in scheduler.requests:
+        step(scheduler)
+    # The same image in another prompt (no prefix hit): its encoder output is cached, yet the
+    # chunk still stops before the image.
+    b = Request("b", [6] * 20, SamplingParams(max_tokens=2, ignore_eos=True), None,
+                mm_features=[MultiModalFeatureSpec("img", 6, 6)], block_hasher=HASHER)
+    scheduler.add_request(b)
+    assert step(scheduler).num_scheduled_tokens == {"b": 6}
+    assert step(scheduler).num_scheduled_tokens == {"b": 8}
+    encoder = scheduler.encoder_scheduler
+    request = mm_request("c", 20, ("img2", 5, 6))
+    assert encoder.try_schedule(request, 8, 2).num_new_tokens == 0  # 3 image tokens left: wait
+    assert encoder.try_schedule(request, 8, 4).num_new_tokens == 4  # the rest fits: go
+
+
 def test_validate_rejects_an_item_larger_than_the_cache() -> None:
     scheduler = make_scheduler(cache_size=8, encoder_budget=8, max_item=8)
     with pytest.raises(TooManyMultiModalItemsError, match="encoder cache"):
