@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class EngineArgs:
     # The engine core in its own process (default; $LMC_MULTIPROCESS=0 flips it), or in this one.
     multiprocess: bool = field(default_factory=lambda: os.environ.get("LMC_MULTIPROCESS", "1") != "0")
     zmq_transport: str = "ipc"  # ipc (private 0700 temp dir) | tcp (loopback)
+    # KV connector (engine/distributed/kv_transfer): a dict or JSON string, e.g.
+    # {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}.
+    kv_transfer_config: Any = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments, resolve the model and build the EngineConfig."""
@@ -86,6 +90,7 @@ class EngineArgs:
             log_stats=self.log_stats,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
         )
 
     @classmethod
@@ -121,6 +126,7 @@ class EngineArgs:
                 f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
+        KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
         """The frontend's EngineConfig, from the core's ready handshake: no torch involved.
@@ -171,6 +177,7 @@ class EngineConfig:
     num_blocks: int = 0  # filled in by EngineCore after profiling the KV budget
     attention_backend: str = "auto"  # auto | torch | triton (engine/attention/selector.py)
     enforce_eager: bool = False  # no CUDA graphs
+    kv_transfer_config: KVTransferConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -35,8 +35,14 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
         )
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+            self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
+            connector=self.kv_connector,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
@@ -85,6 +91,7 @@ class EngineCore:
             cache_salt=engine_request.cache_salt,
             mm_features=list(engine_request.mm_features or []),
             block_hasher=self.request_block_hasher,
+            kv_transfer_params=(engine_request.sampling_params.extra_args or {}).get("kv_transfer_params"),
         )
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")
@@ -136,6 +143,8 @@ class EngineCore:
     def take_kv_events(self) -> KVEventBatch | None:
         """Drain the KV cache manager's events into one batch (None when there are none)."""
         events = self.kv_cache_manager.take_events()
+        if self.kv_connector is not None:
+            events.extend(self.kv_connector.take_events())
         return KVEventBatch(ts=time.time(), events=events) if events else None
 
     def attach_kv_events(self, outputs: dict[int, EngineCoreOutputs]) -> None:
@@ -189,3 +198,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -12,6 +12,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
 from engine.core.sched.output import SchedulerOutput
+from engine.distributed.kv_transfer.output import KVConnectorOutput
 from engine.forward_context import set_forward_context
 from engine.models.loader import load_model
 from engine.protocol import LogprobsLists
@@ -20,6 +21,7 @@ from engine.sample.sampler import Sampler
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.kv_connector_mixin import KVConnectorModelRunnerMixin
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
@@ -32,7 +34,7 @@ class ExecuteModelState:
     sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
 
 
-class ModelRunner:
+class ModelRunner(KVConnectorModelRunnerMixin):
     """Owns the model, the KV cache tensors, the persistent InputBatch and the Sampler.
 
     Inputs are staged in persistent CpuGpuBuffers (pinned and copied asynchronously on CUDA;
@@ -76,6 +78,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._sampling_metadata: SamplingMetadata | None = None
         self._state: ExecuteModelState | None = None
+        self.kv_connector = None  # the worker-side KV connector, set by the Worker
+        self._kv_connector_output: KVConnectorOutput | None = None
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -108,6 +112,8 @@ class ModelRunner:
                           for _ in range(self.num_layers)]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches({f"layer.{i}": t for i, t in enumerate(self.kv_caches)})
         if (self.device.type == "cuda" and self.attention_backend == "triton"
                 and not self.config.enforce_eager):
             self.cuda_graphs = CudaGraphRunner(self.model, self.buffers, self.config.max_num_seqs,
@@ -119,8 +125,12 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward pass and keep the last-token logits for sample_tokens()."""
         self._update_states(scheduler_output)
+        if self.kv_connector is not None:
+            self._kv_connector_begin(scheduler_output)
         if scheduler_output.is_empty:
             self._state = None
+            if self.kv_connector is not None:  # seed: kv_connector_no_forward
+                self._kv_connector_output = self._kv_connector_finish(scheduler_output)
             return
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -165,13 +175,15 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens.tolist(),
                 block_size=self.block_size,
             )
-            with set_forward_context(attn_metadata):
+            with set_forward_context(attn_metadata, self.kv_connector):
                 hidden_states = self.model(bufs.input_ids.copy_to_gpu(total),
                                            bufs.positions.copy_to_gpu(total))
         bufs.logits_indices.np[:num_reqs] = cu_num_tokens - 1
         logits_indices = bufs.logits_indices.copy_to_gpu(num_reqs)
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = (seq_lens >= batch.num_tokens[:num_reqs]).tolist()
+        if self.kv_connector is not None:
+            self._kv_connector_output = self._kv_connector_finish(scheduler_output)
         self._state = ExecuteModelState(req_ids=req_ids, logits=logits, sample_rows=sample_rows)
 
     # -- step, phase 2 --------------------------------------------------------------------
@@ -179,8 +191,12 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput:
         """Sample from the stored logits; append the new tokens to the worker's own state."""
         state, self._state = self._state, None
+        kv_connector_output, self._kv_connector_output = self._kv_connector_output, None
         if state is None:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if kv_connector_output is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                     kv_connector_output=kv_connector_output)
         batch = self.input_batch
         sampler_output = self.sampler(state.logits, self._get_sampling_metadata())
         sampled = sampler_output.sampled_token_ids.tolist()
@@ -200,6 +216,7 @@ class ModelRunner:
             req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
+            kv_connector_output=kv_connector_output,
         )
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.request import MultiModalFeatureSpec, Request
@@ -64,6 +64,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     num_common_prefix_blocks: tuple[int, ...] = ()
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    kv_connector_metadata: Any = None  # KVConnectorMetadata from the scheduler-side connector
 
     @property
     def is_empty(self) -> bool:

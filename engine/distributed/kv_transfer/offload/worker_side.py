@@ -1,0 +1,159 @@
+"""The OffloadConnector's worker role: chunk loads on a background thread, chunk saves after the forward."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError
+from engine.distributed.kv_transfer.offload.kv_layout import gather_chunk, scatter_chunk
+from engine.distributed.kv_transfer.offload.metadata import ChunkLoad, OffloadConnectorMetadata
+from engine.distributed.kv_transfer.offload.settings import OffloadSettings
+from engine.distributed.kv_transfer.offload.store import TieredKVStore
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+# With loads in flight and nothing else to do, get_finished waits this long for one to end
+# instead of letting the engine loop spin.
+_IDLE_WAIT_S = 0.005
+
+
+@dataclass(eq=False)
+class _LoadJob:
+    req_id: str
+    chunks: list[ChunkLoad]
+    started: float = field(default_factory=time.monotonic)
+    num_done: int = 0  # chunks written into their blocks
+    failed: bool = False
+    cancelled: bool = False
+    finished: bool = False
+
+
+class OffloadWorker:
+    """Worker-side state. Invariant: after cancel() returns, the job writes no block again
+    (every write happens under _write_lock after checking `cancelled`), so the scheduler may
+    hand its blocks to another request."""
+
+    def __init__(self, settings: OffloadSettings, store: TieredKVStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.kv_caches: list[torch.Tensor] = []
+        self._jobs: dict[str, _LoadJob] = {}
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._write_lock = threading.Lock()
+        self._job_done = threading.Condition()
+        self._invalid_block_ids: set[int] = set()
+        self._thread: threading.Thread | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = list(kv_caches.values())
+
+    # -- loads -----------------------------------------------------------------------------
+    def start_load_kv(self, metadata: OffloadConnectorMetadata | None) -> None:
+        if metadata is None or not metadata.loads:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._load_loop, name="kv-offload-loader", daemon=True)
+            self._thread.start()
+        for req_id, chunks in metadata.loads.items():
+            job = _LoadJob(req_id, chunks)
+            self._jobs[req_id] = job
+            self._queue.put(job)
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            assert isinstance(job, _LoadJob)
+            try:
+                self._run_job(job)
+            except Exception:  # noqa: BLE001 - a failed load is recomputed, never fatal
+                logger.exception("KV offload: load of request %s failed", job.req_id)
+                job.failed = True
+            finally:
+                for chunk in job.chunks[job.num_done:]:
+                    if chunk.pinned:
+                        self.store.unpin(chunk.key)
+                with self._job_done:
+                    job.finished = True
+                    self._job_done.notify_all()
+
+    def _run_job(self, job: _LoadJob) -> None:
+        for chunk in job.chunks:
+            if job.cancelled:
+                return
+            try:
+                tensor = self.store.get(chunk.key)
+            except CorruptChunkError as exc:
+                logger.warning("KV offload: chunk %s is corrupt (%s); its tokens will be recomputed",
+                               chunk.key.hex()[:16], exc)
+                self.store.discard(chunk.key)
+                tensor = None
+            if tensor is None:
+                job.failed = True
+                return
+            with self._write_lock:
+                if job.cancelled:
+                    return
+                scatter_chunk(self.kv_caches, tensor, chunk.token_offset, chunk.block_ids)
+                job.num_done += 1
+            if chunk.pinned:
+                self.store.unpin(chunk.key)
+
+    def _cancel(self, job: _LoadJob) -> None:
+        with self._write_lock:
+            job.cancelled = True
+
+    def get_finished(self, finished_req_ids: set[str], ran_forward: bool) -> set[str] | None:
+        """Requests whose load ended (done, failed, cancelled or timed out); bad blocks go to invalid ids."""
+        if not self._jobs:
+            return None
+        now = time.monotonic()
+        for req_id, job in self._jobs.items():
+            if req_id in finished_req_ids or (not job.finished and now - job.started > self.settings.load_timeout_s):
+                if not job.finished and req_id not in finished_req_ids:
+                    logger.warning("KV offload: load of request %s timed out after %.1f s; recomputing",
+                                   req_id, self.settings.load_timeout_s)
+                self._cancel(job)
+        if not ran_forward and not any(job.finished or job.cancelled for job in self._jobs.values()):
+            with self._job_done:
+                self._job_done.wait(_IDLE_WAIT_S)
+        done: set[str] = set()
+        for req_id, job in list(self._jobs.items()):
+            if not (job.finished or job.cancelled):
+                continue
+            with self._write_lock:  # num_done is final once cancelled or finished
+                for chunk in job.chunks[job.num_done:]:
+                    self._invalid_block_ids.update(chunk.block_ids)
+            del self._jobs[req_id]
+            done.add(req_id)
+        return done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    # -- saves -----------------------------------------------------------------------------
+    def wait_for_save(self, metadata: OffloadConnectorMetadata | None) -> None:
+        """Copy this step's finished chunks out of the paged cache (the blocks may be reused next
+        step); the store writes them to disk in the background."""
+        if metadata is None:
+            return
+        for save in metadata.saves:
+            tensor = gather_chunk(self.kv_caches, save.block_ids, self.settings.chunk_size)
+            self.store.put(save.key, tensor, save.parent, save.token_ids)
+
+    def shutdown(self) -> None:
+        for job in self._jobs.values():
+            self._cancel(job)
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(5.0)
+            self._thread = None
