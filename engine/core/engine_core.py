@@ -182,6 +182,11 @@ class EngineCore:
 
         return [get_block_hash(key) for key, _ in self.kv_cache_manager.block_pool.cached_block_hash_to_block.items()]
 
+    def flush_kv_connector(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the KV connector's queued stores are durable (e.g. on disk); False on timeout."""
+        flush = getattr(self.kv_connector, "flush", None)
+        return bool(flush(timeout_s)) if flush is not None else True
+
     def sleep(self, level: int = 1) -> bool:
         """Pause stepping (requests wait); level >= 1 also drops the prefix cache when idle."""
         self.is_sleeping_flag = True
