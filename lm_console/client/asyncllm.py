@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lm_console.client.types import (
-    EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StatsSample, StreamChunk,
+    EngineInfo, EngineUnavailable, GenParams, KVEventRecord, KVTierSample, StatsSample, StreamChunk,
 )
 
 _DEAD_HINT = ("The engine core process stopped (its log is below). Restart the console "
@@ -169,7 +169,18 @@ def stats_sample_of(stats: Any) -> StatsSample:
         num_generation_tokens=get("num_generation_tokens", None),
         block_states=_as_bytes(get("block_states", None)),
         block_ref_counts=_as_bytes(get("block_ref_counts", None)),
+        kv_tiers=kv_tiers_of(get("kv_tiers", None)),
     )
+
+
+def kv_tiers_of(tiers: Any) -> list[KVTierSample] | None:
+    """Convert the engine's KVTierStats list (duck-typed); None when there is none."""
+    if not tiers:
+        return None
+    names = ("capacity_bytes", "used_bytes", "num_chunks", "hits", "misses", "bytes_in", "bytes_out",
+             "evictions", "errors")
+    return [KVTierSample(str(getattr(t, "medium", "?")), *(int(getattr(t, n, 0) or 0) for n in names))
+            for t in tiers]
 
 
 def kv_records_of(batch: Any) -> list[KVEventRecord]:
