@@ -114,6 +114,8 @@ class OffloadWorker:
     def get_finished(self, finished_req_ids: set[str], ran_forward: bool) -> set[str] | None:
         """Requests whose load ended (done, failed, cancelled or timed out); bad blocks go to invalid ids."""
         if not self._jobs:
+            if not ran_forward:  # an idle step (e.g. waiting for a producer's chunks): do not spin
+                time.sleep(_IDLE_WAIT_S)
             return None
         now = time.monotonic()
         for req_id, job in self._jobs.items():
