@@ -239,3 +239,16 @@ def test_embedded_model_identical_with_offload_and_after_restart(make_llm, tmp_p
     assert tokens(outputs) == expected
     assert [o.num_cached_tokens for o in outputs] == [256]
     assert tiers(second)["DISK"].hits == 1
+
+
+def test_offload_without_prefix_caching_and_with_decode_chunks(make_llm, tiny_llama_dir, reference) -> None:
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, save_decode=True), enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = llm.generate(make_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids[:6] for o in first] == reference
+    # Prompt + output chunks were stored: a prompt that repeats prompt + output hits all of them.
+    longer = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids} for p, o in zip(make_prompts(), first)]
+    outputs = llm.generate(longer, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [128, 96, 64]
+    plain = engine(make_llm, tiny_llama_dir, None)
+    assert tokens(outputs) == tokens(plain.generate(longer, GREEDY, use_tqdm=False))
