@@ -67,6 +67,22 @@ class KVConnectorSchedulerMixin:
         self._kv_ready.add(req_id)
         return True
 
+    def _unpark_ready_requests(self) -> bool:
+        """Release the blocks of waiting requests whose remote KV arrived (they restart as fresh
+        requests; their loaded blocks stay in the prefix cache until evicted). Called when nothing
+        runs and the queue head cannot allocate: parked requests holding blocks could otherwise
+        starve each other forever. True when anything was released."""
+        released = False
+        for request in self.waiting:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._update_waiting_for_remote_kv(request)  # a finished load caches its blocks first
+            if request.request_id in self._kv_ready:
+                self._kv_ready.discard(request.request_id)
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                released = True
+        return released
+
     def _after_alloc(self, request: Request, num_local: int, num_external: int, load_async: bool) -> bool:
         """Tell the connector; True when the request now waits for an async load."""
         if self.connector is None:

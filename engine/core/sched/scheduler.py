@@ -143,6 +143,7 @@ class Scheduler(KVConnectorSchedulerMixin):
         # short, and admitting more would just preempt again.
         if not preempted:
             skipped: list[Request] = []  # waiting on a KV connector: back to the queue's front
+            unparked = False
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
                 if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -171,6 +172,9 @@ class Scheduler(KVConnectorSchedulerMixin):
                     delay_cache_blocks=num_external > 0,
                 )
                 if new_blocks is None:
+                    if not self.running and not unparked and self._unpark_ready_requests():
+                        unparked = True  # retry the head once, now that parked blocks are free
+                        continue
                     break
                 self.waiting.pop_request()
                 if self._after_alloc(request, num_local, num_external, load_async):

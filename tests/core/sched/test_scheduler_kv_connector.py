@@ -186,3 +186,25 @@ def test_no_connector_output_is_harmless() -> None:
     finish(scheduler)
     assert_no_leak(scheduler)
     assert isinstance(ModelRunnerOutput([], {}, []).kv_connector_output, type(None))
+
+
+def test_parked_requests_holding_blocks_cannot_starve_each_other() -> None:
+    """Two loaded requests each hold half the pool and need more: nothing runs, so the scheduler
+    releases the parked blocks (kept in the prefix cache) and the head runs from a local hit."""
+    connector = FakeConnector()
+    kv_scheduler = make_scheduler(num_blocks=11, max_model_len=40, budget=64)  # 10 usable blocks of 4
+    kv_scheduler._init_kv_connector_state(connector)
+    a = make_request("a", list(range(100, 139)), max_tokens=1)
+    b = make_request("b", list(range(200, 239)), max_tokens=1)
+    connector.matches.update(a=(20, True), b=(20, True))
+    kv_scheduler.add_request(a)
+    kv_scheduler.add_request(b)
+    step(kv_scheduler)  # both park with 5 blocks each: the pool is full
+    assert a.status == b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    connector.matches.update(a=(0, False), b=(0, False))
+    step(kv_scheduler, KVConnectorOutput(finished_recving={"a", "b"}))
+    out, _ = step(kv_scheduler)
+    assert out.num_scheduled_tokens == {"a": 19}  # a's 20 loaded tokens came back as prefix hits
+    finish(kv_scheduler)
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 1
+    assert_no_leak(kv_scheduler)

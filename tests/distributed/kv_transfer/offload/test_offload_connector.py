@@ -252,3 +252,22 @@ def test_offload_without_prefix_caching_and_with_decode_chunks(make_llm, tiny_ll
     assert [o.num_cached_tokens for o in outputs] == [128, 96, 64]
     plain = engine(make_llm, tiny_llama_dir, None)
     assert tokens(outputs) == tokens(plain.generate(longer, GREEDY, use_tqdm=False))
+
+
+def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tiny_llama_dir, tmp_path) -> None:
+    """A KV cache of 13 usable blocks, a 32-token step budget, prompts that share prefixes: loads, saves,
+    preemptions and evictions interleave; the tokens must match a plain engine and nothing leaks."""
+    rng = random.Random(11)
+    bases = [[rng.randrange(3, 1000) for _ in range(96)] for _ in range(2)]
+    prompts = [{"prompt_token_ids": bases[i % 2][: 40 + 13 * i] + [rng.randrange(3, 1000) for _ in range(5)]}
+               for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    args = dict(num_gpu_blocks_override=14, max_num_batched_tokens=32, max_num_seqs=4)
+    plain = make_llm(str(tiny_llama_dir), dtype="float32", max_model_len=160, multiprocess=False, **args)
+    expected = tokens(plain.generate(prompts, params, use_tqdm=False))
+    llm = make_llm(str(tiny_llama_dir), dtype="float32", max_model_len=160, multiprocess=False,
+                   kv_transfer_config=offload_config(tmp_path, save_decode=True), **args)
+    for _ in range(2):
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert llm.get_stats().num_preemptions_total > 0
+    assert tiers(llm)["CPU"].hits > 0
