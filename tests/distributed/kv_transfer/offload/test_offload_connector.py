@@ -19,6 +19,7 @@ CHUNK = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 LENGTHS = (100, 70, 33)
 EXPECTED_HITS = [96, 64, 32]  # whole chunks, at most num_tokens - 1, in whole blocks
+pytestmark = pytest.mark.timeout(300)  # a hang fails fast instead of stalling the suite
 
 
 def offload_config(disk_path: Path | None, role: str = "kv_both", **extra: object) -> dict:
@@ -261,7 +262,7 @@ def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tin
     bases = [[rng.randrange(3, 1000) for _ in range(96)] for _ in range(2)]
     prompts = [{"prompt_token_ids": bases[i % 2][: 40 + 13 * i] + [rng.randrange(3, 1000) for _ in range(5)]}
                for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     args = dict(num_gpu_blocks_override=14, max_num_batched_tokens=32, max_num_seqs=4)
     plain = make_llm(str(tiny_llama_dir), dtype="float32", max_model_len=160, multiprocess=False, **args)
     expected = tokens(plain.generate(prompts, params, use_tqdm=False))
@@ -271,3 +272,26 @@ def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tin
         assert tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
     assert llm.get_stats().num_preemptions_total > 0
     assert tiers(llm)["CPU"].hits > 0
+
+
+def test_kv_events_carry_the_cpu_and_disk_medium(make_llm, tiny_llama_dir, tmp_path) -> None:
+    from engine.core.kv_cache.events import BlockStored
+    from engine.metrics.kv_events import KVEventSubscriber
+
+    llm = engine(make_llm, tiny_llama_dir, offload_config(tmp_path), multiprocess=True, enable_kv_cache_events=True)
+    subscriber = KVEventSubscriber(llm.kv_events_endpoint)
+    time.sleep(0.2)
+    llm.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert llm.engine_core.call_utility("flush_kv_connector", 30.0)
+    llm.generate(make_prompts(2), GREEDY, use_tqdm=False)  # a later step publishes the disk writes
+    stored: dict[str, set[bytes]] = {}
+    while (message := subscriber.receive(0.5)) is not None:
+        for event in message[1].events:
+            if isinstance(event, BlockStored):
+                stored.setdefault(event.medium, set()).update(event.block_hashes)
+                if event.medium in ("CPU", "DISK"):
+                    assert event.block_size == CHUNK and len(event.token_ids) == CHUNK
+    subscriber.close()
+    assert {"GPU", "CPU", "DISK"} <= set(stored)
+    assert stored["CPU"] == {bytes.fromhex(p.name.removesuffix(".kvchunk")) for p in tmp_path.glob("*.kvchunk")}
+    assert stored["DISK"] <= stored["CPU"] and len(stored["DISK"]) >= 6
