@@ -157,7 +157,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         bufs.seq_lens.np[:num_reqs] = seq_lens
         graph_size = None
-        if self.cuda_graphs is not None and max_query_len == 1:
+        if (self.cuda_graphs is not None and max_query_len == 1
+                and not (self.kv_connector is not None and self.kv_connector.has_pending_layer_loads())):
             graph_size = self.cuda_graphs.padded_size(num_reqs)
         if graph_size is not None:
             hidden_states = self.cuda_graphs.replay(num_reqs, graph_size)

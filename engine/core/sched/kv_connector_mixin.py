@@ -45,6 +45,7 @@ class KVConnectorSchedulerMixin:
         self._sync_loaded: set[str] = set()  # sync external hits in the step being run
         self._delayed_free: dict[str, Request] = {}
         self._recompute_req_ids: set[str] = set()  # the worker must drop their state (like preemption)
+        self._no_external_kv: set[str] = set()  # a load failed: recompute, do not ask the connector again
         self.kv_tier_stats: Any = None
 
     def has_pending_kv_transfers(self) -> bool:
@@ -148,6 +149,7 @@ class KVConnectorSchedulerMixin:
         request.num_computed_tokens = 0
         self.waiting.prepend_request(request)
         self._recompute_req_ids.add(request.request_id)
+        self._no_external_kv.add(request.request_id)
 
     def _take_recompute_req_ids(self) -> set[str]:
         ids, self._recompute_req_ids = self._recompute_req_ids, set()
@@ -160,6 +162,7 @@ class KVConnectorSchedulerMixin:
         was_loading = req_id in self._num_remote_tokens and req_id not in self.finished_recving_kv_req_ids
         self._kv_ready.discard(req_id)
         self._sync_loaded.discard(req_id)
+        self._no_external_kv.discard(req_id)
         self._num_valid_remote_tokens.pop(req_id, None)
         self._num_remote_tokens.pop(req_id, None)
         self.finished_recving_kv_req_ids.discard(req_id)

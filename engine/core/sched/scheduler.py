@@ -155,7 +155,7 @@ class Scheduler(KVConnectorSchedulerMixin):
                     computed_blocks, num_local = kv.empty_kv_cache_blocks, 0
                 else:
                     computed_blocks, num_local = kv.get_computed_blocks(request)
-                    if self.connector is not None:
+                    if self.connector is not None and request.request_id not in self._no_external_kv:
                         ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                         if ext is None:  # the connector cannot tell yet: ask again next step
                             skipped.append(self.waiting.pop_request())

@@ -76,6 +76,11 @@ class KVConnectorBase(ABC):
     def start_load_kv(self, forward_context: ForwardContext | None) -> None:
         """Start loading the KV that this step's metadata asks for (before the forward)."""
 
+    def has_pending_layer_loads(self) -> bool:
+        """Whether this step's metadata loads during the forward (the runner must then run the
+        layers eagerly, where the per-layer hooks are called, e.g. not replay a CUDA graph)."""
+        return False
+
     @abstractmethod
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until layer_name's KV is loaded (called inside that layer's forward)."""

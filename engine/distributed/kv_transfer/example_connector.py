@@ -137,6 +137,9 @@ class ExampleConnector(KVConnectorBase):
     def start_load_kv(self, forward_context: ForwardContext | None) -> None:
         self._open_loads = [(load, Path(load.folder)) for load in self._metadata().loads]
 
+    def has_pending_layer_loads(self) -> bool:
+        return bool(self._open_loads) or bool(self._metadata().saves)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._open_loads:
             return

@@ -67,7 +67,12 @@ class OffloadConnector(KVConnectorBase):
         self._worker.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous (the request is off this forward pass): nothing to wait for."""
+        """Wait for this step's layer-by-layer loads to have written layer_name ("layer.<i>")."""
+        self._worker.wait_for_layer_load(int(layer_name.rpartition(".")[2]))
+
+    def has_pending_layer_loads(self) -> bool:
+        metadata = self._metadata()
+        return metadata is not None and bool(metadata.layer_loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
         """Chunks are copied out in wait_for_save, once every layer has written them."""

@@ -27,10 +27,14 @@ def gather_chunk(kv_caches: list[torch.Tensor], block_ids: list[int], chunk_size
 
 def scatter_chunk(kv_caches: list[torch.Tensor], chunk: torch.Tensor, token_offset: int, block_ids: list[int]) -> None:
     """Write chunk tokens [token_offset, token_offset + len(block_ids) * block_size) into block_ids."""
-    first = kv_caches[0]
-    _, _, block_size, num_heads, head_dim = first.shape
-    num_blocks = len(block_ids)
-    index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-    part = chunk[:, :, token_offset:token_offset + num_blocks * block_size]
     for layer, kv_cache in enumerate(kv_caches):
-        kv_cache[:, index] = part[layer].reshape(2, num_blocks, block_size, num_heads, head_dim).to(kv_cache.device)
+        scatter_chunk_layer(kv_cache, chunk[layer], token_offset, block_ids)
+
+
+def scatter_chunk_layer(kv_cache: torch.Tensor, chunk_layer: torch.Tensor, token_offset: int, block_ids: list[int]) -> None:
+    """One layer of scatter_chunk: chunk_layer [2, chunk_size, num_kv_heads, head_dim]."""
+    _, _, block_size, num_heads, head_dim = kv_cache.shape
+    num_blocks = len(block_ids)
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    part = chunk_layer[:, token_offset:token_offset + num_blocks * block_size]
+    kv_cache[:, index] = part.reshape(2, num_blocks, block_size, num_heads, head_dim).to(kv_cache.device)

@@ -29,7 +29,10 @@ class ChunkSave:
 
 @dataclass
 class OffloadConnectorMetadata(KVConnectorMetadata):
-    """loads: request id -> its chunks to load (asynchronously); saves: chunks computed this step."""
+    """loads: request id -> its chunks to load asynchronously (the request waits off the forward);
+    layer_loads: chunks to load during this step's forward, layer by layer (CPU-tier hits of
+    requests in this step); saves: chunks computed this step."""
 
     loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)
+    layer_loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)
     saves: list[ChunkSave] = field(default_factory=list)

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 class OffloadScheduler:
     """Scheduler-side state (seed: get_num_new_matched_tokens / update_state_after_alloc / build_connector_meta).
 
-    Every hit is loaded asynchronously (is_async=True): the request waits in
-    WAITING_FOR_REMOTE_KVS, off the forward pass, until its chunks are in its blocks. A failed or
-    late load therefore never reaches the model: the scheduler recomputes from the first bad block.
+    Hits held in the CPU tier (pinned at allocation) load during the forward, layer by layer
+    (is_async=False); hits that need the disk load asynchronously (is_async=True): the request
+    waits in WAITING_FOR_REMOTE_KVS, off the forward pass, until its chunks are in its blocks.
+    Either way a failed load is recomputed (from the first bad block, or from scratch).
     Invariant: _num_handled_chunks[r] chunks of request r were stored or found stored already.
     """
 
@@ -37,8 +38,9 @@ class OffloadScheduler:
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_handled_chunks: dict[str, int] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # request id -> (local computed tokens, hit tokens)
+        self._lookups: dict[str, tuple[int, int, bool]] = {}  # request id -> (local tokens, hit tokens, is_async)
         self._pending_loads: dict[str, list[ChunkLoad]] = {}
+        self._pending_layer_loads: dict[str, list[ChunkLoad]] = {}
         self._remote_deadlines: dict[str, float] = {}
 
     def _chunk_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
@@ -50,7 +52,7 @@ class OffloadScheduler:
         if not self.is_consumer or request.sampling_params.prompt_logprobs is not None:
             return 0, False
         hashes = self._chunk_hashes(request, request.num_tokens)
-        num_chunks, _ = self.store.lookup_prefix(hashes)
+        num_chunks, num_on_disk = self.store.lookup_prefix(hashes)
         expected = _expected_remote_chunks(request)
         if num_chunks < min(expected, len(hashes)):
             # P/D: the producer's chunks may still be on their way to the shared disk.
@@ -63,8 +65,11 @@ class OffloadScheduler:
         hit_tokens = min(num_chunks * self.settings.chunk_size, max_tokens)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        self._lookups[request.request_id] = (num_computed_tokens, hit_tokens)
-        return hit_tokens - num_computed_tokens, True
+        # CPU-resident hits load during the forward (layer by layer); disk reads are slow and can
+        # fail, so those requests wait off the forward pass until their chunks are in place.
+        is_async = self.settings.load_mode == "async" or num_on_disk > 0
+        self._lookups[request.request_id] = (num_computed_tokens, hit_tokens, is_async)
+        return hit_tokens - num_computed_tokens, is_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -74,7 +79,7 @@ class OffloadScheduler:
         lookup = self._lookups.pop(req_id, None)
         if num_external_tokens == 0 or lookup is None:
             return
-        num_local, hit_tokens = lookup
+        num_local, hit_tokens, is_async = lookup
         size, block_ids = self.settings.chunk_size, self._block_ids[req_id]
         hashes = self._hashes[req_id]
         loads: list[ChunkLoad] = []
@@ -87,12 +92,12 @@ class OffloadScheduler:
                                    block_ids=block_ids[start // self.block_size:end // self.block_size],
                                    pinned=self.store.pin(key)))
             start = end
-        self._pending_loads[req_id] = loads
+        (self._pending_loads if is_async else self._pending_layer_loads)[req_id] = loads
 
     # -- per step --------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
-        metadata = OffloadConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = {}
+        metadata = OffloadConnectorMetadata(loads=self._pending_loads, layer_loads=self._pending_layer_loads)
+        self._pending_loads, self._pending_layer_loads = {}, {}
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
             if new_block_ids is not None and req_id in self._block_ids:
@@ -126,7 +131,7 @@ class OffloadScheduler:
         for state in (self._requests, self._block_ids, self._num_handled_chunks, self._lookups,
                       self._remote_deadlines):
             state.pop(req_id, None)
-        for load in self._pending_loads.pop(req_id, []):
+        for load in self._pending_loads.pop(req_id, []) + self._pending_layer_loads.pop(req_id, []):
             if load.pinned:
                 self.store.unpin(load.key)
         if not self.is_producer:

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from engine.distributed.kv_transfer.config import KVTransferConfig
 
 _KEYS = {"cpu_bytes", "disk_path", "disk_bytes", "chunk_size", "save_decode", "load_timeout_s",
-         "remote_wait_s"}
+         "remote_wait_s", "load_mode"}
+LOAD_MODES = ("auto", "async")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -27,6 +28,9 @@ class OffloadSettings:
     save_decode: bool  # also store chunks filled by generated tokens
     load_timeout_s: float  # a load running longer is cancelled and its tokens recomputed
     remote_wait_s: float  # P/D consumer: how long to wait for the producer's chunks
+    # auto: CPU-tier hits load during the forward, layer by layer (loading layer i+1 overlaps
+    # computing layer i); disk hits load asynchronously. async: every hit loads asynchronously.
+    load_mode: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -60,6 +64,7 @@ class OffloadSettings:
             save_decode=bool(extra.get("save_decode", False)),
             load_timeout_s=float(extra.get("load_timeout_s", 30.0)),
             remote_wait_s=float(extra.get("remote_wait_s", 10.0)),
+            load_mode=str(extra.get("load_mode", "auto")),
             num_layers=hf.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             dtype_name=str(config.dtype).removeprefix("torch."),
         )
@@ -75,6 +80,9 @@ class OffloadSettings:
             raise InvalidEngineArgsError(
                 f"OffloadConnector: disk_bytes={settings.disk_bytes} is smaller than one chunk file "
                 f"({settings.chunk_nbytes} bytes plus a header); raise disk_bytes or lower chunk_size.")
+        if settings.load_mode not in LOAD_MODES:
+            raise InvalidEngineArgsError(
+                f"OffloadConnector: load_mode={settings.load_mode!r} is invalid; allowed: {', '.join(LOAD_MODES)}.")
         if settings.load_timeout_s <= 0 or settings.remote_wait_s < 0:
             raise InvalidEngineArgsError("OffloadConnector: load_timeout_s must be > 0 and remote_wait_s >= 0.")
         return settings

@@ -99,6 +99,11 @@ class TieredKVStore:
             self.cpu.unpin(key)
 
     # -- data (worker side) -----------------------------------------------------------------
+    def get_cached(self, key: bytes) -> torch.Tensor | None:
+        """The chunk if the CPU tier holds it (never touches the disk)."""
+        with self._lock:
+            return self.cpu.get(key)
+
     def get(self, key: bytes) -> torch.Tensor | None:
         """The chunk from CPU, else from disk (promoted to CPU); CorruptChunkError if the file is bad."""
         with self._lock:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError
-from engine.distributed.kv_transfer.offload.kv_layout import gather_chunk, scatter_chunk
+from engine.distributed.kv_transfer.offload.kv_layout import gather_chunk, scatter_chunk, scatter_chunk_layer
 from engine.distributed.kv_transfer.offload.metadata import ChunkLoad, OffloadConnectorMetadata
 from engine.distributed.kv_transfer.offload.settings import OffloadSettings
 from engine.distributed.kv_transfer.offload.store import TieredKVStore
@@ -35,6 +35,16 @@ class _LoadJob:
     finished: bool = False
 
 
+@dataclass(eq=False)
+class _LayerLoad:
+    """This step's layer-by-layer loads: layer_ready[i] is set once layer i's chunks are written."""
+
+    chunks: list[tuple[ChunkLoad, torch.Tensor | None]]
+    layer_ready: list[threading.Event]
+    cancelled: bool = False
+    thread: threading.Thread | None = None
+
+
 class OffloadWorker:
     """Worker-side state. Invariant: after cancel() returns, the job writes no block again
     (every write happens under _write_lock after checking `cancelled`), so the scheduler may
@@ -50,13 +60,18 @@ class OffloadWorker:
         self._job_done = threading.Condition()
         self._invalid_block_ids: set[int] = set()
         self._thread: threading.Thread | None = None
+        self._layer_load: _LayerLoad | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
 
     # -- loads -----------------------------------------------------------------------------
     def start_load_kv(self, metadata: OffloadConnectorMetadata | None) -> None:
-        if metadata is None or not metadata.loads:
+        if metadata is None:
+            return
+        if metadata.layer_loads:
+            self._start_layer_load(metadata)
+        if not metadata.loads:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._load_loop, name="kv-offload-loader", daemon=True)
@@ -107,6 +122,69 @@ class OffloadWorker:
             if chunk.pinned:
                 self.store.unpin(chunk.key)
 
+    # -- layer-by-layer loads (during the forward) ----------------------------------------------
+    def _start_layer_load(self, metadata: OffloadConnectorMetadata) -> None:
+        chunks: list[tuple[ChunkLoad, torch.Tensor | None]] = []
+        for loads in metadata.layer_loads.values():
+            failed = False
+            for chunk in loads:
+                # Pinned in the CPU tier: a dict lookup. Never the disk here: this is the step's
+                # critical path (a chunk evicted before its pin is recomputed instead).
+                tensor = None if failed else self.store.get_cached(chunk.key)
+                failed = failed or tensor is None
+                if failed:  # this chunk and the request's later ones are recomputed
+                    self._invalid_block_ids.update(chunk.block_ids)
+                chunks.append((chunk, tensor))
+        layer_load = _LayerLoad(chunks, [threading.Event() for _ in self.kv_caches])
+        layer_load.thread = threading.Thread(target=self._layer_load_loop, args=(layer_load,),
+                                             name="kv-offload-layer-loader", daemon=True)
+        self._layer_load = layer_load
+        layer_load.thread.start()
+
+    def _layer_load_loop(self, layer_load: _LayerLoad) -> None:
+        try:
+            for layer, kv_cache in enumerate(self.kv_caches):
+                with self._write_lock:
+                    if layer_load.cancelled:
+                        return
+                    for chunk, tensor in layer_load.chunks:
+                        if tensor is not None:
+                            scatter_chunk_layer(kv_cache, tensor[layer], chunk.token_offset, chunk.block_ids)
+                layer_load.layer_ready[layer].set()
+        except Exception:  # noqa: BLE001 - recomputed, never fatal
+            logger.exception("KV offload: layer-by-layer load failed")
+            for chunk, _ in layer_load.chunks:
+                self._invalid_block_ids.update(chunk.block_ids)
+        finally:
+            for event in layer_load.layer_ready:
+                event.set()  # nobody waits forever; failures are in _invalid_block_ids
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """Block until this step's loads wrote layer_index (the attention layer reads it next)."""
+        layer_load = self._layer_load
+        if layer_load is None or layer_index >= len(layer_load.layer_ready):
+            return
+        if not layer_load.layer_ready[layer_index].wait(self.settings.load_timeout_s):
+            self._finish_layer_load(timed_out=True)
+
+    def _finish_layer_load(self, timed_out: bool = False) -> None:
+        """End this step's layer loads: wait (bounded) for the loader, else cancel; unpin chunks."""
+        layer_load, self._layer_load = self._layer_load, None
+        if layer_load is None:
+            return
+        assert layer_load.thread is not None
+        if not timed_out:
+            layer_load.thread.join(self.settings.load_timeout_s)
+        if timed_out or layer_load.thread.is_alive():
+            logger.warning("KV offload: layer-by-layer load timed out; its requests are recomputed")
+            with self._write_lock:
+                layer_load.cancelled = True
+            for chunk, _ in layer_load.chunks:
+                self._invalid_block_ids.update(chunk.block_ids)
+        for chunk, _ in layer_load.chunks:
+            if chunk.pinned:
+                self.store.unpin(chunk.key)
+
     def _cancel(self, job: _LoadJob) -> None:
         with self._write_lock:
             job.cancelled = True
@@ -146,6 +224,7 @@ class OffloadWorker:
     def wait_for_save(self, metadata: OffloadConnectorMetadata | None) -> None:
         """Copy this step's finished chunks out of the paged cache (the blocks may be reused next
         step); the store writes them to disk in the background."""
+        self._finish_layer_load()  # every layer has been read by now (or the step had no hooks)
         if metadata is None:
             return
         for save in metadata.saves:
@@ -153,6 +232,7 @@ class OffloadWorker:
             self.store.put(save.key, tensor, save.parent, save.token_ids)
 
     def shutdown(self) -> None:
+        self._finish_layer_load()
         for job in self._jobs.values():
             self._cancel(job)
         if self._thread is not None:

@@ -143,7 +143,7 @@ def test_damaged_chunk_files_are_recomputed(make_llm, tiny_llama_dir, reference,
 
 
 def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama_dir, reference) -> None:
-    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2))
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2, load_mode="async"))
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)
     llm.reset_prefix_cache()
     original_get = store_module.TieredKVStore.get
@@ -162,6 +162,29 @@ def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama
     time.sleep(1.2)  # the stuck reader wakes up: it must not write into blocks it no longer owns
     llm.reset_prefix_cache()
     assert tokens(llm.generate(make_prompts(), GREEDY, use_tqdm=False)) == reference
+
+
+def test_layer_by_layer_load_timeout_recomputes(make_llm, tiny_llama_dir, reference, monkeypatch) -> None:
+    from engine.distributed.kv_transfer.offload import worker_side
+
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2))
+    llm.generate(make_prompts(), GREEDY, use_tqdm=False)
+    llm.reset_prefix_cache()
+    original = worker_side.scatter_chunk_layer
+    calls = []
+
+    def slow_scatter(*args):
+        calls.append(1)
+        time.sleep(0.5)
+        return original(*args)
+
+    monkeypatch.setattr(worker_side, "scatter_chunk_layer", slow_scatter)
+    outputs = llm.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert calls and tokens(outputs) == reference
+    monkeypatch.setattr(worker_side, "scatter_chunk_layer", original)
+    llm.reset_prefix_cache()
+    outputs = llm.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert tokens(outputs) == reference and [o.num_cached_tokens for o in outputs] == EXPECTED_HITS
 
 
 def test_unusable_disk_warns_and_keeps_serving(make_llm, tiny_llama_dir, reference, tmp_path, caplog) -> None:
