@@ -42,7 +42,8 @@ class _LayerLoad:
     chunks: list[tuple[ChunkLoad, torch.Tensor | None]]
     layer_ready: list[threading.Event]
     cancelled: bool = False
-    thread: threading.Thread | None = None
+    thread: threading.Thread | None = None  # None: inline, each layer copied when it is waited for
+    next_layer: int = 0  # inline mode: the first layer not copied yet
 
 
 class OffloadWorker:
@@ -61,9 +62,14 @@ class OffloadWorker:
         self._invalid_block_ids: set[int] = set()
         self._thread: threading.Thread | None = None
         self._layer_load: _LayerLoad | None = None
+        self.layer_copy_thread = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
+        # On the CPU the copy and the model share the same cores (a second thread's parallel
+        # regions oversubscribe them): copy each layer inline, just before it runs. On a GPU a
+        # loader thread copies ahead while earlier layers compute.
+        self.layer_copy_thread = bool(self.kv_caches) and self.kv_caches[0].device.type != "cpu"
 
     # -- loads -----------------------------------------------------------------------------
     def start_load_kv(self, metadata: OffloadConnectorMetadata | None) -> None:
@@ -136,10 +142,20 @@ class OffloadWorker:
                     self._invalid_block_ids.update(chunk.block_ids)
                 chunks.append((chunk, tensor))
         layer_load = _LayerLoad(chunks, [threading.Event() for _ in self.kv_caches])
+        self._layer_load = layer_load
+        if not self.layer_copy_thread:
+            return
         layer_load.thread = threading.Thread(target=self._layer_load_loop, args=(layer_load,),
                                              name="kv-offload-layer-loader", daemon=True)
-        self._layer_load = layer_load
         layer_load.thread.start()
+
+    def _copy_layers_inline(self, layer_load: _LayerLoad, up_to: int) -> None:
+        while layer_load.next_layer <= up_to:
+            layer = layer_load.next_layer
+            for chunk, tensor in layer_load.chunks:
+                if tensor is not None:
+                    scatter_chunk_layer(self.kv_caches[layer], tensor[layer], chunk.token_offset, chunk.block_ids)
+            layer_load.next_layer += 1
 
     def _layer_load_loop(self, layer_load: _LayerLoad) -> None:
         try:
@@ -164,6 +180,9 @@ class OffloadWorker:
         layer_load = self._layer_load
         if layer_load is None or layer_index >= len(layer_load.layer_ready):
             return
+        if layer_load.thread is None:
+            self._copy_layers_inline(layer_load, layer_index)
+            return
         if not layer_load.layer_ready[layer_index].wait(self.settings.load_timeout_s):
             self._finish_layer_load(timed_out=True)
 
@@ -172,10 +191,11 @@ class OffloadWorker:
         layer_load, self._layer_load = self._layer_load, None
         if layer_load is None:
             return
-        assert layer_load.thread is not None
-        if not timed_out:
+        if layer_load.thread is None:  # inline: copy what no hook asked for (the blocks must hold it)
+            self._copy_layers_inline(layer_load, len(self.kv_caches) - 1)
+        elif not timed_out:
             layer_load.thread.join(self.settings.load_timeout_s)
-        if timed_out or layer_load.thread.is_alive():
+        if timed_out or (layer_load.thread is not None and layer_load.thread.is_alive()):
             logger.warning("KV offload: layer-by-layer load timed out; its requests are recomputed")
             with self._write_lock:
                 layer_load.cancelled = True

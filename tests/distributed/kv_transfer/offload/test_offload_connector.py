@@ -168,6 +168,8 @@ def test_layer_by_layer_load_timeout_recomputes(make_llm, tiny_llama_dir, refere
     from engine.distributed.kv_transfer.offload import worker_side
 
     llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2))
+    worker = llm.engine_core.engine_core.model_executor.worker.model_runner.kv_connector._worker
+    worker.layer_copy_thread = True  # the GPU's loader thread, which can fall behind the forward
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)
     llm.reset_prefix_cache()
     original = worker_side.scatter_chunk_layer
