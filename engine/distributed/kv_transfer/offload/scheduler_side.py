@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 class OffloadScheduler:
     """Scheduler-side state (seed: get_num_new_matched_tokens / update_state_after_alloc / build_connector_meta).
 
-    Hits held in the CPU tier (pinned at allocation) load during the forward, layer by layer
-    (is_async=False); hits that need the disk load asynchronously (is_async=True): the request
-    waits in WAITING_FOR_REMOTE_KVS, off the forward pass, until its chunks are in its blocks.
+    By default every hit loads asynchronously (is_async=True): the request waits in
+    WAITING_FOR_REMOTE_KVS, off the forward pass, until its chunks are in its blocks. With
+    load_mode "layerwise", hits held in the CPU tier (pinned at allocation) load during the
+    forward instead, layer by layer (is_async=False).
     Either way a failed load is recomputed (from the first bad block, or from scratch).
     Invariant: _num_handled_chunks[r] chunks of request r were stored or found stored already.
     """
@@ -67,7 +68,7 @@ class OffloadScheduler:
             return 0, False
         # CPU-resident hits load during the forward (layer by layer); disk reads are slow and can
         # fail, so those requests wait off the forward pass until their chunks are in place.
-        is_async = self.settings.load_mode == "async" or num_on_disk > 0
+        is_async = self.settings.load_mode != "layerwise" or num_on_disk > 0
         self._lookups[request.request_id] = (num_computed_tokens, hit_tokens, is_async)
         return hit_tokens - num_computed_tokens, is_async
 

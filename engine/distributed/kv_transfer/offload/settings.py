@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 _KEYS = {"cpu_bytes", "disk_path", "disk_bytes", "chunk_size", "save_decode", "load_timeout_s",
          "remote_wait_s", "load_mode"}
-LOAD_MODES = ("auto", "async")
+LOAD_MODES = ("async", "layerwise")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -28,8 +28,9 @@ class OffloadSettings:
     save_decode: bool  # also store chunks filled by generated tokens
     load_timeout_s: float  # a load running longer is cancelled and its tokens recomputed
     remote_wait_s: float  # P/D consumer: how long to wait for the producer's chunks
-    # auto: CPU-tier hits load during the forward, layer by layer (loading layer i+1 overlaps
-    # computing layer i); disk hits load asynchronously. async: every hit loads asynchronously.
+    # async: every hit loads off the forward pass (the request waits in WAITING_FOR_REMOTE_KVS).
+    # layerwise: CPU-tier hits load during the forward, layer by layer (loading layer i+1
+    # overlaps computing layer i); disk hits still load asynchronously.
     load_mode: str
     num_layers: int
     num_kv_heads: int
@@ -64,7 +65,7 @@ class OffloadSettings:
             save_decode=bool(extra.get("save_decode", False)),
             load_timeout_s=float(extra.get("load_timeout_s", 30.0)),
             remote_wait_s=float(extra.get("remote_wait_s", 10.0)),
-            load_mode=str(extra.get("load_mode", "auto")),
+            load_mode=str(extra.get("load_mode", "async")),
             num_layers=hf.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             dtype_name=str(config.dtype).removeprefix("torch."),
         )

@@ -60,8 +60,10 @@ def connector_of(llm):
     return llm.engine_core.engine_core.kv_connector
 
 
-def test_identical_outputs_and_reuse_after_the_prefix_cache_forgot(make_llm, tiny_llama_dir, reference) -> None:
-    llm = engine(make_llm, tiny_llama_dir, offload_config(None))
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_identical_outputs_and_reuse_after_the_prefix_cache_forgot(make_llm, tiny_llama_dir, reference,
+                                                                   load_mode) -> None:
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_mode=load_mode))
     assert tokens(llm.generate(make_prompts(), GREEDY, use_tqdm=False)) == reference
     assert llm.reset_prefix_cache()
     outputs = llm.generate(make_prompts(), GREEDY, use_tqdm=False)
@@ -71,9 +73,10 @@ def test_identical_outputs_and_reuse_after_the_prefix_cache_forgot(make_llm, tin
     assert cpu.num_chunks == 6 and cpu.hits == 6 and cpu.bytes_out == 6 * cpu.used_bytes // 6
 
 
-def test_loaded_kv_is_really_used(make_llm, tiny_llama_dir, reference) -> None:
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_loaded_kv_is_really_used(make_llm, tiny_llama_dir, reference, load_mode) -> None:
     """Spoil the stored chunks: if the loads were ignored, the outputs would not change."""
-    llm = engine(make_llm, tiny_llama_dir, offload_config(None))
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_mode=load_mode))
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)
     import torch
 
@@ -143,7 +146,7 @@ def test_damaged_chunk_files_are_recomputed(make_llm, tiny_llama_dir, reference,
 
 
 def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama_dir, reference) -> None:
-    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2, load_mode="async"))
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2))
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)
     llm.reset_prefix_cache()
     original_get = store_module.TieredKVStore.get
@@ -167,7 +170,7 @@ def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama
 def test_layer_by_layer_load_timeout_recomputes(make_llm, tiny_llama_dir, reference, monkeypatch) -> None:
     from engine.distributed.kv_transfer.offload import worker_side
 
-    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2))
+    llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2, load_mode="layerwise"))
     worker = llm.engine_core.engine_core.model_executor.worker.model_runner.kv_connector._worker
     worker.layer_copy_thread = True  # the GPU's loader thread, which can fall behind the forward
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)

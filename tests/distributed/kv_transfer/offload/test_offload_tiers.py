@@ -170,6 +170,8 @@ def test_settings_reject_limits_below_one_chunk_and_bad_values() -> None:
         _settings(cpu_gb=1)
     with pytest.raises(InvalidEngineArgsError, match="integer"):
         _settings(chunk_size="256")
+    with pytest.raises(InvalidEngineArgsError, match="load_mode"):
+        _settings(load_mode="eager")
 
 
 def test_kv_transfer_config_parsing() -> None:
