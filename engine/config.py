@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ class EngineArgs:
     encoder_cache_size: int | None = None
     max_num_encoder_input_tokens: int | None = None
     ec_transfer_config: dict[str, Any] | str | None = None  # dict or JSON string
+    # KV connector (engine/distributed/kv_transfer): a dict or JSON string, e.g.
+    # {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}.
+    kv_transfer_config: Any = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments, resolve the model and build the EngineConfig."""
@@ -96,6 +100,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             mm_config=self.create_mm_config(),
             ec_transfer_config=self.create_ec_transfer_config(),
+            kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
         )
 
     def create_mm_config(self) -> Any:
@@ -150,6 +155,7 @@ class EngineArgs:
                 f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
+        KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
         """The frontend's EngineConfig, from the core's ready handshake: no torch involved.
@@ -201,6 +207,7 @@ class EngineConfig:
     num_blocks: int = 0  # filled in by EngineCore after profiling the KV budget
     attention_backend: str = "auto"  # auto | torch | triton (engine/attention/selector.py)
     enforce_eager: bool = False  # no CUDA graphs
+    kv_transfer_config: KVTransferConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     mm_config: Any = None  # engine.multimodal.config.MultiModalConfig
     ec_transfer_config: Any = None  # engine.distributed.ec_transfer.config.ECTransferConfig | None

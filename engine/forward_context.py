@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
@@ -28,6 +28,7 @@ class ForwardContext:
 
     attn_metadata: AttentionMetadata | None
     group_attn_metadata: list[AttentionMetadata] | None = None
+    kv_connector: Any = None  # the worker-side KV connector: per-layer load/save hooks
 
 
 _forward_context: ForwardContext | None = None
@@ -53,11 +54,13 @@ def has_forward_context() -> bool:
 def set_forward_context(
     attn_metadata: AttentionMetadata | None,
     group_attn_metadata: list[AttentionMetadata] | None = None,
+    kv_connector: Any = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention layer for the duration of the block."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata=attn_metadata, group_attn_metadata=group_attn_metadata)
+    _forward_context = ForwardContext(attn_metadata=attn_metadata, group_attn_metadata=group_attn_metadata,
+                                      kv_connector=kv_connector)
     try:
         yield _forward_context
     finally:

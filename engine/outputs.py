@@ -80,6 +80,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector (P/D), on the final output
 
     def add(self, next_output: RequestOutput) -> None:
         """Merge a later DELTA output into this one (a slow consumer gets one combined delta)."""
@@ -99,3 +100,4 @@ class RequestOutput:
         self.finished = next_output.finished
         self.num_cached_tokens = next_output.num_cached_tokens
         self.metrics = next_output.metrics
+        self.kv_transfer_params = next_output.kv_transfer_params

@@ -92,6 +92,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     events: list[EngineCoreEvent] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, on the final output
 
     @property
     def finished(self) -> bool:

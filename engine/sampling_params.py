@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidSamplingParamsError
 
@@ -42,6 +43,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Free-form per-request extras; "kv_transfer_params" reaches the KV connector (P/D).
+    extra_args: dict[str, Any] | None = None
     # Filled by the InputProcessor from the tokenizer; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -95,6 +98,8 @@ class SamplingParams:
             fail("stop", self.stop, "stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", self.stop_token_ids, "stop_token_ids must be non-negative integers")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            fail("extra_args", self.extra_args, "extra_args must be a dict or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", self.output_kind, "output_kind must be a RequestOutputKind")
 

@@ -131,3 +131,51 @@ def prefix(
                        True, num_threads)
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     _finish(lambda: bench_prefix(model, args, workload, hf, save_result, progress))
+
+
+PromptLenOpt = Annotated[int, typer.Option(help="Tokens of the repeated prompt.")]
+ChunkSizeOpt = Annotated[int, typer.Option("--kv-chunk-size", help="Tokens per offloaded chunk.")]
+DiskPathOpt = Annotated[Optional[str], typer.Option("--kv-offload-disk", help="Disk tier directory (default: temporary).")]
+
+
+@bench_app.command()
+def offload(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", block_size: BlockSizeOpt = 16,
+    num_threads: NumThreadsOpt = None, prompt_len: PromptLenOpt = 2048, kv_chunk_size: ChunkSizeOpt = 256,
+    kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0, save_result: SaveOpt = None,
+) -> None:
+    """TTFT of a repeated prompt after prefix-cache eviction: recompute vs CPU tier vs disk tier (restart)."""
+    from lm_console.bench.offload import bench_offload, offload_lines
+
+    args = engine_args(dtype, None, None, block_size, num_threads=num_threads)
+
+    def run() -> int:
+        results = bench_offload(model, args, prompt_len, kv_chunk_size, kv_offload_disk, seed)
+        typer.echo("\n".join(offload_lines(results)))
+        if save_result:
+            import json
+
+            with open(save_result, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0 if results["same_tokens"] else 1
+
+    _finish(run)
+
+
+@bench_app.command()
+def pd(
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", num_threads: NumThreadsOpt = None,
+    prompt_len: PromptLenOpt = 1024, output_len: OutputLenOpt = 16, kv_chunk_size: ChunkSizeOpt = 256,
+    kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0,
+) -> None:
+    """Prefill/decode disaggregation: a producer engine prefills, a consumer engine loads and decodes."""
+    from lm_console.bench.offload import bench_pd, pd_lines
+
+    args = engine_args(dtype, num_threads=num_threads)
+
+    def run() -> int:
+        result = bench_pd(model, args, prompt_len, output_len, kv_offload_disk, kv_chunk_size, seed)
+        typer.echo("\n".join(pd_lines(result)))
+        return 0 if result["same_tokens"] else 1
+
+    _finish(run)

@@ -12,6 +12,10 @@ from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, FakeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, console_threads, engine_args, parse_range,
 )
+from lm_console.kv_options import (
+    KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
+    kv_transfer_args,
+)
 
 RateOpt = Annotated[float, typer.Option(help="Load: requests per second (Poisson arrivals).")]
 PromptLenOpt = Annotated[str, typer.Option(help="Load: prompt tokens, min-max.")]
@@ -64,12 +68,17 @@ def tui(
     load: Annotated[bool, typer.Option("--load/--no-load", help="Start the built-in load generator at once.")] = False,
     rate: RateOpt = 1.0, prompt_len: PromptLenOpt = "32-192", output_len: OutputLenOpt = "16-96",
     shared_prefix: SharedOpt = 0.5, prefix_len: PrefixLenOpt = 96, fake: FakeOpt = False,
+    kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
+    kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
+    kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
 ) -> None:
     """The operator console: a live dashboard of the engine and a chat (engine core in a child process)."""
     from lm_console.tui.app import ConsoleApp
 
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
                        max_num_batched_tokens, enable_prefix_caching, console_threads(num_threads))
+    args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
+                                 kv_offload_disk_bytes, kv_chunk_size))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     run_app(ConsoleApp(make_client(fake, model, args), load=load, shape=shape, log_path=default_log_path()))
 

@@ -46,15 +46,16 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache: Tensor | None = None  # a plain attribute: not saved, not moved by .to()
         self.kv_cache_group_id = 0  # set with the cache (hybrid models: the layer's KV cache group)
+        self.layer_name = ""  # "layer.{i}", set by bind_kv_caches (KV connectors key on it)
         self.backend: ModuleType = torch_backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [num_tokens, H*D], k/v [num_tokens, Hkv*D] -> [num_tokens, H*D]."""
-        ctx = get_forward_context()
-        attn_metadata = ctx.attn_metadata
+        forward_context = get_forward_context()
+        attn_metadata = forward_context.attn_metadata
         if self.kv_cache_group_id and attn_metadata is not None:
-            assert ctx.group_attn_metadata is not None, "hybrid KV cache groups need per-group metadata"
-            attn_metadata = ctx.group_attn_metadata[self.kv_cache_group_id]
+            assert forward_context.group_attn_metadata is not None, "hybrid KV cache groups need per-group metadata"
+            attn_metadata = forward_context.group_attn_metadata[self.kv_cache_group_id]
         if attn_metadata is None:
             return torch_backend.causal_attention(
                 q, k, v, self.num_kv_heads, self.scale, self.sliding_window,
@@ -65,13 +66,19 @@ class Attention(nn.Module):
                 "Attention layer has no KV cache: call bind_kv_caches(model, kv_caches) before "
                 "running with attention metadata (or set_forward_context(None) for a dummy run)"
             )
+        connector = forward_context.kv_connector
+        if connector is not None:  # seed: layer-by-layer KV transfer (lines 3300-3330)
+            connector.wait_for_layer_load(self.layer_name)
         # Only the torch backend builds bidirectional image masks: steps that prefill such
         # image tokens run every layer through it (same cache layout; the kernels serve the rest).
         backend = torch_backend if attn_metadata.bidirectional_spans else self.backend
-        return backend.paged_attention(
+        out = backend.paged_attention(
             q, k, v, self.kv_cache, attn_metadata, self.num_kv_heads, self.scale,
             self.sliding_window, self.logits_soft_cap,
         )
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
+        return out
 
     def extra_repr(self) -> str:
         return (
@@ -96,7 +103,8 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[Tensor]) -> None:
     layers = get_attention_layers(model)
     if len(layers) != len(kv_caches):
         raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
-    for layer, kv_cache in zip(layers, kv_caches):
+    for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+        layer.layer_name = f"layer.{index}"
         expected = (2, layer.num_kv_heads, layer.head_dim)
         got = (kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4])
         if kv_cache.dim() != 5 or got != expected:

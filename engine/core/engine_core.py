@@ -44,8 +44,14 @@ class EngineCore:
                 enable_kv_cache_events=config.enable_kv_cache_events,
                 kv_cache_config=self.kv_cache_config,
             )
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+            self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
+            connector=self.kv_connector,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
@@ -103,6 +109,7 @@ class EngineCore:
             cache_salt=engine_request.cache_salt,
             mm_features=list(engine_request.mm_features or []),
             block_hasher=self.request_block_hasher,
+            kv_transfer_params=(engine_request.sampling_params.extra_args or {}).get("kv_transfer_params"),
         )
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")
@@ -155,6 +162,8 @@ class EngineCore:
     def take_kv_events(self) -> KVEventBatch | None:
         """Drain the KV cache manager's events into one batch (None when there are none)."""
         events = self.kv_cache_manager.take_events()
+        if self.kv_connector is not None:
+            events.extend(self.kv_connector.take_events())
         return KVEventBatch(ts=time.time(), events=events) if events else None
 
     def attach_kv_events(self, outputs: dict[int, EngineCoreOutputs]) -> None:
@@ -192,6 +201,11 @@ class EngineCore:
 
         return [get_block_hash(key) for key, _ in self.kv_cache_manager.block_pool.cached_block_hash_to_block.items()]
 
+    def flush_kv_connector(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the KV connector's queued stores are durable (e.g. on disk); False on timeout."""
+        flush = getattr(self.kv_connector, "flush", None)
+        return bool(flush(timeout_s)) if flush is not None else True
+
     def sleep(self, level: int = 1) -> bool:
         """Pause stepping (requests wait); level >= 1 also drops the prefix cache when idle."""
         self.is_sleeping_flag = True
@@ -208,3 +222,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -35,7 +35,7 @@ _CLOSE_LINGER_MS = 500
 # Methods of EngineCore that a UtilityCall may name.
 UTILITY_METHODS = frozenset({
     "reset_prefix_cache", "get_stats", "get_block_pool_state", "get_prefix_cache_hashes",
-    "sleep", "wake_up", "is_sleeping",
+    "sleep", "wake_up", "is_sleeping", "flush_kv_connector",
 })
 
 

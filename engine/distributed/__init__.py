@@ -1,0 +1,1 @@
+"""Distributed pieces of the engine: KV transfer (connectors, offload tiers)."""

@@ -40,4 +40,5 @@ class UniProcExecutor:
         return self.collective_rpc("sample_tokens")[0]
 
     def shutdown(self) -> None:
+        self.worker.shutdown()
         self.worker.model_runner = None

@@ -53,6 +53,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     num_sent_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class OutputProcessor:
@@ -194,6 +195,8 @@ class OutputProcessor:
     def _update_state(state: RequestState, output: EngineCoreOutput
                       ) -> tuple[str | None, int | str | None]:
         state.token_ids.extend(output.new_token_ids)
+        if output.kv_transfer_params is not None:
+            state.kv_transfer_params = output.kv_transfer_params
         finish_reason = str(output.finish_reason) if output.finish_reason is not None else None
         stop_reason = output.stop_reason
         # The core stops only on EOS or a stop token id, whose text is not part of the output.
@@ -234,6 +237,7 @@ class OutputProcessor:
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
                 num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+                kv_transfer_params=state.kv_transfer_params,
             )
         parent.completions[state.child_index] = completion
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not parent.is_finished():

@@ -33,6 +33,23 @@ class EncoderCacheStats(msgspec.Struct, array_like=True, gc=False):
     num_encoder_runs: int = 0
     num_external_loads: int = 0
     num_evictions: int = 0
+class KVTierStats(msgspec.Struct, array_like=True, gc=False):
+    """One KV offload tier (medium CPU or DISK): occupancy and cumulative counters.
+
+    hits/misses count chunk lookups (a DISK lookup happens only after a CPU miss); bytes_in
+    were stored into the tier, bytes_out loaded from it; errors: corrupt chunks, failed writes.
+    """
+
+    medium: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    num_chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+    errors: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
@@ -60,6 +77,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     block_states: bytes | None = None
     block_ref_counts: bytes | None = None
     encoder_cache: EncoderCacheStats | None = None  # multimodal models only
+    kv_tiers: list[KVTierStats] | None = None  # KV offload tiers (kv_transfer_config), else None
 
 
 class BlockPoolState(msgspec.Struct, array_like=True, gc=False):

@@ -51,6 +51,8 @@ def allocate_kv_caches(
         raise ValueError(
             f"the KV cache config covers layers {sorted(group_of)} but the model has {sorted(layers)}"
         )
+    for index, layer in enumerate(layers.values()):
+        layer.layer_name = f"layer.{index}"  # KV connectors key on it (single group: tensor index)
     kv_caches: list[Tensor] = []
     for tensor_spec in kv_cache_config.kv_cache_tensors:
         sharing = [layers[name] for name in tensor_spec.shared_by]

@@ -13,6 +13,7 @@ from engine.attention.selector import load_attention_backend, resolve_attention_
 from engine.config import EngineConfig
 from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from engine.core.sched.output import SchedulerOutput
+from engine.distributed.kv_transfer.output import KVConnectorOutput
 from engine.forward_context import set_forward_context
 from engine.models.loader import load_model
 from engine.protocol import LogprobsLists
@@ -23,6 +24,7 @@ from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_runner
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
+from engine.worker.kv_connector_mixin import KVConnectorModelRunnerMixin
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
@@ -35,7 +37,7 @@ class ExecuteModelState:
     sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
 
 
-class ModelRunner:
+class ModelRunner(KVConnectorModelRunnerMixin):
     """Owns the model, the KV cache tensors, the persistent InputBatch and the Sampler.
 
     Inputs are staged in persistent CpuGpuBuffers (pinned and copied asynchronously on CUDA;
@@ -84,6 +86,8 @@ class ModelRunner:
         # Multimodal models: encoder_cache, encoder execution, embedding merge (encoder_runner.py).
         self.encoder_runner: EncoderRunner | None = None
         self._encoder_only_output: ModelRunnerOutput | None = None
+        self.kv_connector = None  # the worker-side KV connector, set by the Worker
+        self._kv_connector_output: KVConnectorOutput | None = None
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -130,6 +134,11 @@ class ModelRunner:
                 self.input_batch.block_table, self.buffers.input_ids.cpu.shape[0], self.device)
         self.kv_caches = allocate_kv_caches(self.model, self.kv_cache_config, self.block_size,
                                             self.dtype, self.device)
+        if self.kv_connector is not None:
+            if num_groups > 1:
+                raise NotImplementedError("KV connectors support models with one KV cache group "
+                                          "(full attention or one sliding window), not hybrid ones")
+            self.kv_connector.register_kv_caches({f"layer.{i}": t for i, t in enumerate(self.kv_caches)})
         # Decode graphs read group 0's block table only: hybrid models run eagerly.
         if (self.device.type == "cuda" and self.attention_backend == "triton"
                 and not self.config.enforce_eager and num_groups == 1):
@@ -146,8 +155,12 @@ class ModelRunner:
         if encoder is not None:
             encoder.update_states(scheduler_output)
             encoder.execute_mm_encoder(scheduler_output, self.requests)
+        if self.kv_connector is not None:
+            self._kv_connector_begin(scheduler_output)
         if scheduler_output.is_empty:
             self._state = None
+            if self.kv_connector is not None:  # seed: kv_connector_no_forward
+                self._kv_connector_output = self._kv_connector_finish(scheduler_output)
             return
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -184,7 +197,8 @@ class ModelRunner:
             inputs_embeds = encoder.get_inputs_embeds(input_ids, batch.states[:num_reqs], num_computed,
                                                       num_scheduled)
         graph_size = None
-        if self.cuda_graphs is not None and max_query_len == 1 and inputs_embeds is None:
+        if (self.cuda_graphs is not None and max_query_len == 1 and inputs_embeds is None
+                and not (self.kv_connector is not None and self.kv_connector.has_pending_layer_loads())):
             graph_size = self.cuda_graphs.padded_size(num_reqs)
         if graph_size is not None:
             hidden_states = self.cuda_graphs.replay(num_reqs, graph_size)
@@ -210,7 +224,7 @@ class ModelRunner:
                 group_metadata = self.group_metadata_builder.build(attn_metadata, req_indices,
                                                                    positions)
             positions_gpu = bufs.positions.copy_to_gpu(total)
-            with set_forward_context(attn_metadata, group_metadata):
+            with set_forward_context(attn_metadata, group_metadata, self.kv_connector):
                 if inputs_embeds is None:
                     hidden_states = self.model(input_ids, positions_gpu)
                 else:
@@ -219,6 +233,8 @@ class ModelRunner:
         logits_indices = bufs.logits_indices.copy_to_gpu(num_reqs)
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = (seq_lens >= batch.num_tokens[:num_reqs]).tolist()
+        if self.kv_connector is not None:
+            self._kv_connector_output = self._kv_connector_finish(scheduler_output)
         self._state = ExecuteModelState(req_ids=req_ids, logits=logits, sample_rows=sample_rows)
 
     # -- step, phase 2 --------------------------------------------------------------------
@@ -226,11 +242,15 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput:
         """Sample from the stored logits; append the new tokens to the worker's own state."""
         state, self._state = self._state, None
+        kv_connector_output, self._kv_connector_output = self._kv_connector_output, None
         if self._encoder_only_output is not None:
             output, self._encoder_only_output = self._encoder_only_output, None
             return output
         if state is None:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if kv_connector_output is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                     kv_connector_output=kv_connector_output)
         batch = self.input_batch
         sampler_output = self.sampler(state.logits, self._get_sampling_metadata())
         sampled = sampler_output.sampled_token_ids.tolist()
@@ -250,6 +270,7 @@ class ModelRunner:
             req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
+            kv_connector_output=kv_connector_output,
         )
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.protocol import LogprobsLists
+
+if TYPE_CHECKING:
+    from engine.distributed.kv_transfer.output import KVConnectorOutput
 
 
 @dataclass(slots=True)
@@ -15,6 +19,7 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -29,6 +29,10 @@ class Worker:
             torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
         torch.manual_seed(self.config.seed)
         self.model_runner = ModelRunner(self.config)
+        if self.config.kv_transfer_config is not None:
+            from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+            self.model_runner.kv_connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER)
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -79,3 +83,8 @@ class Worker:
     def sample_tokens(self) -> ModelRunnerOutput:
         assert self.model_runner is not None
         return self.model_runner.sample_tokens()
+
+    def shutdown(self) -> None:
+        """Stop the worker-side KV connector's threads (idempotent)."""
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()

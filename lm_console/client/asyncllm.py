@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lm_console.client.types import (
-    EncoderCacheSample, EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StatsSample, StreamChunk,
+    EncoderCacheSample, EngineInfo, EngineUnavailable, GenParams, KVEventRecord, KVTierSample, StatsSample,
+    StreamChunk,
 )
 
 _DEAD_HINT = ("The engine core process stopped (its log is below). Restart the console "
@@ -177,6 +178,7 @@ def stats_sample_of(stats: Any) -> StatsSample:
         block_states=_as_bytes(get("block_states", None)),
         block_ref_counts=_as_bytes(get("block_ref_counts", None)),
         encoder_cache=encoder_cache_sample_of(get("encoder_cache", None)),
+        kv_tiers=kv_tiers_of(get("kv_tiers", None)),
     )
 
 
@@ -200,6 +202,16 @@ def _model_notice(model_dir: Any) -> str | None:
         return str(json.loads(marker.read_text()).get("label")) if marker.is_file() else None
     except (OSError, ValueError):
         return None
+
+
+def kv_tiers_of(tiers: Any) -> list[KVTierSample] | None:
+    """Convert the engine's KVTierStats list (duck-typed); None when there is none."""
+    if not tiers:
+        return None
+    names = ("capacity_bytes", "used_bytes", "num_chunks", "hits", "misses", "bytes_in", "bytes_out",
+             "evictions", "errors")
+    return [KVTierSample(str(getattr(t, "medium", "?")), *(int(getattr(t, n, 0) or 0) for n in names))
+            for t in tiers]
 
 
 def kv_records_of(batch: Any) -> list[KVEventRecord]:

@@ -43,6 +43,22 @@ class EngineInfo:
 
 
 @dataclass(slots=True)
+class KVTierSample:
+    """One KV offload tier (CPU or DISK) as the engine reports it: occupancy, cumulative counters."""
+
+    medium: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    num_chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0  # stored into the tier
+    bytes_out: int = 0  # loaded from the tier
+    evictions: int = 0
+    errors: int = 0
+
+
+@dataclass(slots=True)
 class StatsSample:
     """One SchedulerStats snapshot (one engine step), plus the block map when it was sent."""
 
@@ -66,6 +82,7 @@ class StatsSample:
     block_states: bytes | None = None  # one byte a block: BLOCK_FREE .. BLOCK_NULL
     block_ref_counts: bytes | None = None  # one byte a block, saturating at 255
     encoder_cache: EncoderCacheSample | None = None  # multimodal engines only
+    kv_tiers: list[KVTierSample] | None = None  # KV offload tiers, when a connector offloads
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lm_console.client.types import (
-    BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, EncoderCacheSample, KVEventRecord, StatsSample,
+    BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, EncoderCacheSample, KVEventRecord, KVTierSample, StatsSample,
 )
 from lm_console.request_book import RequestBook, percentile
 
@@ -54,6 +54,8 @@ class DashboardView:
     num_events: int = 0
     num_stats: int = 0
     encoder_cache: EncoderCacheSample | None = None  # latest; None for a text-only engine
+    kv_tiers: list[KVTierSample] = field(default_factory=list)  # latest, cumulative counters
+    kv_tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # medium -> (in, out) B/s
 
 
 class Telemetry:
@@ -78,6 +80,7 @@ class Telemetry:
         self._prefix_sums = [0, 0, 0]
         self._prefix_all = [0, 0]
         self._engine_split = False  # the engine reports prompt/generation tokens itself
+        self._tier_points: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()  # ts, medium -> (in, out)
 
     def add_stats(self, sample: StatsSample) -> None:
         self.pending_stats.append(sample)
@@ -163,6 +166,23 @@ class Telemetry:
             self._fold_prefix(sample, view)
         if sample.encoder_cache is not None:
             view.encoder_cache = sample.encoder_cache
+        if sample.kv_tiers:
+            self._fold_tiers(sample, view)
+
+    def _fold_tiers(self, sample: StatsSample, view: DashboardView) -> None:
+        tiers = sample.kv_tiers or []
+        view.kv_tiers = list(tiers)
+        point = {t.medium: (t.bytes_in, t.bytes_out) for t in tiers}
+        self._tier_points.append((sample.ts, point))
+        while len(self._tier_points) > 2 and self._tier_points[0][0] < sample.ts - self.window_s:
+            self._tier_points.popleft()
+        first_ts, first = self._tier_points[0]
+        span = max(sample.ts - first_ts, 1e-3)
+        view.kv_tier_rates = {
+            medium: ((now_in - first.get(medium, (now_in, now_out))[0]) / span,
+                     (now_out - first.get(medium, (now_in, now_out))[1]) / span)
+            for medium, (now_in, now_out) in point.items()
+        }
 
     def _fold_prefix(self, sample: StatsSample, view: DashboardView) -> None:
         entry = (max(sample.prefix_requests, 1), sample.prefix_queries, sample.prefix_hits)

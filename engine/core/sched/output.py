@@ -68,6 +68,7 @@ class SchedulerOutput:
     # this step, and the ECConnector's per-step metadata.
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     ec_connector_metadata: Any = None
+    kv_connector_metadata: Any = None  # KVConnectorMetadata from the scheduler-side connector
 
     @property
     def is_empty(self) -> bool:

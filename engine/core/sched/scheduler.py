@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache import KVCacheManager
+from engine.core.sched.kv_connector_mixin import KVConnectorSchedulerMixin
 from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
@@ -15,6 +16,7 @@ from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.core.sched.encoder_scheduling import EncoderScheduler
+    from engine.distributed.kv_transfer.base import KVConnectorBase
     from engine.worker.model_runner_output import ModelRunnerOutput
 
 _FINISH_REASON = {
@@ -25,14 +27,15 @@ _FINISH_REASON = {
 }
 
 
-class Scheduler:
+class Scheduler(KVConnectorSchedulerMixin):
     """Decides, each step, how many tokens every request computes (seed: Scheduler).
 
     There are no prefill and decode phases: a request's progress is num_computed_tokens, and
     each step gives RUNNING requests their share of the token budget first, then admits
     WAITING ones. When allocate_slots fails, the latest-arrived running request is preempted
     (its blocks freed, to be recomputed later).
-    Invariant: every request in `running` holds KV blocks; none in `waiting` does.
+    Invariant: every request in `running` holds KV blocks; in `waiting` only those parked for
+    (or back from) a KV connector load do (see KVConnectorSchedulerMixin).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         log_stats: bool = True,
         encoder_scheduler: EncoderScheduler | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_running_reqs = max_num_seqs
@@ -63,6 +67,7 @@ class Scheduler:
         self._last_num_scheduled_tokens = 0
         self._last_num_prompt_tokens = 0
         self._last_num_generation_tokens = 0
+        self._init_kv_connector_state(connector)
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,7 +102,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        return self.get_num_unfinished_requests() > 0 or self.has_pending_kv_transfers()
 
     # -- schedule -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -153,28 +158,52 @@ class Scheduler:
         # Admit waiting requests only when nothing was preempted: a preemption means memory is
         # short, and admitting more would just preempt again.
         if not preempted:
+            skipped: list[Request] = []  # waiting on a KV connector: back to the queue's front
+            unparked = False
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
-                computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_computed_tokens
+                if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                        and not self._update_waiting_for_remote_kv(request)):
+                    skipped.append(self.waiting.pop_request())
+                    continue
+                num_external, load_async = 0, False
+                if request.request_id in self._kv_ready:  # holds its loaded blocks already
+                    computed_blocks, num_local = kv.empty_kv_cache_blocks, 0
+                else:
+                    computed_blocks, num_local = kv.get_computed_blocks(request)
+                    if self.connector is not None and request.request_id not in self._no_external_kv:
+                        ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                        if ext is None:  # the connector cannot tell yet: ask again next step
+                            skipped.append(self.waiting.pop_request())
+                            continue
+                        num_external = ext
+                num_computed_tokens = request.num_computed_tokens + num_local + num_external
+                num_new_tokens = 0 if load_async else request.num_tokens - num_computed_tokens
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                     break
                 num_new_tokens = min(num_new_tokens, token_budget)
                 plan = None
-                if encoder is not None and request.mm_features:
+                if encoder is not None and request.mm_features and not load_async:
                     plan = encoder.try_schedule(request, num_computed_tokens, num_new_tokens)
                     num_new_tokens = plan.num_new_tokens
                     if num_new_tokens <= 0:
                         break
                 new_blocks = kv.allocate_slots(
-                    request, num_new_tokens, num_new_computed_tokens=num_computed_tokens,
-                    new_computed_blocks=computed_blocks,
+                    request, num_new_tokens, num_new_computed_tokens=num_local,
+                    new_computed_blocks=computed_blocks, num_external_computed_tokens=num_external,
+                    delay_cache_blocks=num_external > 0,
                 )
                 if new_blocks is None:
+                    if not self.running and not unparked and self._unpark_ready_requests():
+                        unparked = True  # retry the head once, now that parked blocks are free
+                        continue
                     break
                 if plan is not None:
                     encoder.commit(request, plan)  # type: ignore[union-attr]
                 self.waiting.pop_request()
+                if self._after_alloc(request, num_local, num_external, load_async):
+                    skipped.append(request)
+                    continue
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
@@ -185,6 +214,8 @@ class Scheduler:
                 new_reqs.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+            for request in reversed(skipped):
+                self.waiting.prepend_request(request)
 
         total = self.max_num_scheduled_tokens - token_budget
         scheduler_output = SchedulerOutput(
@@ -199,10 +230,12 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted} | self._take_recompute_req_ids(),
         )
         if encoder is not None:
             encoder.finish_step(scheduler_output)
+        if self.connector is not None:  # before the progress below: it plans from the old one
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(scheduler_output)
         # The worker advances by what was scheduled; so does the scheduler, before the step
         # runs (seed: _update_after_schedule), so the next schedule() sees the new progress.
         num_prompt_tokens = 0
@@ -238,10 +271,12 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         stopped: set[Request] = set()
         num_generation_tokens = 0
+        failed_loads = self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
+        delay_frees: dict[Request, bool] = {}
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
+            if request is None or request.is_finished() or request_id in failed_loads:
+                continue  # aborted while the step ran, or its KV load failed (it starts over)
             if request.mm_features and self.encoder_scheduler is not None:
                 self.encoder_scheduler.free_consumed(request)
             req_index = model_runner_output.req_id_to_index[request_id]
@@ -260,6 +295,9 @@ class Scheduler:
             if new_logprobs is not None and len(new_logprobs.sampled_token_ranks) > len(new_token_ids):
                 new_logprobs = _slice_logprobs(new_logprobs, len(new_token_ids))
             finish_reason = _FINISH_REASON.get(request.status) if request in stopped else None
+            kv_transfer_params = None
+            if request in stopped:
+                delay_frees[request], kv_transfer_params = self._connector_finished(request)
             outputs.setdefault(request.client_index, []).append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -269,12 +307,13 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     events=request.take_events(),
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         if stopped:
             self.running = [r for r in self.running if r not in stopped]
             for request in stopped:
-                self._free_request(request)
+                self._free_request(request, delay_frees.get(request, False))
         self._last_num_generation_tokens = num_generation_tokens
         return {
             client: EngineCoreOutputs(outputs=client_outputs)
@@ -301,8 +340,11 @@ class Scheduler:
             return True
         return False
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
+        """Release the request's blocks (unless a KV connector still needs them) and forget it."""
+        if delay_free is None:
+            delay_free, _ = self._connector_finished(request)
+        self._release_blocks(request, delay_free)
         if self.encoder_scheduler is not None:
             self.encoder_scheduler.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -331,6 +373,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             timestamp=time.time(),
             encoder_cache=self.encoder_scheduler.make_stats() if self.encoder_scheduler is not None else None,
+            kv_tiers=self.kv_tier_stats,
         )
 
 

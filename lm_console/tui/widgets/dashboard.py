@@ -11,6 +11,7 @@ from lm_console.tui.telemetry import DashboardView
 from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
 from lm_console.tui.widgets.encoder_cache_panel import EncoderCachePanel
 from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
+from lm_console.tui.widgets.kv_tiers_panel import KVTiersPanel
 from lm_console.tui.widgets.latency_panel import LatencyPanel
 from lm_console.tui.widgets.load_panel import LoadPanel
 from lm_console.tui.widgets.prefix_panel import PrefixPanel
@@ -27,6 +28,7 @@ class Dashboard(Vertical):
             with Vertical(id="dash-left"):
                 yield SchedulerPanel(id="scheduler")
                 yield ThroughputPanel(id="throughput")
+                yield KVTiersPanel(id="kv-tiers")
             with Vertical(id="dash-right"):
                 yield BlockPoolPanel(id="block-pool")
                 with Horizontal(id="dash-cache-row"):
@@ -44,6 +46,7 @@ class Dashboard(Vertical):
         self.query_one(ThroughputPanel).show(view)
         self.query_one(BlockPoolPanel).show(view)
         self.query_one(PrefixPanel).show(view)
+        self.query_one(KVTiersPanel).show(view)
         self.query_one(LatencyPanel).show(view)
         self.query_one(EncoderCachePanel).show(view.encoder_cache)
         self.query_one(LoadPanel).show(load)
