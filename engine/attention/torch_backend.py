@@ -109,6 +109,7 @@ class _Plan:
     write_idx: Tensor | None  # rows of the input whose slot is not -1; None = all rows
     decode_rows: list[int]  # request indices with query_len == 1
     prefills: list[_Prefill]
+    has_bidirectional_spans: bool
     # Built on first use, for whichever decode path the layers take.
     decode_groups: list[_DecodeGroup] | None = None
     decode_kernel_rows: _DecodeRows | None = None
@@ -186,7 +187,9 @@ def _build_plan(md: AttentionMetadata) -> _Plan:
             spans = md.bidirectional_spans.get(i) if md.bidirectional_spans else None
             prefills.append(_Prefill(q_start, q_end, num_context, seq_lens[i], block_ids, i,
                                      spans=spans))
-    return _Plan(num_tokens, slots, write_idx, decode_rows, prefills)
+    # Chunks with image spans (Gemma3) need the masked SDPA path, not the C kernel.
+    has_spans = any(p.spans for p in prefills)
+    return _Plan(num_tokens, slots, write_idx, decode_rows, prefills, has_spans)
 
 
 def _kernel_rows(md: AttentionMetadata, rows: list[int]) -> _DecodeRows:
@@ -348,8 +351,7 @@ def paged_attention(
 
     # The kernels read every token's K/V from the cache: all of them must have been written.
     use_kernels = plan.write_idx is None and cpu_attention.supports(q, kv_cache)
-    # Chunks with bidirectional image spans (Gemma3) take the masked SDPA path.
-    kernel_prefills = use_kernels and not any(p.spans for p in plan.prefills)
+    kernel_prefills = use_kernels and not plan.has_bidirectional_spans
     pure_decode = plan.num_decodes == q.shape[0]
     # Every row gets written when the kernels cover all tokens (no padding rows to zero).
     out = (q.new_empty(q.shape) if kernel_prefills and num_tokens == q.shape[0]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.layer import set_attention_backend
+from engine.attention.layer import get_attention_layers, set_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
@@ -138,7 +138,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             if num_groups > 1:
                 raise NotImplementedError("KV connectors support models with one KV cache group "
                                           "(full attention or one sliding window), not hybrid ones")
-            self.kv_connector.register_kv_caches({f"layer.{i}": t for i, t in enumerate(self.kv_caches)})
+            self.kv_connector.register_kv_caches(
+                {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)})
         # Decode graphs read group 0's block table only: hybrid models run eagerly.
         if (self.device.type == "cuda" and self.attention_backend == "triton"
                 and not self.config.enforce_eager and num_groups == 1):

@@ -39,6 +39,24 @@ static inline uint16_t bf16_store_value(float value) {
 static inline float f32_load(const float *p) { return *p; }
 static inline float f32_store_value(float value) { return value; }
 
+/* One block of an online softmax for one query head: scores[lo:hi] become exp(s - max) in
+ * place, running max/sum move on, and the returned factor rescales what was accumulated. */
+static inline float online_softmax_block(float *scores, int lo, int hi, float *running_max,
+                                         float *running_sum) {
+    float block_max = *running_max;
+    for (int t = lo; t < hi; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
+    const float correction = expf(*running_max - block_max);
+    float block_sum = 0.f;
+    _Pragma("omp simd reduction(+:block_sum)")
+    for (int t = lo; t < hi; t++) {
+        scores[t] = expf(scores[t] - block_max);
+        block_sum += scores[t];
+    }
+    *running_sum = *running_sum * correction + block_sum;
+    *running_max = block_max;
+    return correction;
+}
+
 /* One (request, kv head) task: the G query heads sharing this kv head attend together. */
 #define DEFINE_TASK(NAME, T, LOAD, STORE)                                                      \
 static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t block_stride,     \
@@ -76,19 +94,9 @@ static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t blo
             }                                                                                   \
         }                                                                                       \
         for (int g = 0; g < group; g++) {                                                       \
-            float block_max = running_max[g];                                                   \
-            for (int t = lo; t < hi; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max; \
-            const float correction = expf(running_max[g] - block_max);                          \
-            running_sum[g] *= correction;                                                       \
-            for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;                         \
-            float block_sum = 0.f;                                                              \
-            _Pragma("omp simd reduction(+:block_sum)")                                          \
-            for (int t = lo; t < hi; t++) {                                                     \
-                scores[g][t] = expf(scores[g][t] - block_max);                                  \
-                block_sum += scores[g][t];                                                      \
-            }                                                                                   \
-            running_sum[g] += block_sum;                                                        \
-            running_max[g] = block_max;                                                         \
+            const float correction = online_softmax_block(scores[g], lo, hi, &running_max[g],\
+                                                          &running_sum[g]);                 \
+            for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;                     \
         }                                                                                       \
         for (int t = lo; t < hi; t++) {                                                         \
             const T *v = v_block + (int64_t)t * row_stride;                                     \
@@ -171,20 +179,9 @@ static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t blo
             }                                                                                   \
         }                                                                                       \
         for (int g = 0; g < group; g++) {                                                       \
-            float block_max = running_max[g];                                                   \
-            for (int t = lo; t < hi; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max; \
-            const float correction = expf(running_max[g] - block_max);                          \
-            running_sum[g] *= correction;                                                       \
-            const __m512 correction_v = _mm512_set1_ps(correction);                             \
-            for (int j = 0; j < NV; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], correction_v);    \
-            float block_sum = 0.f;                                                              \
-            _Pragma("omp simd reduction(+:block_sum)")                                          \
-            for (int t = lo; t < hi; t++) {                                                     \
-                scores[g][t] = expf(scores[g][t] - block_max);                                  \
-                block_sum += scores[g][t];                                                      \
-            }                                                                                   \
-            running_sum[g] += block_sum;                                                        \
-            running_max[g] = block_max;                                                         \
+            const __m512 correction_v = _mm512_set1_ps(                                     \
+                online_softmax_block(scores[g], lo, hi, &running_max[g], &running_sum[g])); \
+            for (int j = 0; j < NV; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], correction_v);\
         }                                                                                       \
         for (int t = lo; t < hi; t++) {                                                         \
             const T *v = v_block + (int64_t)t * row_stride;                                     \

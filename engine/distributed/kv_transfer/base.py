@@ -37,6 +37,14 @@ class KVConnectorMetadata:
     """What the scheduler-role connector tells the worker-role one for one step; subclassed per connector."""
 
 
+def extend_tracked_block_ids(block_ids: dict[str, list[int]], scheduler_output: SchedulerOutput) -> None:
+    """Append this step's new blocks (group 0) to the requests a scheduler-side connector tracks."""
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+        if new_block_ids is not None and req_id in block_ids:
+            block_ids[req_id].extend(new_block_ids[0])
+
+
 class KVConnectorBase(ABC):
     """Base of every KV connector (seed: KVConnectorBase_V1, lines 3296-3330).
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.distributed.kv_transfer.base import (
+    KVConnectorBase, KVConnectorMetadata, KVConnectorRole, extend_tracked_block_ids,
+)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -102,10 +104,7 @@ class ExampleConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
         metadata = ExampleConnectorMetadata(loads=self._loads)
         self._loads = []
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
-            if new_block_ids is not None and req_id in self._block_ids:
-                self._block_ids[req_id].extend(new_block_ids[0])
+        extend_tracked_block_ids(self._block_ids, scheduler_output)
         if not self.is_producer:
             return metadata
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from engine.distributed.kv_transfer.base import extend_tracked_block_ids
 from engine.distributed.kv_transfer.offload.chunk_hash import ChunkHasher
 from engine.distributed.kv_transfer.offload.metadata import ChunkLoad, ChunkSave, OffloadConnectorMetadata
 from engine.distributed.kv_transfer.offload.settings import OffloadSettings
@@ -99,10 +100,7 @@ class OffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         metadata = OffloadConnectorMetadata(loads=self._pending_loads, layer_loads=self._pending_layer_loads)
         self._pending_loads, self._pending_layer_loads = {}, {}
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
-            if new_block_ids is not None and req_id in self._block_ids:
-                self._block_ids[req_id].extend(new_block_ids[0])
+        extend_tracked_block_ids(self._block_ids, scheduler_output)
         if not self.is_producer:
             return metadata
         size = self.settings.chunk_size
