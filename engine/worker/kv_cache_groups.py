@@ -19,6 +19,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from engine.worker.block_table import MultiGroupBlockTable
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer
+from engine.worker.huge_pages import zeros_huge_pages
 
 
 def get_attention_layers_by_name(model: nn.Module) -> dict[str, Attention]:
@@ -64,7 +65,7 @@ def allocate_kv_caches(
             )
         ((num_kv_heads, head_dim),) = shapes
         shape = get_kv_cache_shape(kv_cache_config.num_blocks, block_size, num_kv_heads, head_dim)
-        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        kv_cache = zeros_huge_pages(shape, dtype, device)
         for name, layer in zip(tensor_spec.shared_by, sharing):
             layer.kv_cache = kv_cache
             layer.kv_cache_group_id = group_of[name]

@@ -20,6 +20,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
+#define MAX_HEADS 64
 
 static inline float bf16_load(const uint16_t *p) {
     uint32_t bits = (uint32_t)(*p) << 16;
@@ -214,6 +215,204 @@ DEFINE_TASK_AVX512(task_f32_d128, float, load16_f32, f32_store_value, 8)
 #define PICK_TASK(GENERIC, D64, D128, head_dim) GENERIC
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* ---------------------------------------------------------------------------------------
+ * bf16 decode with AVX512-BF16, one task per request, head_dim 32 * NB.
+ *
+ * Decode attention streams every request's K/V from DRAM once per layer, so the kernel must
+ * keep up with memory: each block is read whole (all kv heads of a token row are adjacent)
+ * while the next block is prefetched, q.k comes from vdpbf16ps on the raw bf16 rows (no
+ * conversion), and the 16 partial-sum vectors of 16 keys are reduced together by a transpose
+ * tree instead of one horizontal sum per key. p.V stays in fp32 FMAs for accuracy.
+ * ------------------------------------------------------------------------------------- */
+#define KEYS 16
+
+/* exp(x) for x <= 0 as 2^n * 2^f, |f| <= 1/2, with a degree-7 Taylor polynomial of 2^f
+ * (relative error < 1e-8 before rounding); underflows to 0 below -87. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Two vectors -> one whose 128-bit lane l holds (a, b, a, b) partial sums of lane l. */
+static inline __m512 pair_sums(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* r[i] = sum of v[i]'s 16 lanes, for 16 vectors: a transpose-and-add tree (45 shuffles/adds
+ * instead of 16 horizontal reductions). */
+static inline __m512 sum16(const __m512 v[KEYS]) {
+    __m512 quad[4];
+    for (int i = 0; i < 4; i++) {
+        const __m512 s01 = pair_sums(v[4 * i], v[4 * i + 1]);     /* lane l: v0 v1 v0 v1 */
+        const __m512 s23 = pair_sums(v[4 * i + 2], v[4 * i + 3]); /* lane l: v2 v3 v2 v3 */
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+        quad[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)); /* lane l: v0..v3 */
+    }
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88),
+                                     _mm512_shuffle_f32x4(quad[0], quad[1], 0xdd));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88),
+                                     _mm512_shuffle_f32x4(quad[2], quad[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
+}
+
+/* Prefetches into L2 (T1), a few at a time between the computations: a burst of them fills the
+ * core's few miss buffers and stalls it until DRAM answers (measured: most of the kernel's
+ * time went to such bursts). PrefetchCursor walks the K and V bytes of one block ahead. */
+typedef struct {
+    const char *k, *v;
+    int64_t offset, end;
+} PrefetchCursor;
+
+static inline void prefetch_next(PrefetchCursor *cursor) {
+    if (cursor->offset < cursor->end) {
+        _mm_prefetch(cursor->k + cursor->offset, _MM_HINT_T1);
+        _mm_prefetch(cursor->v + cursor->offset, _MM_HINT_T1);
+        cursor->offset += 64;
+    }
+}
+
+static inline void prefetch_all(PrefetchCursor *cursor) {
+    while (cursor->offset < cursor->end) prefetch_next(cursor);
+}
+
+/* Blocks ahead of the one being computed whose K/V are fetched: DRAM latency is about one
+ * block's worth of compute. */
+#define PREFETCH_DISTANCE 2
+
+#define DEFINE_DECODE_REQUEST_DP(NAME, NB)                                                     \
+static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t *v_cache,    \
+                 int64_t block_stride, const int32_t *blocks, int seq_len, int num_heads,      \
+                 int num_kv_heads, int block_size, float scale, int window, float soft_cap,    \
+                 uint16_t *out_row) {                                                           \
+    enum { D = 32 * NB, NV = 2 * NB };                                                          \
+    const int group = num_heads / num_kv_heads;                                                 \
+    const int64_t row_stride = (int64_t)num_kv_heads * D;                                       \
+    const int64_t block_bytes = (int64_t)block_size * row_stride * 2;                           \
+    __m512 acc[MAX_HEADS][NV]; /* [head] */                                                     \
+    float running_max[MAX_HEADS], running_sum[MAX_HEADS];                                       \
+    float probs[MAX_GROUP][KEYS] __attribute__((aligned(64)));                                  \
+    float values[KEYS][D] __attribute__((aligned(64)));                                         \
+    for (int h = 0; h < num_heads; h++) {                                                       \
+        for (int j = 0; j < NV; j++) acc[h][j] = _mm512_setzero_ps();                           \
+        running_max[h] = -FLT_MAX;                                                              \
+        running_sum[h] = 0.f;                                                                   \
+    }                                                                                           \
+    const int start = (window > 0 && seq_len > window) ? seq_len - window : 0;                  \
+    const int first_block = start / block_size, last_block = (seq_len - 1) / block_size;       \
+    PrefetchCursor cursor = {0};                                                                \
+    for (int b = first_block; b <= last_block && b < first_block + PREFETCH_DISTANCE; b++) {    \
+        cursor = (PrefetchCursor){(const char *)(k_cache + blocks[b] * block_stride),           \
+                                  (const char *)(v_cache + blocks[b] * block_stride), 0, block_bytes}; \
+        prefetch_all(&cursor);                                                                  \
+    }                                                                                           \
+    for (int b = first_block; b <= last_block; b++) {                                           \
+        if (b + PREFETCH_DISTANCE <= last_block) {                                              \
+            prefetch_all(&cursor); /* whatever the last block left */                          \
+            const int64_t ahead = blocks[b + PREFETCH_DISTANCE] * block_stride;                 \
+            cursor = (PrefetchCursor){(const char *)(k_cache + ahead),                          \
+                                      (const char *)(v_cache + ahead), 0, block_bytes};         \
+        }                                                                                       \
+        const int first = b * block_size;                                                       \
+        const int lo = first < start ? start - first : 0;                                       \
+        const int hi = seq_len - first < block_size ? seq_len - first : block_size;             \
+        const uint16_t *k_block = k_cache + blocks[b] * block_stride;                           \
+        const uint16_t *v_block = v_cache + blocks[b] * block_stride;                           \
+        for (int key0 = lo; key0 < hi; key0 += KEYS) {                                          \
+            const int n = hi - key0 < KEYS ? hi - key0 : KEYS;                                  \
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                \
+            for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {                          \
+                const uint16_t *k0 = k_block + (int64_t)key0 * row_stride + (int64_t)kv_head * D; \
+                const uint16_t *v0 = v_block + (int64_t)key0 * row_stride + (int64_t)kv_head * D; \
+                float correction[MAX_GROUP];                                                    \
+                for (int g = 0; g < group; g++) {                                               \
+                    const int h = kv_head * group + g;                                          \
+                    __m512bh qb[NB];                                                            \
+                    for (int j = 0; j < NB; j++)                                                \
+                        qb[j] = (__m512bh)_mm512_loadu_si512(q_row + (int64_t)h * D + 32 * j); \
+                    __m512 partial[KEYS];                                                       \
+                    if (n == KEYS) {                                                            \
+                        for (int t = 0; t < KEYS; t++) {                                        \
+                            const uint16_t *k = k0 + (int64_t)t * row_stride;                   \
+                            __m512 s = _mm512_setzero_ps();                                     \
+                            for (int j = 0; j < NB; j++)                                        \
+                                s = _mm512_dpbf16_ps(s, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j)); \
+                            partial[t] = s;                                                     \
+                            prefetch_next(&cursor);                                             \
+                        }                                                                       \
+                    } else {                                                                    \
+                        for (int t = 0; t < KEYS; t++) {                                        \
+                            __m512 s = _mm512_setzero_ps();                                     \
+                            if (t < n) {                                                        \
+                                const uint16_t *k = k0 + (int64_t)t * row_stride;               \
+                                for (int j = 0; j < NB; j++)                                    \
+                                    s = _mm512_dpbf16_ps(s, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j)); \
+                            }                                                                   \
+                            partial[t] = s;                                                     \
+                        }                                                                       \
+                    }                                                                           \
+                    __m512 scores = _mm512_mul_ps(sum16(partial), _mm512_set1_ps(scale));       \
+                    if (soft_cap > 0.f) {                                                       \
+                        float tmp[KEYS];                                                        \
+                        _mm512_storeu_ps(tmp, scores);                                          \
+                        for (int t = 0; t < KEYS; t++) tmp[t] = soft_cap * tanhf(tmp[t] / soft_cap); \
+                        scores = _mm512_loadu_ps(tmp);                                          \
+                    }                                                                           \
+                    const float block_max = _mm512_mask_reduce_max_ps(valid, scores);           \
+                    const float new_max = block_max > running_max[h] ? block_max : running_max[h]; \
+                    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(               \
+                        _mm512_sub_ps(scores, _mm512_set1_ps(new_max))));                       \
+                    correction[g] = expf(running_max[h] - new_max);                             \
+                    running_sum[h] = running_sum[h] * correction[g] + _mm512_reduce_add_ps(p);  \
+                    running_max[h] = new_max;                                                   \
+                    _mm512_store_ps(probs[g], p);                                               \
+                }                                                                               \
+                for (int t = 0; t < n; t++) {                                                   \
+                    for (int j = 0; j < NV; j++)                                                \
+                        _mm512_store_ps(values[t] + 16 * j, load16_bf16(v0 + (int64_t)t * row_stride + 16 * j)); \
+                    prefetch_next(&cursor);                                                     \
+                }                                                                               \
+                for (int g = 0; g < group; g++) {                                               \
+                    const int h = kv_head * group + g;                                          \
+                    const __m512 c = _mm512_set1_ps(correction[g]);                             \
+                    __m512 a[NV];                                                               \
+                    for (int j = 0; j < NV; j++) a[j] = _mm512_mul_ps(acc[h][j], c);            \
+                    for (int t = 0; t < n; t++) {                                               \
+                        const __m512 pt = _mm512_set1_ps(probs[g][t]);                          \
+                        for (int j = 0; j < NV; j++)                                            \
+                            a[j] = _mm512_fmadd_ps(pt, _mm512_load_ps(values[t] + 16 * j), a[j]); \
+                    }                                                                           \
+                    for (int j = 0; j < NV; j++) acc[h][j] = a[j];                              \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int h = 0; h < num_heads; h++) {                                                       \
+        const __m512 inv = _mm512_set1_ps(running_sum[h] > 0.f ? 1.f / running_sum[h] : 0.f);   \
+        float tmp[16];                                                                          \
+        for (int j = 0; j < NV; j++) {                                                          \
+            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[h][j], inv));                               \
+            for (int d = 0; d < 16; d++) out_row[(int64_t)h * D + 16 * j + d] = bf16_store_value(tmp[d]); \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+DEFINE_DECODE_REQUEST_DP(decode_request_bf16_d64, 2)
+DEFINE_DECODE_REQUEST_DP(decode_request_bf16_d128, 4)
+#endif
+
 typedef void (*task_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t,
                              const int32_t *, int, int, int, int, int, int, float, int, float,
                              uint16_t *);
@@ -221,7 +420,18 @@ typedef void (*task_f32_fn)(const float *, const float *, const float *, int64_t
                             const int32_t *, int, int, int, int, int, int, float, int, float,
                             float *);
 
-#define DEFINE_ENTRY(NAME, TASK, T, FN, D64, D128)                                                             \
+typedef void (*request_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t,
+                                const int32_t *, int, int, int, int, float, int, float, uint16_t *);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PICK_REQUEST_BF16(head_dim, num_heads) ((num_heads) > MAX_HEADS ? NULL \
+    : (head_dim) == 64 ? decode_request_bf16_d64 : (head_dim) == 128 ? decode_request_bf16_d128 : NULL)
+#else
+#define PICK_REQUEST_BF16(head_dim, num_heads) NULL
+#endif
+#define PICK_REQUEST_NONE(head_dim, num_heads) NULL
+
+/* REQUEST picks a whole-request kernel (all kv heads per block) where one exists. */
+#define DEFINE_ENTRY(NAME, TASK, T, FN, D64, D128, REQUEST)                                    \
 int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,                  \
          const int64_t *token_idx,                     \
          const T *k_cache, const T *v_cache, int64_t block_stride,                              \
@@ -232,11 +442,20 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
         || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP) return -1;    \
     const int group = num_heads / num_kv_heads;                                                 \
     const FN task_fn = PICK_TASK(TASK, D64, D128, head_dim);                                    \
+    const request_bf16_fn request_fn = REQUEST(head_dim, num_heads);                            \
     /* One task per request, its kv heads in turn: the heads after the first find the           \
        request's blocks in this core's L2. */                                                   \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                            \
     for (int req = 0; req < num_reqs; req++) {                                                  \
         const int64_t row = token_idx ? token_idx[req] : req;                                   \
+        if (request_fn) {                                                                       \
+            request_fn((const uint16_t *)(q + row * q_row_stride), (const uint16_t *)k_cache,   \
+                       (const uint16_t *)v_cache, block_stride,                                 \
+                       block_table + (int64_t)req * block_table_stride, seq_lens[req],          \
+                       num_heads, num_kv_heads, block_size, scale, window, soft_cap,            \
+                       (uint16_t *)(out + row * out_row_stride));                               \
+            continue;                                                                           \
+        }                                                                                       \
         for (int kv_head = 0; kv_head < num_kv_heads; kv_head++)                                \
             task_fn(q + row * q_row_stride, k_cache, v_cache, block_stride,                     \
                     block_table + (int64_t)req * block_table_stride, seq_lens[req], kv_head,    \
@@ -246,8 +465,10 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
     return 0;                                                                                   \
 }
 
-DEFINE_ENTRY(paged_decode_attention_bf16, task_bf16, uint16_t, task_bf16_fn, task_bf16_d64, task_bf16_d128)
-DEFINE_ENTRY(paged_decode_attention_f32, task_f32, float, task_f32_fn, task_f32_d64, task_f32_d128)
+DEFINE_ENTRY(paged_decode_attention_bf16, task_bf16, uint16_t, task_bf16_fn, task_bf16_d64, task_bf16_d128,
+             PICK_REQUEST_BF16)
+DEFINE_ENTRY(paged_decode_attention_f32, task_f32, float, task_f32_fn, task_f32_d64, task_f32_d128,
+             PICK_REQUEST_NONE)
 
 /* ---------------------------------------------------------------------------------------
  * Prefill chunks (query_len > 1) over the paged cache, K/V of the chunk already written.

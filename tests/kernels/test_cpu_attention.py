@@ -58,6 +58,27 @@ def test_matches_float64_reference(dtype, atol, head_dim, num_heads, num_kv_head
     assert bool((out[untouched] == 7.0).all()), "rows that are not decode rows must not be written"
 
 
+@pytest.mark.parametrize("block_size", [8, 32, 48])
+@pytest.mark.parametrize("window", [None, 21])
+def test_block_sizes_other_than_the_key_group(block_size, window):
+    """The bf16 kernel works on 16-key groups: blocks of 8 (a partial group each), 32 (two) and
+    48, with windows that start mid-group, still match float64."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, num_blocks = 9, 3, 64, 120
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(torch.bfloat16)
+    seq_lens = torch.tensor([1, 7, 16, 33, 150], dtype=torch.int32)
+    blocks_per_req = -(-150 // block_size)
+    block_table = torch.randperm(num_blocks - 1)[: 5 * blocks_per_req].add(1).view(5, -1).to(torch.int32)
+    q = torch.randn(5, num_heads * head_dim).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    cpu_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, None, num_kv_heads,
+                                         head_dim ** -0.5, window)
+    expected = _reference(q, kv_cache, block_table, seq_lens, None, num_kv_heads, head_dim ** -0.5,
+                          window, None)
+    for row, ref in expected.items():
+        torch.testing.assert_close(out[row].double(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_strided_q_rows_and_in_order_rows():
     """q may be a column slice of a fused qkv output (row stride > H*D); token_idx None."""
     torch.manual_seed(1)
