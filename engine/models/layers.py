@@ -18,7 +18,11 @@ from kernels import cpu_ops
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W [out_features, in_features] as in HF checkpoints."""
+    """y = x W^T (+ b), with W [out_features, in_features] as in HF checkpoints.
+
+    On the CPU in bf16, `prepack_weight` gives oneDNN its own blocked copy of W (see
+    engine/models/prepack.py); forward then skips the per-call reorder of W.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -26,8 +30,11 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self.packed_weight: Tensor | None = None  # oneDNN layout; None: plain F.linear
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
