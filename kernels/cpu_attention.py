@@ -7,29 +7,25 @@
   the C kernel tiles 16 queries of one head against each K/V block read in place (chunked
   prefill needs no gather of the cached context either).
 
-It is compiled on first use with the system C compiler (`cc -O3 -march=native -fopenmp -ffast-math`) into
-the user cache, keyed by the source's hash and the machine, and shares torch's OpenMP runtime
-(same `libgomp.so.1`), so torch.set_num_threads governs it. Where no compiler is found, or
-LMC_CPU_KERNELS=0, `load()` returns None and the engine keeps the torch path.
+It is compiled on first use by kernels/cpu_build.py (`cc -O3 -march=native -fopenmp -ffast-math`,
+cached per source hash and machine; torch's OpenMP runtime, so torch.set_num_threads governs it).
+Where no compiler is found, or LMC_CPU_KERNELS=0, `load()` returns None and the engine keeps the
+torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import CpuKernelBuildError, load_library
+
+__all__ = ["CpuKernelBuildError", "load", "paged_decode_attention", "paged_prefill_attention",
+           "supports"]
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -53,47 +49,11 @@ _PREFILL_ARGTYPES = [
 ]
 
 
-class CpuKernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded."""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LMC_CACHE_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lm-console")
-    return Path(root) / "kernels"
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
-    target = _cache_dir() / f"paged_attention-{key[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math",
-               str(SOURCE), "-o", str(out), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        os.replace(out, target)  # atomic: concurrent builders each publish a complete file
-    return target
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, disabled, or the build failed)."""
-    if os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found: CPU attention stays on the torch path")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (CpuKernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
-        logger.warning("CPU attention kernels unavailable, using the torch path: %s", exc)
+    library = load_library(SOURCE, "CPU attention kernels")
+    if library is None:
         return None
     for name in _DTYPES.values():
         fn = getattr(library, f"paged_decode_attention_{name}")

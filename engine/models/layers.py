@@ -14,10 +14,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import UnsupportedArchitectureError
+from kernels import cpu_ops
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W [out_features, in_features] as in HF checkpoints."""
+    """y = x W^T (+ b), with W [out_features, in_features] as in HF checkpoints.
+
+    On the CPU in bf16, `prepack_weight` gives oneDNN its own blocked copy of W (see
+    engine/models/prepack.py); forward then skips the per-call reorder of W.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -25,8 +30,11 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self.packed_weight: Tensor | None = None  # oneDNN layout; None: plain F.linear
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -43,7 +51,11 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalised in float32 and cast back (as HF Llama does)."""
+    """x / rms(x) * weight, normalised in float32 and cast back (as HF Llama does).
+
+    bf16 rows on CPU go through one fused C pass (kernels/cpu_ops.py) that rounds once at the
+    end instead of after the cast and after the weight multiply; float32 stays on torch, exact.
+    """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -51,6 +63,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2 and cpu_ops.enabled(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return self._torch_norm(x)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(norm(x + residual), x + residual): the residual add before a pre-norm, fused.
+
+        The fused kernel writes the sum into x's storage (x must be a temporary the caller
+        owns, e.g. a sublayer's output); residual is only read.
+        """
+        if x.dim() == 2 and cpu_ops.enabled(x):
+            return cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps), x
+        residual = x + residual
+        return self._torch_norm(residual), residual
+
+    def _torch_norm(self, x: Tensor) -> Tensor:
         # torch's fused kernel gives the same float32 result as pow/mean/rsqrt, in fewer passes.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
@@ -109,6 +137,22 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [num_tokens, 1, head_dim // 2] in `dtype` for the given positions."""
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [num_tokens, head_dim // 2] float32 rows: the fused kernel's inputs."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
+def rotate_heads_(x: Tensor, num_heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> bool:
+    """Rope in place on the first num_heads heads of rows x [T, ...] if the fused kernel serves it.
+
+    It does for bf16 CPU rows given float32 `RotaryEmbedding.tables` (what LlamaModel passes
+    when the fused kernels are on); returns False, touching nothing, otherwise.
+    """
+    if cos.dtype != torch.float32 or cos.dim() != 2 or not cpu_ops.enabled(x):
+        return False
+    cpu_ops.rotary_neox_(x, num_heads, head_dim, cos, sin)
+    return True
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

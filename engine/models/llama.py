@@ -16,8 +16,9 @@ from torch import Tensor, nn
 
 from engine.attention import Attention
 from engine.models.layers import (
-    Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters,
+    Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters, rotate_heads_,
 )
+from kernels import cpu_ops
 
 # HF checkpoint projection -> (our fused parameter, shard index); see _fused_shards.
 _FUSED = {
@@ -66,17 +67,26 @@ class LlamaAttention(nn.Module):
                               self.num_kv_heads, sliding_window=_sliding_window(config, layer_idx))
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """cos, sin: RotaryEmbedding's [T, 1, D/2] in the model dtype, or its float32 `tables`."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2*Hkv) * D]
         num_qk_heads = self.num_heads + self.num_kv_heads
+        if not self.use_qk_norm and rotate_heads_(qkv, num_qk_heads, self.head_dim, cos, sin):
+            # Fused bf16 path: q and k rotated in place inside qkv, read as views.
+            q_end = self.q_size
+            q, k, v = (qkv[:, :q_end], qkv[:, q_end : q_end + self.kv_size],
+                       qkv[:, q_end + self.kv_size :])
+            return self.o_proj(self.attn(q, k, v))
         if self.use_qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, -1))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size]
                             .view(num_tokens, self.num_kv_heads, -1))
             qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, D]
+            if not rotate_heads_(qk.view(num_tokens, -1), num_qk_heads, self.head_dim, cos, sin):
+                qk = apply_rotary(qk, cos, sin)
         else:
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, -1)
-        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D], one pass for q and k
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, -1),
+                              cos, sin)  # [T, H + Hkv, D], one pass for q and k
         q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
         k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
         v = qkv[:, self.q_size + self.kv_size :]  # [T, Hkv * D]
@@ -95,12 +105,19 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if gate_up.dim() == 2 and cpu_ops.enabled(gate_up):
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream travels beside the sublayer outputs (as in vLLM): each layer adds the
+    previous sublayer's output to it inside the next norm (`RMSNorm.add_and_norm`, one fused
+    pass in bf16) and hands its MLP output on unadded. The float32 results are unchanged.
+    """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
@@ -111,9 +128,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: Tensor, residual: Tensor | None, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor]:
+        """(previous MLP output, residual stream before it; None for the first layer, whose
+        `hidden` is the embeddings) -> (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -132,10 +158,16 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         # inputs_embeds: text + image embeddings already merged by a multimodal wrapper.
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, D/2], shared by layers
+        if cpu_ops.enabled(hidden):  # float32 [T, D/2] rows for the fused rope kernel
+            cos, sin = self.rotary_emb.tables(positions)
+        else:
+            cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, D/2], shared by layers
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from engine.errors import ModelNotFoundError
+from engine.models.prepack import prepack_linears
 from engine.models.registry import get_model_class
 
 
@@ -32,5 +33,6 @@ def load_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype)
         model.load_weights(iterate_safetensors(Path(model_dir)))
+        prepack_linears(model)
     model.requires_grad_(False)
     return model.eval()

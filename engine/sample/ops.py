@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from engine.sample.metadata import SamplingMetadata
+from kernels import cpu_sampling
 
 _NEG_INF = float("-inf")
 # Top-p first looks for the nucleus among this many top tokens (a topk is far cheaper than a
@@ -143,6 +144,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     logits.masked_fill_(logits < cutoff.unsqueeze(1), _NEG_INF)
 
 
+def _row_keys(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """[B] int64: a fresh random key per row, from the row's generator where it has one."""
+    keys = torch.empty(num_rows, dtype=torch.int64)
+    if len(generators) < num_rows:
+        keys.random_()
+    for row, generator in generators.items():
+        keys[row : row + 1].random_(generator=generator)
+    return keys
+
+
 def _top_p_cutoff_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The top-p logit cut-off of each row by a full sort (rows with a wide nucleus)."""
     values = logits.sort(dim=1, descending=True).values  # [R, V]
@@ -155,9 +166,13 @@ def _top_p_cutoff_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Te
 def random_sample(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample one token per row by the exponential race: argmax(p / q), q ~ Exp(1).
 
-    q = -log(u), u ~ U[0, 1): seeded rows draw u from their own generator (V draws a step
-    whatever the batch), the others from the default generator. p needs no normalisation.
+    On the CPU the C kernel hashes each row's V noise values from one key per row and step:
+    seeded rows draw their key from their own generator (one draw a step whatever the batch),
+    the others from the default generator. Elsewhere, q = -log(u) with u ~ U[0, 1) drawn the
+    same way but V values at a time. p needs no normalisation.
     """
+    if cpu_sampling.supports(logits):
+        return cpu_sampling.exponential_race(logits, _row_keys(logits.shape[0], generators))
     probs = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_()  # [B, V], unnormalised, in place
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:

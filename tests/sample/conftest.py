@@ -13,6 +13,18 @@ from engine.sampling_params import SamplingParams
 MakeMetadata = Callable[..., SamplingMetadata]
 
 
+@pytest.fixture(autouse=True, params=["c-kernel", "torch"])
+def random_sampling_path(request, monkeypatch):
+    """Every sampler test runs on both random-sampling paths: the C race and torch's."""
+    from kernels import cpu_sampling
+
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_sampling, "supports", lambda logits: False)
+    elif cpu_sampling.load() is None:
+        pytest.skip("no C compiler: the CPU sampling kernel is unavailable")
+    return request.param
+
+
 @pytest.fixture
 def make_metadata() -> MakeMetadata:
     """make_metadata(params_list, vocab_size, outputs=None, prompts=None, seeds=None)."""

@@ -1,0 +1,224 @@
+/* Fused elementwise kernels for the bf16 CPU forward pass (loaded by kernels/cpu_ops.py).
+ *
+ * Each kernel reads bf16, computes in float32 and rounds once to bf16 when it stores, where the
+ * torch op sequence it replaces rounds after every op and makes a full pass over memory per op:
+ *   silu_and_mul_bf16     out = silu(gate) * up                      ([T, 2I] -> [T, I])
+ *   rms_norm_bf16         out = x / rms(x) * weight
+ *   add_rms_norm_bf16     x <- bf16(x + residual); out = x / rms(x) * weight   (one pass over x)
+ *   rotary_neox_bf16      rotate-halves rope in place on the first heads of each row
+ * Rows are contiguous along the last axis; any row stride (in elements) is taken, so views of
+ * a fused projection's output need no copy. Large inputs split rows over OpenMP threads
+ * (torch's runtime, so torch.set_num_threads governs them); small ones (decode) stay on the
+ * calling thread, where a parallel region would cost more than the work.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(LMC_SCALAR)
+#include <immintrin.h>
+#define LMC_AVX512 1
+#endif
+
+/* Below this many elements a call runs on one thread. */
+#define PAR_MIN_ELEMENTS 65536
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (bf16)(u >> 16);
+}
+
+#ifdef LMC_AVX512
+static inline __mmask16 tail_mask(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+static inline __m512 load16(const bf16 *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(bf16 *p, __m512 v, __mmask16 m) {
+#ifdef __AVX512BF16__
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+    _mm256_mask_storeu_epi16(p, m, h);
+}
+
+/* exp(x) for x in float32: 2^n * e^r with |r| <= ln2/2, a degree-6 polynomial for e^r. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.5f)), _mm512_set1_ps(-88.5f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* ---- silu(gate) * up ---------------------------------------------------------------------- */
+
+static void silu_and_mul_row(const bf16 *gate, const bf16 *up, bf16 *out, int64_t d) {
+    int64_t j = 0;
+#ifdef LMC_AVX512
+    for (; j < d; j += 16) {
+        __mmask16 m = tail_mask(d - j);
+        __m512 g = load16(gate + j, m), u = load16(up + j, m);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        store16(out + j, _mm512_mul_ps(s, u), m);
+    }
+#endif
+    for (; j < d; j++) {
+        float g = bf16_to_f32(gate[j]);
+        out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * bf16_to_f32(up[j]));
+    }
+}
+
+/* x: [rows, 2d] (gate then up, row stride x_stride) -> out: [rows, d] (row stride out_stride). */
+void silu_and_mul_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,
+                       int64_t rows, int64_t d) {
+#pragma omp parallel for schedule(static) if (rows * d >= PAR_MIN_ELEMENTS && rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        silu_and_mul_row(x + r * x_stride, x + r * x_stride + d, out + r * out_stride, d);
+}
+
+/* ---- RMSNorm (optionally after a residual add) --------------------------------------------- */
+
+/* Sum of squares of x[0:d] (float32 accumulators). */
+static float sum_squares(const bf16 *x, int64_t d) {
+    int64_t j = 0;
+    float total = 0.0f;
+#ifdef LMC_AVX512
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; j + 32 <= d; j += 32) {
+        __m512 a = load16(x + j, 0xffff), b = load16(x + j + 16, 0xffff);
+        acc0 = _mm512_fmadd_ps(a, a, acc0);
+        acc1 = _mm512_fmadd_ps(b, b, acc1);
+    }
+    for (; j < d; j += 16) {
+        __m512 a = load16(x + j, tail_mask(d - j));
+        acc0 = _mm512_fmadd_ps(a, a, acc0);
+    }
+    total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+    for (; j < d; j++) {
+        float v = bf16_to_f32(x[j]);
+        total += v * v;
+    }
+    return total;
+}
+
+/* out = x * scale * w, rounded once. */
+static void scale_by_weight(const bf16 *x, const bf16 *w, bf16 *out, int64_t d, float scale) {
+    int64_t j = 0;
+#ifdef LMC_AVX512
+    __m512 s = _mm512_set1_ps(scale);
+    for (; j < d; j += 16) {
+        __mmask16 m = tail_mask(d - j);
+        store16(out + j, _mm512_mul_ps(_mm512_mul_ps(load16(x + j, m), s), load16(w + j, m)), m);
+    }
+#endif
+    for (; j < d; j++) out[j] = f32_to_bf16(bf16_to_f32(x[j]) * scale * bf16_to_f32(w[j]));
+}
+
+/* x <- bf16(x + residual), the sum the torch add would store; returns its sum of squares. */
+static float add_in_place(bf16 *x, const bf16 *residual, int64_t d) {
+    int64_t j = 0;
+    float total = 0.0f;
+#ifdef LMC_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; j < d; j += 16) {
+        __mmask16 m = tail_mask(d - j);
+        store16(x + j, _mm512_add_ps(load16(x + j, m), load16(residual + j, m)), m);
+        __m512 s = load16(x + j, m); /* the rounded sum: the norm sees what is stored */
+        acc = _mm512_fmadd_ps(s, s, acc);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#endif
+    for (; j < d; j++) {
+        x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(residual[j]));
+        float s = bf16_to_f32(x[j]);
+        total += s * s;
+    }
+    return total;
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight over rows of d. */
+void rms_norm_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride,
+                   const bf16 *weight, int64_t rows, int64_t d, float eps) {
+#pragma omp parallel for schedule(static) if (rows * d >= PAR_MIN_ELEMENTS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * x_stride;
+        float scale = 1.0f / sqrtf(sum_squares(xr, d) / (float)d + eps);
+        scale_by_weight(xr, weight, out + r * out_stride, d, scale);
+    }
+}
+
+/* x <- bf16(x + residual); out = x / sqrt(mean(x^2) + eps) * weight (x now the new residual). */
+void add_rms_norm_bf16(bf16 *x, int64_t x_stride, const bf16 *residual, int64_t res_stride,
+                       bf16 *out, int64_t out_stride, const bf16 *weight, int64_t rows,
+                       int64_t d, float eps) {
+#pragma omp parallel for schedule(static) if (rows * d >= PAR_MIN_ELEMENTS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        bf16 *xr = x + r * x_stride;
+        float scale = 1.0f / sqrtf(add_in_place(xr, residual + r * res_stride, d) / (float)d + eps);
+        scale_by_weight(xr, weight, out + r * out_stride, d, scale);
+    }
+}
+
+/* ---- rotary embedding (neox: rotate halves) ----------------------------------------------- */
+
+/* For each token t and head h < num_heads of x[t] (heads of head_dim, then anything else):
+ * (x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin), the halves x1 = [0, D/2), x2 = [D/2, D);
+ * cos/sin: [tokens, D/2] float32 rows for the tokens' positions. In place. */
+void rotary_neox_bf16(bf16 *x, int64_t x_stride, const float *cos_t, const float *sin_t,
+                      int64_t tokens, int64_t num_heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * num_heads * head_dim >= PAR_MIN_ELEMENTS && tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            bf16 *x1 = x + t * x_stride + h * head_dim, *x2 = x1 + half;
+            int64_t i = 0;
+#ifdef LMC_AVX512
+            for (; i < half; i += 16) {
+                __mmask16 m = tail_mask(half - i);
+                __m512 a = load16(x1 + i, m), b = load16(x2 + i, m);
+                __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
+                store16(x1 + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)), m);
+                store16(x2 + i, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)), m);
+            }
+#endif
+            for (; i < half; i++) {
+                float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                x1[i] = f32_to_bf16(a * c[i] - b * s[i]);
+                x2[i] = f32_to_bf16(b * c[i] + a * s[i]);
+            }
+        }
+    }
+}

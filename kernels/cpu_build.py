@@ -1,0 +1,78 @@
+"""Compile-on-first-use for the CPU C kernels (kernels/cpu/*.c), shared by their ctypes loaders.
+
+Each source is compiled with the system C compiler (`cc -O3 -march=native -fopenmp -ffast-math`)
+into the user cache, keyed by the source's hash and the machine, so an edited source or another
+host gets its own library. The libraries share torch's OpenMP runtime (same `libgomp.so.1`), so
+torch.set_num_threads governs them. Where no compiler is found, the build fails, or
+LMC_CPU_KERNELS=0, `load_library` returns None and the callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class CpuKernelBuildError(RuntimeError):
+    """A C kernel could not be compiled or loaded."""
+
+
+def kernels_disabled() -> bool:
+    """Whether LMC_CPU_KERNELS turns the C kernels off (0 / false / off)."""
+    return os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off")
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $LMC_CACHE_DIR or $XDG_CACHE_HOME/lm-console, then kernels/."""
+    root = os.environ.get("LMC_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lm-console")
+    return Path(root) / "kernels"
+
+
+def build(source_path: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
+    """The shared library compiled from `source_path` (built once per source hash and host).
+
+    `defines` (preprocessor symbols, e.g. a test's scalar-only build) are part of the cache key.
+    """
+    source = source_path.read_bytes() + " ".join(defines).encode()
+    key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
+    target = cache_dir() / f"{source_path.stem}-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math",
+               *(f"-D{name}" for name in defines), str(source_path), "-o", str(out), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders each publish a complete file
+    return target
+
+
+def load_library(source_path: Path, what: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library of `source_path`, or None (disabled, no compiler, build failed).
+
+    `what` names the kernels in the log line that explains a fallback to torch.
+    """
+    if kernels_disabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found: %s stay on the torch path", what)
+        return None
+    try:
+        return ctypes.CDLL(str(build(source_path, compiler, defines)))
+    except (CpuKernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("%s unavailable, using the torch path: %s", what, exc)
+        return None

@@ -1,0 +1,55 @@
+"""oneDNN weight prepacking (engine/models/prepack.py): same results as F.linear, bf16 CPU only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from engine.models.layers import Linear
+from engine.models.loader import load_model
+from engine.models.prepack import prepack_available, prepack_linears
+
+pytestmark = pytest.mark.skipif(not prepack_available(torch.bfloat16, torch.device("cpu")),
+                                reason="this torch has no oneDNN weight prepacking")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(bias):
+    torch.manual_seed(0)
+    linear = Linear(96, 200, bias, torch.bfloat16)
+    linear.weight.copy_(torch.randn(200, 96))
+    if bias:
+        linear.bias.copy_(torch.randn(200))
+    assert prepack_linears(linear) == 1 and linear.packed_weight is not None
+    inputs = [torch.randn(rows, 96).to(torch.bfloat16) for rows in (0, 1, 7, 33, 300)]
+    inputs += [torch.randn(2, 5, 96).to(torch.bfloat16),  # a leading batch axis
+               torch.randn(9, 192).to(torch.bfloat16)[:, ::2]]  # a strided view
+    for x in inputs:
+        assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias)), tuple(x.shape)
+
+
+def test_only_bf16_cpu_weights_are_packed(monkeypatch):
+    fp32 = Linear(8, 8, False, torch.float32)
+    assert prepack_linears(fp32) == 0 and fp32.packed_weight is None
+    monkeypatch.setenv("LMC_ONEDNN_PREPACK", "0")
+    bf16 = Linear(8, 8, False, torch.bfloat16)
+    assert prepack_linears(bf16) == 0 and bf16.packed_weight is None
+
+
+def test_a_loaded_bf16_model_is_packed_and_unchanged(tiny_llama_dir: Path, monkeypatch):
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    packed = load_model(tiny_llama_dir, config, torch.bfloat16, "cpu")
+    monkeypatch.setenv("LMC_ONEDNN_PREPACK", "0")
+    plain = load_model(tiny_llama_dir, config, torch.bfloat16, "cpu")
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, Linear))
+    plain_linears = [m for m in plain.modules() if isinstance(m, Linear)]
+    generator = torch.Generator().manual_seed(0)
+    for a, b in zip(linears, plain_linears):
+        x = torch.randn(11, a.weight.shape[1], generator=generator).to(torch.bfloat16)
+        assert torch.equal(a(x), b(x))
