@@ -5,6 +5,7 @@
  *   silu_and_mul_bf16     out = silu(gate) * up                      ([T, 2I] -> [T, I])
  *   rms_norm_bf16         out = x / rms(x) * weight
  *   add_rms_norm_bf16     x <- bf16(x + residual); out = x / rms(x) * weight   (one pass over x)
+ *   rms_norm_heads_bf16   per-head RMSNorm in place (Qwen3's q/k norm inside the qkv buffer)
  *   rotary_neox_bf16      rotate-halves rope in place on the first heads of each row
  * Rows are contiguous along the last axis; any row stride (in elements) is taken, so views of
  * a fused projection's output need no copy. Large inputs split rows over OpenMP threads
@@ -200,6 +201,20 @@ void add_rms_norm_bf16(bf16 *x, int64_t x_stride, const bf16 *residual, int64_t 
         bf16 *xr = x + r * x_stride;
         float scale = 1.0f / sqrtf(add_in_place(xr, residual + r * res_stride, d) / (float)d + eps);
         scale_by_weight(xr, weight, out + r * out_stride, d, scale);
+    }
+}
+
+/* In place, for each token t and head h < num_heads of x[t] (heads of head_dim):
+ * x[t, h] <- x[t, h] / sqrt(mean(x[t, h]^2) + eps) * weight, weight [head_dim]. */
+void rms_norm_heads_bf16(bf16 *x, int64_t x_stride, const bf16 *weight, int64_t tokens,
+                         int64_t num_heads, int64_t head_dim, float eps) {
+#pragma omp parallel for schedule(static) if (tokens * num_heads * head_dim >= PAR_MIN_ELEMENTS && tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < num_heads; h++) {
+            bf16 *xh = x + t * x_stride + h * head_dim;
+            float scale = 1.0f / sqrtf(sum_squares(xh, head_dim) / (float)head_dim + eps);
+            scale_by_weight(xh, weight, xh, head_dim, scale); /* element j read before written */
+        }
     }
 }
 
