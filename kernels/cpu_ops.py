@@ -9,6 +9,7 @@ torch sequence, not bit-identical to it):
 - `silu_and_mul`: [T, 2I] gate|up -> [T, I] silu(gate) * up
 - `rms_norm` / `add_rms_norm_`: RMSNorm, optionally fused with the residual add before it
   (vLLM's fused_add_rms_norm idea: the decoder layers carry the residual stream)
+- `rms_norm_heads_`: per-head RMSNorm in place (Qwen3's q/k norm inside the qkv buffer)
 - `rotary_neox_`: rotate-halves rope in place on the q/k heads of a fused qkv buffer
 
 Only bf16 CPU tensors go through them (`enabled`); float32 keeps the exact torch path that the
@@ -33,6 +34,7 @@ _SIGNATURES = {
     "silu_and_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64],
     "rms_norm_bf16": [_P, _I64, _P, _I64, _P, _I64, _I64, _F],
     "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _F],
+    "rms_norm_heads_bf16": [_P, _I64, _P, _I64, _I64, _I64, _F],
     "rotary_neox_bf16": [_P, _I64, _P, _P, _I64, _I64, _I64],
 }
 
@@ -113,6 +115,18 @@ def add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Te
                                  out.data_ptr(), out.stride(0), weight.data_ptr(),
                                  x.shape[0], x.shape[1], eps)
     return out
+
+
+def rms_norm_heads_(x: Tensor, num_heads: int, head_dim: int, weight: Tensor, eps: float) -> None:
+    """RMSNorm in place over each of the first `num_heads` heads of the rows x [T, >= H * D]."""
+    _check_rows(x=x)
+    if x.shape[1] < num_heads * head_dim:
+        raise ValueError(f"{num_heads} heads of {head_dim} do not fit rows of {x.shape[1]}")
+    if weight.shape != (head_dim,) or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous bf16 [{head_dim}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    _library().rms_norm_heads_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0],
+                                   num_heads, head_dim, eps)
 
 
 def rotary_neox_(x: Tensor, num_heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> None:

@@ -143,16 +143,13 @@ class RotaryEmbedding(nn.Module):
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
-def rotate_heads_(x: Tensor, num_heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> bool:
-    """Rope in place on the first num_heads heads of rows x [T, ...] if the fused kernel serves it.
+def uses_rope_tables(x: Tensor, cos: Tensor) -> bool:
+    """Whether rope on rows x goes through the fused in-place kernel (`cpu_ops.rotary_neox_`).
 
-    It does for bf16 CPU rows given float32 `RotaryEmbedding.tables` (what LlamaModel passes
-    when the fused kernels are on); returns False, touching nothing, otherwise.
+    It does for bf16 CPU rows given `RotaryEmbedding.tables`' float32 [T, D/2] rows, which
+    LlamaModel passes exactly when the fused kernels are on (else [T, 1, D/2] in x's dtype).
     """
-    if cos.dtype != torch.float32 or cos.dim() != 2 or not cpu_ops.enabled(x):
-        return False
-    cpu_ops.rotary_neox_(x, num_heads, head_dim, cos, sin)
-    return True
+    return cos.dim() == 2 and cos.dtype == torch.float32 and cpu_ops.enabled(x)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

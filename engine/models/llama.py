@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from engine.attention import Attention
 from engine.models.layers import (
-    Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters, rotate_heads_,
+    Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters, uses_rope_tables,
 )
 from kernels import cpu_ops
 
@@ -71,8 +71,14 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2*Hkv) * D]
         num_qk_heads = self.num_heads + self.num_kv_heads
-        if not self.use_qk_norm and rotate_heads_(qkv, num_qk_heads, self.head_dim, cos, sin):
-            # Fused bf16 path: q and k rotated in place inside qkv, read as views.
+        if uses_rope_tables(qkv, cos):
+            # Fused bf16 path: q/k norm (Qwen3) and rope in place inside qkv, read as views.
+            if self.use_qk_norm:
+                cpu_ops.rms_norm_heads_(qkv, self.num_heads, self.head_dim, self.q_norm.weight,
+                                        self.q_norm.eps)
+                cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, self.head_dim,
+                                        self.k_norm.weight, self.k_norm.eps)
+            cpu_ops.rotary_neox_(qkv, num_qk_heads, self.head_dim, cos, sin)
             q_end = self.q_size
             q, k, v = (qkv[:, :q_end], qkv[:, q_end : q_end + self.kv_size],
                        qkv[:, q_end + self.kv_size :])
@@ -82,11 +88,9 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size]
                             .view(num_tokens, self.num_kv_heads, -1))
             qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, D]
-            if not rotate_heads_(qk.view(num_tokens, -1), num_qk_heads, self.head_dim, cos, sin):
-                qk = apply_rotary(qk, cos, sin)
         else:
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, -1),
-                              cos, sin)  # [T, H + Hkv, D], one pass for q and k
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, -1)
+        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D], one pass for q and k
         q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
         k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
         v = qkv[:, self.q_size + self.kv_size :]  # [T, Hkv * D]

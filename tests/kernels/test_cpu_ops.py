@@ -96,6 +96,20 @@ def test_add_rms_norm(library, rows, d, padded):
     _assert_rounded_once(out, exact)
 
 
+@pytest.mark.parametrize("tokens,heads,extra_heads,head_dim",
+                         [(1, 1, 0, 2), (3, 2, 3, 20), (4, 16, 8, 128), (300, 12, 3, 64)])
+def test_rms_norm_heads_in_place(library, tokens, heads, extra_heads, head_dim):
+    x = _rows(tokens, (heads + extra_heads) * head_dim, (heads + extra_heads) * head_dim + 2,
+              seed=heads)
+    before = x.clone()
+    weight = (torch.rand(head_dim, generator=torch.Generator().manual_seed(3)) + 0.5).bfloat16()
+    cpu_ops.rms_norm_heads_(x, heads, head_dim, weight, 1e-6)
+    h = before[:, : heads * head_dim].double().view(tokens, heads, head_dim)
+    exact = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    _assert_rounded_once(x[:, : heads * head_dim], exact.view(tokens, -1))
+    assert torch.equal(x[:, heads * head_dim :], before[:, heads * head_dim :])
+
+
 def _rope_tables(tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(tokens)
     angles = torch.rand(tokens, head_dim // 2, generator=gen, dtype=torch.float64) * 100
@@ -134,6 +148,10 @@ def test_bad_inputs_raise_specific_errors():
                               torch.zeros(3, 4, dtype=torch.bfloat16),
                               torch.ones(4, dtype=torch.bfloat16), 1e-6)
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_ops.rms_norm_heads_(x, 3, 4, torch.ones(4, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        cpu_ops.rms_norm_heads_(x, 2, 4, torch.ones(8, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         cpu_ops.rotary_neox_(x, 3, 4, torch.zeros(2, 2), torch.zeros(2, 2))
     with pytest.raises(ValueError, match="float32"):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
 def kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts the fused kernel calls (so a test can tell the fused path really ran)."""
     calls: dict[str, int] = {}
-    for name in ("silu_and_mul", "rms_norm", "add_rms_norm_", "rotary_neox_"):
+    for name in ("silu_and_mul", "rms_norm", "add_rms_norm_", "rms_norm_heads_", "rotary_neox_"):
         real = getattr(cpu_ops, name)
 
         @functools.wraps(real)
@@ -59,6 +59,7 @@ def test_fused_bf16_is_at_least_as_close_to_float32(fixture, request, kernel_cal
 
     fused = _logits(model_dir, torch.bfloat16, prompt)
     assert kernel_calls["silu_and_mul"] and kernel_calls["add_rms_norm_"] and kernel_calls["rotary_neox_"]
+    assert bool(kernel_calls.get("rms_norm_heads_")) == (fixture == "tiny_qwen3_dir")
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
     plain = _logits(model_dir, torch.bfloat16, prompt)
 
