@@ -31,7 +31,8 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
+SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",  # decode rows
+           Path(__file__).parent / "cpu" / "paged_prefill.c")  # prefill chunks
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # q, its row stride, out, its
@@ -64,7 +65,7 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
     target = _cache_dir() / f"paged_attention-{key[:16]}.so"
     if target.exists():
@@ -73,7 +74,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math",
-               str(SOURCE), "-o", str(out), "-lm"]
+               *map(str, SOURCES), "-o", str(out), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -187,6 +188,8 @@ def paged_prefill_attention(
         q.shape[1] // head_dim, num_kv_heads, head_dim, block_size,
         scale, sliding_window or 0, logits_soft_cap or 0.0,
     )
+    if status == -2:
+        raise MemoryError("the CPU prefill kernel could not allocate its per-thread scratch")
     if status != 0:
         raise ValueError(f"unsupported shape for the CPU prefill kernel: head_dim {head_dim} "
                          f"(max 256), block_size {block_size} (max 64), "
