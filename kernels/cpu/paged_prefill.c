@@ -223,7 +223,6 @@ typedef struct { /* one thread's scratch, every piece 64-byte aligned */
     float *s;        /* [PF_SEG][PF_TILE] scores, base-2 units */
     uint32_t *pp;    /* [PF_SEG/2][PF_TILE] bf16 weight key-pairs */
     __mmask16 *kmask; /* [PF_SEG] which queries see each key */
-    uint16_t *obuf;  /* [D][PF_TILE] bf16 outputs before the transpose */
 } pf_ws;
 
 #define PF_ALIGN(n) (((size_t)(n) + 63) & ~(size_t)63)
@@ -232,7 +231,7 @@ static size_t pf_ws_bytes(int group, int D) {
     return PF_ALIGN((size_t)group * D / 2 * PF_TILE * 4) + PF_ALIGN((size_t)group * D * PF_TILE * 4)
         + PF_ALIGN((size_t)PF_SEG * D * 2) + PF_ALIGN((size_t)PF_SEG / 2 * D * 4)
         + PF_ALIGN(PF_SEG * PF_TILE * 4) + PF_ALIGN(PF_SEG / 2 * PF_TILE * 4)
-        + PF_ALIGN(PF_SEG * sizeof(__mmask16)) + PF_ALIGN((size_t)D * PF_TILE * 2);
+        + PF_ALIGN(PF_SEG * sizeof(__mmask16));
 }
 
 static pf_ws pf_ws_carve(char *mem, int group, int D) {
@@ -243,8 +242,7 @@ static pf_ws pf_ws_carve(char *mem, int group, int D) {
     w.vp = (uint32_t *)mem; mem += PF_ALIGN((size_t)PF_SEG / 2 * D * 4);
     w.s = (float *)mem; mem += PF_ALIGN(PF_SEG * PF_TILE * 4);
     w.pp = (uint32_t *)mem; mem += PF_ALIGN(PF_SEG / 2 * PF_TILE * 4);
-    w.kmask = (__mmask16 *)mem; mem += PF_ALIGN(PF_SEG * sizeof(__mmask16));
-    w.obuf = (uint16_t *)mem;
+    w.kmask = (__mmask16 *)mem;
     return w;
 }
 
@@ -271,10 +269,29 @@ static inline __m512 pf_soft_cap(__m512 x, float cap) {
     return _mm512_mul_ps(tanh, _mm512_set1_ps(cap * PF_LOG2E));
 }
 
-static inline __attribute__((always_inline)) uint32_t pf_load_pair(const uint16_t *p) {
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
+/* In-register transpose of a 16x16 matrix of 32-bit elements (rows r[i] become columns). */
+static inline __attribute__((always_inline)) void pf_transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + e]: rows i..i+3, element e of each 128-bit lane */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
+        r[e] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
+        r[4 + e] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
+    }
 }
 
 /* The segment's keys into kbuf (rows of D) and values into key-pair interleaved vp; padding
@@ -359,13 +376,14 @@ static inline __attribute__((always_inline)) void pf_task(
     for (int g = 0; g < G; g++) {
         uint32_t *qp = w->qp + (int64_t)g * DP * PF_TILE;
         const uint16_t *head = q_tile + (int64_t)(kv_head * G + g) * D;
-        for (int j = 0; j < PF_TILE; j++) {
-            if (j < n) {
-                const uint16_t *row = head + (int64_t)j * a->q_row_stride;
-                for (int p = 0; p < DP; p++) qp[p * PF_TILE + j] = pf_load_pair(row + 2 * p);
-            } else {
-                for (int p = 0; p < DP; p++) qp[p * PF_TILE + j] = 0;
-            }
+        for (int p0 = 0; p0 < DP; p0 += 16) { /* 16 dim-pairs of the 16 queries at a time */
+            const __mmask16 m = DP - p0 >= 16 ? 0xffff : (__mmask16)((1u << (DP - p0)) - 1);
+            __m512i r[16];
+            for (int j = 0; j < PF_TILE; j++)
+                r[j] = j < n ? _mm512_maskz_loadu_epi32(m, head + (int64_t)j * a->q_row_stride + 2 * p0)
+                             : _mm512_setzero_si512();
+            pf_transpose16(r);
+            for (int p = 0; p < 16 && p0 + p < DP; p++) _mm512_store_si512(qp + (p0 + p) * PF_TILE, r[p]);
         }
         run_max[g] = _mm512_set1_ps(-FLT_MAX);
         run_sum[g] = _mm512_setzero_ps();
@@ -443,12 +461,18 @@ static inline __attribute__((always_inline)) void pf_task(
         const __mmask16 seen = _mm512_cmp_ps_mask(run_sum[g], _mm512_setzero_ps(), _CMP_GT_OQ);
         const __m512 inv = _mm512_maskz_div_ps(seen, _mm512_set1_ps(1.f), run_sum[g]);
         const float *acc = w->acc + (int64_t)g * D * PF_TILE;
-        for (int d = 0; d < D; d++)
-            _mm256_store_si256((__m256i *)(w->obuf + d * PF_TILE),
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + d * PF_TILE), inv)));
         uint16_t *out = a->out + ((int64_t)a->q_starts[c] + j0) * a->out_row_stride + (int64_t)(kv_head * G + g) * D;
-        for (int j = 0; j < n; j++)
-            for (int e = 0; e < D; e++) out[(int64_t)j * a->out_row_stride + e] = w->obuf[e * PF_TILE + j];
+        for (int d0 = 0; d0 < D; d0 += 16) { /* 16 dims of the 16 queries at a time */
+            const int nd = D - d0 < 16 ? D - d0 : 16;
+            __m512i r[16];
+            for (int d = 0; d < 16; d++)
+                r[d] = d < nd ? _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc + (d0 + d) * PF_TILE), inv))
+                              : _mm512_setzero_si512();
+            pf_transpose16(r);
+            for (int j = 0; j < n; j++)
+                _mm256_mask_storeu_epi16(out + (int64_t)j * a->out_row_stride + d0, (__mmask16)((1u << nd) - 1),
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
+        }
     }
 }
 
