@@ -203,7 +203,9 @@ static void prefill_task_f32(const void *q, int64_t q_row_stride, void *out, int
  * them; fully visible groups skip the compares.
  * ------------------------------------------------------------------------------------- */
 #define PF_TILE 16
+#ifndef PF_SEG
 #define PF_SEG 128
+#endif
 #define PF_LOG2E 1.4426950408889634f
 
 typedef struct {
