@@ -215,13 +215,19 @@ typedef struct {
     const int32_t *q_starts, *q_lens, *seq_lens;
     int num_kv_heads, group, head_dim, block_size, window;
     float scale, soft_cap;
+    /* Each (chunk, kv head)'s keys repacked once per call: rows of D (k_all) and key-pair
+     * interleaved (v_all), chunk c's slabs starting at key kv_first[c] * num_kv_heads, each
+     * pf_padded(seq_len) keys long (zeros past the sequence). */
+    uint16_t *k_all;
+    uint32_t *v_all;
+    const int64_t *kv_first;
 } pf_args;
+
+static inline int pf_padded(int seq_len) { return (seq_len + 15) & ~15; }
 
 typedef struct { /* one thread's scratch, every piece 64-byte aligned */
     uint32_t *qp;    /* [group][D/2][PF_TILE] query dim-pairs */
     float *acc;      /* [group][D][PF_TILE] unnormalized outputs */
-    uint16_t *kbuf;  /* [PF_SEG][D] the segment's keys, contiguous */
-    uint32_t *vp;    /* [PF_SEG/2][D] value key-pairs */
     float *s;        /* [PF_SEG][PF_TILE] scores, base-2 units */
     uint32_t *pp;    /* [PF_SEG/2][PF_TILE] bf16 weight key-pairs */
     __mmask16 *kmask; /* [PF_SEG] which queries see each key */
@@ -231,7 +237,6 @@ typedef struct { /* one thread's scratch, every piece 64-byte aligned */
 
 static size_t pf_ws_bytes(int group, int D) {
     return PF_ALIGN((size_t)group * D / 2 * PF_TILE * 4) + PF_ALIGN((size_t)group * D * PF_TILE * 4)
-        + PF_ALIGN((size_t)PF_SEG * D * 2) + PF_ALIGN((size_t)PF_SEG / 2 * D * 4)
         + PF_ALIGN(PF_SEG * PF_TILE * 4) + PF_ALIGN(PF_SEG / 2 * PF_TILE * 4)
         + PF_ALIGN(PF_SEG * sizeof(__mmask16));
 }
@@ -240,8 +245,6 @@ static pf_ws pf_ws_carve(char *mem, int group, int D) {
     pf_ws w;
     w.qp = (uint32_t *)mem; mem += PF_ALIGN((size_t)group * D / 2 * PF_TILE * 4);
     w.acc = (float *)mem; mem += PF_ALIGN((size_t)group * D * PF_TILE * 4);
-    w.kbuf = (uint16_t *)mem; mem += PF_ALIGN((size_t)PF_SEG * D * 2);
-    w.vp = (uint32_t *)mem; mem += PF_ALIGN((size_t)PF_SEG / 2 * D * 4);
     w.s = (float *)mem; mem += PF_ALIGN(PF_SEG * PF_TILE * 4);
     w.pp = (uint32_t *)mem; mem += PF_ALIGN(PF_SEG / 2 * PF_TILE * 4);
     w.kmask = (__mmask16 *)mem;
@@ -296,35 +299,35 @@ static inline __attribute__((always_inline)) void pf_transpose16(__m512i r[16]) 
     }
 }
 
-/* The segment's keys into kbuf (rows of D) and values into key-pair interleaved vp; padding
- * keys (up to a multiple of 16) repeat the last one and are masked off. */
-static inline __attribute__((always_inline)) void pf_copy_kv(
-        const pf_args *a, const pf_ws *w, const int32_t *blocks, int kv_head, int seg0, int nk,
-        int nkp, const int D) {
-    const uint16_t *krow[PF_SEG], *vrow[PF_SEG];
+/* Keys [k0, k1) (k0 even) of chunk c, kv head h, from the paged cache into the call's slabs:
+ * K rows as they are, V as key pairs (vp[kp][d] = v[2kp][d], v[2kp+1][d]); zeros past seq_len. */
+static void pf_repack(const pf_args *a, int c, int h, int k0, int k1) {
+    const int D = a->head_dim, seq_len = a->seq_lens[c], bs = a->block_size;
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
-    int blk = seg0 / a->block_size, off = seg0 % a->block_size, k = 0;
-    for (; k < nk; k++) {
-        const int64_t base = (int64_t)blocks[blk] * a->block_stride + off * row_stride + (int64_t)kv_head * D;
-        krow[k] = a->k_cache + base;
-        vrow[k] = a->v_cache + base;
-        if (++off == a->block_size) { off = 0; blk++; }
-    }
-    for (; k < nkp; k++) { krow[k] = krow[nk - 1]; vrow[k] = vrow[nk - 1]; }
+    const int64_t slab = a->kv_first[c] * a->num_kv_heads + (int64_t)h * pf_padded(seq_len);
+    const int32_t *blocks = a->block_table + (int64_t)c * a->block_table_stride;
     const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-    for (k = 0; k < nkp; k += 2) {
-        uint16_t *kd = w->kbuf + (int64_t)k * D;
-        uint32_t *vd = w->vp + (int64_t)(k / 2) * D;
+    for (int k = k0; k < k1; k += 2) {
+        const uint16_t *krow[2] = {NULL, NULL}, *vrow[2] = {NULL, NULL};
+        for (int t = 0; t < 2; t++)
+            if (k + t < seq_len) {
+                const int64_t base = (int64_t)blocks[(k + t) / bs] * a->block_stride
+                                   + (int64_t)((k + t) % bs) * row_stride + (int64_t)h * D;
+                krow[t] = a->k_cache + base;
+                vrow[t] = a->v_cache + base;
+            }
+        uint16_t *kd = a->k_all + (slab + k) * D;
+        uint32_t *vd = a->v_all + (slab + k) / 2 * D;
         for (int d = 0; d < D; d += 32) {
             const __mmask32 m = D - d >= 32 ? 0xffffffffu : (1u << (D - d)) - 1;
-            const __m512i k0 = _mm512_maskz_loadu_epi16(m, krow[k] + d);
-            const __m512i k1 = _mm512_maskz_loadu_epi16(m, krow[k + 1] + d);
-            _mm512_mask_storeu_epi16(kd + d, m, k0);
-            _mm512_mask_storeu_epi16(kd + D + d, m, k1);
-            const __m512i v0 = _mm512_maskz_loadu_epi16(m, vrow[k] + d);
-            const __m512i v1 = _mm512_maskz_loadu_epi16(m, vrow[k + 1] + d);
+            const __m512i k0v = krow[0] ? _mm512_maskz_loadu_epi16(m, krow[0] + d) : _mm512_setzero_si512();
+            const __m512i k1v = krow[1] ? _mm512_maskz_loadu_epi16(m, krow[1] + d) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi16(kd + d, m, k0v);
+            _mm512_mask_storeu_epi16(kd + D + d, m, k1v);
+            const __m512i v0 = vrow[0] ? _mm512_maskz_loadu_epi16(m, vrow[0] + d) : _mm512_setzero_si512();
+            const __m512i v1 = vrow[1] ? _mm512_maskz_loadu_epi16(m, vrow[1] + d) : _mm512_setzero_si512();
             const int left = D - d; /* pairs to store: 16 from lo, then the rest from hi */
             const __mmask16 mlo = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
             const __mmask16 mhi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
@@ -362,9 +365,13 @@ static inline __attribute__((always_inline)) void pf_task(
     const int pos0 = a->seq_lens[c] - q_len + j0, posn = pos0 + n - 1;
     const int window = a->window;
     const int low_n = window > 0 ? posn - window + 1 : 0; /* the last query's first key */
-    const int kstart = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    /* From a multiple of 16 (keys before the window are masked), so that segments start
+     * on the slabs' key pairs and groups. */
+    const int kstart = (window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0) & ~15;
     const int kend = posn + 1;
-    const int32_t *blocks = a->block_table + (int64_t)c * a->block_table_stride;
+    const int64_t slab = a->kv_first[c] * a->num_kv_heads + (int64_t)kv_head * pf_padded(a->seq_lens[c]);
+    const uint16_t *k_slab = a->k_all + slab * D;
+    const uint32_t *v_slab = a->v_all + slab / 2 * D;
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     /* Padding lanes (j >= n) repeat the last query's range; their outputs are not stored. */
     const __m512i posv = _mm512_add_epi32(_mm512_set1_epi32(pos0),
@@ -395,7 +402,8 @@ static inline __attribute__((always_inline)) void pf_task(
     for (int seg0 = kstart; seg0 < kend; seg0 += PF_SEG) {
         const int nk = kend - seg0 < PF_SEG ? kend - seg0 : PF_SEG;
         const int ngroups = (nk + 15) / 16, nkp = ngroups * 16;
-        pf_copy_kv(a, w, blocks, kv_head, seg0, nk, nkp, D);
+        const uint16_t *kbuf = k_slab + (int64_t)seg0 * D;
+        const uint32_t *vp = v_slab + (int64_t)seg0 / 2 * D;
         int group_full[PF_SEG / 16];
         for (int gi = 0; gi < ngroups; gi++) {
             const int first = seg0 + gi * 16;
@@ -412,7 +420,7 @@ static inline __attribute__((always_inline)) void pf_task(
             __m512 seg_max = _mm512_set1_ps(-FLT_MAX);
             for (int gi = 0; gi < ngroups; gi++) {
                 __m512 s[16];
-                const uint32_t *kb = (const uint32_t *)(w->kbuf + (int64_t)gi * 16 * D);
+                const uint32_t *kb = (const uint32_t *)(kbuf + (int64_t)gi * 16 * D);
                 _Pragma("GCC unroll 16")
                 for (int i = 0; i < 16; i++) s[i] = _mm512_setzero_ps();
                 for (int p = 0; p < DP; p++) {
@@ -454,8 +462,8 @@ static inline __attribute__((always_inline)) void pf_task(
             run_sum[g] = _mm512_fmadd_ps(run_sum[g], corr, _mm512_add_ps(sum0, sum1));
             float *acc = w->acc + (int64_t)g * D * PF_TILE;
             int d = 0;
-            for (; d + 16 <= D; d += 16) pf_pv_16(acc + d * PF_TILE, w->pp, w->vp + d, nkp / 2, corr, D);
-            for (; d < D; d += 2) pf_pv_2(acc + d * PF_TILE, w->pp, w->vp + d, nkp / 2, corr, D);
+            for (; d + 16 <= D; d += 16) pf_pv_16(acc + d * PF_TILE, w->pp, vp + d, nkp / 2, corr, D);
+            for (; d < D; d += 2) pf_pv_2(acc + d * PF_TILE, w->pp, vp + d, nkp / 2, corr, D);
         }
     }
 
@@ -488,27 +496,59 @@ static void pf_task_any(const pf_args *a, const pf_ws *w, int c, int tile, int k
     pf_task(a, w, c, tile, kv_head, a->head_dim);
 }
 
-/* Returns 0, or -2 when a thread's scratch could not be allocated. */
-static int pf_run_bf16(const pf_args *a, int num_chunks) {
-    int tiles_before[num_chunks + 1];
-    tiles_before[0] = 0;
-    for (int c = 0; c < num_chunks; c++)
+#define PF_REPACK_KEYS 64 /* keys per repack work item */
+
+/* Returns 0, or -2 when memory could not be allocated. */
+static int pf_run_bf16(pf_args *a, int num_chunks) {
+    int tiles_before[num_chunks + 1], units_before[num_chunks + 1];
+    int64_t kv_first[num_chunks];
+    int64_t keys = 0;
+    tiles_before[0] = units_before[0] = 0;
+    for (int c = 0; c < num_chunks; c++) {
+        const int padded = pf_padded(a->seq_lens[c]);
+        kv_first[c] = keys;
+        keys += padded;
         tiles_before[c + 1] = tiles_before[c] + (a->q_lens[c] + PF_TILE - 1) / PF_TILE;
-    const int num_tasks = tiles_before[num_chunks] * a->num_kv_heads;
+        units_before[c + 1] = units_before[c]
+                            + a->num_kv_heads * ((padded + PF_REPACK_KEYS - 1) / PF_REPACK_KEYS);
+    }
+    const int D = a->head_dim, num_tasks = tiles_before[num_chunks] * a->num_kv_heads;
+    const size_t slab_bytes = PF_ALIGN((size_t)keys * a->num_kv_heads * D * 2);
+    char *slabs = aligned_alloc(64, 2 * slab_bytes + 64);
+    if (slabs == NULL) return -2;
+    a->k_all = (uint16_t *)slabs;
+    a->v_all = (uint32_t *)(slabs + slab_bytes);
+    a->kv_first = kv_first;
     void (*task_fn)(const pf_args *, const pf_ws *, int, int, int) =
-        a->head_dim == 64 ? pf_task_d64 : a->head_dim == 128 ? pf_task_d128 : pf_task_any;
-    const size_t bytes = pf_ws_bytes(a->group, a->head_dim);
+        D == 64 ? pf_task_d64 : D == 128 ? pf_task_d128 : pf_task_any;
+    const size_t bytes = pf_ws_bytes(a->group, D);
     int failed = 0;
     _Pragma("omp parallel")
     {
+        _Pragma("omp for schedule(dynamic, 4)")
+        for (int unit = 0; unit < units_before[num_chunks]; unit++) {
+            int c = 0;
+            while (units_before[c + 1] <= unit) c++;
+            const int per_head = (units_before[c + 1] - units_before[c]) / a->num_kv_heads;
+            const int h = (unit - units_before[c]) / per_head;
+            const int k0 = (unit - units_before[c]) % per_head * PF_REPACK_KEYS;
+            const int padded = pf_padded(a->seq_lens[c]);
+            const int k1 = k0 + PF_REPACK_KEYS < padded ? k0 + PF_REPACK_KEYS : padded;
+            /* With a window, keys before the chunk's first query's window are never read. */
+            const int first_query = a->seq_lens[c] - a->q_lens[c];
+            const int needed = (a->window > 0 && first_query - a->window + 1 > 0
+                                ? first_query - a->window + 1 : 0) & ~15;
+            if (k1 > needed) pf_repack(a, c, h, k0 > needed ? k0 : needed, k1);
+        }
         char *mem = aligned_alloc(64, PF_ALIGN(bytes));
         if (mem == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
         }
-        const pf_ws w = pf_ws_carve(mem, a->group, a->head_dim);
-        /* In reverse: within a chunk the later tiles (more keys) go first, the cheap ones fill gaps. */
-        _Pragma("omp for schedule(dynamic, 1)")
+        const pf_ws w = pf_ws_carve(mem, a->group, D);
+        /* In reverse: within a chunk the later tiles (more keys) go first, the cheap ones fill
+         * gaps. Every thread meets the loop; one without scratch skips its tasks. */
+        _Pragma("omp for schedule(dynamic, 1) nowait")
         for (int task = num_tasks - 1; task >= 0; task--) {
             if (mem == NULL) continue;
             const int tile = task / a->num_kv_heads, kv_head = task % a->num_kv_heads;
@@ -518,6 +558,7 @@ static int pf_run_bf16(const pf_args *a, int num_chunks) {
         }
         free(mem);
     }
+    free(slabs);
     return failed ? -2 : 0;
 }
 #endif /* AVX512_BF16 */
@@ -559,10 +600,10 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
 #ifdef PF_HAVE_BF16_PATH
 #define PF_BF16_FAST                                                                            \
     if (head_dim % 2 == 0) {                                                                    \
-        const pf_args args = {q, q_row_stride, out, out_row_stride, k_cache, v_cache,          \
+        pf_args args = {q, q_row_stride, out, out_row_stride, k_cache, v_cache,          \
                               block_stride, block_table, block_table_stride, q_starts, q_lens,  \
                               seq_lens, num_kv_heads, group, head_dim, block_size, window,      \
-                              scale, soft_cap};                                                 \
+                              scale, soft_cap, NULL, NULL, NULL};                                                 \
         return pf_run_bf16(&args, num_chunks);                                                  \
     }
 #else
