@@ -3,12 +3,15 @@
 - decode rows: the torch path gathers each row's K/V blocks into a padded copy before
   attending; at long contexts that copy is most of a decode step (memory-bound). The C kernel
   reads K/V in place from the paged cache with a per-block online softmax, once.
-- prefill chunks: torch's CPU SDPA reaches a fraction of the machine's FMA rate at head_dim 64;
-  the C kernel tiles 16 queries of one head against each K/V block read in place (chunked
-  prefill needs no gather of the cached context either).
+- prefill chunks (`paged_prefill.c`): torch's CPU SDPA reaches a fraction of the machine's
+  FMA rate at head_dim 64. In bf16 on CPUs with AVX512_BF16 the C kernel computes QK^T and PV
+  with `vdpbf16ps` (16 queries in the lanes, a GQA group per task, each chunk's K/V repacked
+  once per call from the paged cache); otherwise it tiles 16 queries of one head against fp32
+  copies of each block. Chunked prefill needs no gather of the cached context either way.
 
-It is compiled on first use with the system C compiler (`cc -O3 -march=native -fopenmp -ffast-math`) into
-the user cache, keyed by the source's hash and the machine, and shares torch's OpenMP runtime
+Both files are compiled on first use into one library with the system C compiler
+(`cc -O3 -march=native -fopenmp -ffast-math`) in the user cache, keyed by the sources' hash and
+the machine, and shares torch's OpenMP runtime
 (same `libgomp.so.1`), so torch.set_num_threads governs it. Where no compiler is found, or
 LMC_CPU_KERNELS=0, `load()` returns None and the engine keeps the torch path.
 """
