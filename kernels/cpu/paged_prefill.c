@@ -337,13 +337,16 @@ static void pf_repack(const pf_args *a, int c, int h, int k0, int k1) {
     }
 }
 
-/* One block of DB output dims: o[d][j] = corr[j] * o[d][j] + sum over key pairs of P V. */
+/* One block of DB output dims: o[d][j] = corr[j] * o[d][j] + sum over key pairs of P V
+ * (o starts from 0 on a task's first segment). */
 #define PF_DEFINE_PV(DB)                                                                        \
 static inline __attribute__((always_inline)) void pf_pv_##DB(                                  \
-        float *acc, const uint32_t *pp, const uint32_t *vp, int npairs, __m512 corr, int D) {  \
+        float *acc, const uint32_t *pp, const uint32_t *vp, int npairs, __m512 corr, int D,    \
+        int first) {                                                                            \
     __m512 o[DB];                                                                               \
     _Pragma("GCC unroll 16")                                                                    \
-    for (int i = 0; i < DB; i++) o[i] = _mm512_mul_ps(_mm512_load_ps(acc + i * PF_TILE), corr); \
+    for (int i = 0; i < DB; i++)                                                                \
+        o[i] = first ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_load_ps(acc + i * PF_TILE), corr); \
     for (int kp = 0; kp < npairs; kp++) {                                                       \
         const __m512bh pv = (__m512bh)_mm512_load_si512(pp + kp * PF_TILE);                    \
         const uint32_t *v = vp + (int64_t)kp * D;                                               \
@@ -397,7 +400,6 @@ static inline __attribute__((always_inline)) void pf_task(
         run_max[g] = _mm512_set1_ps(-FLT_MAX);
         run_sum[g] = _mm512_setzero_ps();
     }
-    memset(w->acc, 0, (size_t)G * D * PF_TILE * sizeof(float));
 
     for (int seg0 = kstart; seg0 < kend; seg0 += PF_SEG) {
         const int nk = kend - seg0 < PF_SEG ? kend - seg0 : PF_SEG;
@@ -462,8 +464,8 @@ static inline __attribute__((always_inline)) void pf_task(
             run_sum[g] = _mm512_fmadd_ps(run_sum[g], corr, _mm512_add_ps(sum0, sum1));
             float *acc = w->acc + (int64_t)g * D * PF_TILE;
             int d = 0;
-            for (; d + 16 <= D; d += 16) pf_pv_16(acc + d * PF_TILE, w->pp, vp + d, nkp / 2, corr, D);
-            for (; d < D; d += 2) pf_pv_2(acc + d * PF_TILE, w->pp, vp + d, nkp / 2, corr, D);
+            for (; d + 16 <= D; d += 16) pf_pv_16(acc + d * PF_TILE, w->pp, vp + d, nkp / 2, corr, D, seg0 == kstart);
+            for (; d < D; d += 2) pf_pv_2(acc + d * PF_TILE, w->pp, vp + d, nkp / 2, corr, D, seg0 == kstart);
         }
     }
 
