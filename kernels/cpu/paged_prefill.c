@@ -576,6 +576,7 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
          float soft_cap) {                                                                      \
     if (head_dim > PF_MAX_HEAD_DIM || block_size > PF_MAX_BLOCK || num_kv_heads <= 0            \
         || num_heads % num_kv_heads != 0) return -1;                                            \
+    if (num_chunks <= 0) return 0;                                                              \
     const int group = num_heads / num_kv_heads;                                                 \
     FAST                                                                                        \
     int tiles_before[num_chunks + 1];                                                           \
