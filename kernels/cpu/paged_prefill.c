@@ -1,6 +1,6 @@
 /* Paged prefill attention for the CPU: chunks of query_len > 1 over the paged cache, the
- * chunk's own K/V already written, read in place through the block table (a chunk after
- * cached context needs no gather).
+ * chunk's own K/V already written, read through the block table (a chunk after cached
+ * context needs no torch-side gather).
  *
  * Layout: q/out [rows, num_heads * head_dim], each with its own row stride; chunk c is rows
  * q_starts[c] .. + q_lens[c], the last q_lens[c] of seq_lens[c] tokens;
@@ -10,8 +10,9 @@
  * soft_cap * tanh(s / soft_cap). Accumulation is fp32 whatever the element type.
  *
  * Two implementations:
- * - bf16 on AVX512_BF16 (`vdpbf16ps`, 32 bf16 products per instruction): see the section
- *   below; about 3x the fp32-FMA tiles on the embedded model's shapes.
+ * - bf16 with an even head_dim on AVX512_BF16 (`vdpbf16ps`, 32 bf16 products per
+ *   instruction): see the section below; 3.4-3.9x the portable path on the embedded model's
+ *   shapes (9 heads over 3 kv heads, head_dim 64).
  * - everything else (fp32, odd head_dim, machines without AVX512_BF16): 16 queries of one
  *   head per task against fp32 copies of each block, portable vector C.
  * Built with -ffast-math; nothing here relies on infinities or NaNs.
@@ -189,11 +190,14 @@ static void prefill_task_f32(const void *q, int64_t q_row_stride, void *out, int
 #include <immintrin.h>
 #define PF_HAVE_BF16_PATH 1
 /* ---------------------------------------------------------------------------------------
- * bf16 on AVX512_BF16. A task is one (chunk, kv head, tile of PF_TILE queries): the group's
- * query heads share every K/V copy. Queries sit in the 16 lanes of a vector throughout, so
- * max and sum over keys are lane-wise (no horizontal reductions):
+ * bf16 on AVX512_BF16. First each chunk's K/V (per kv head) are repacked once from the
+ * paged cache into contiguous slabs: K rows as they are, V interleaved by key pairs. Then a
+ * task is one (chunk, kv head, tile of PF_TILE queries), the group's query heads in turn over
+ * the same slab segment (in L1). Queries sit in the 16 lanes of a vector throughout, so max
+ * and sum over keys are lane-wise (no horizontal reductions):
  *   S = Q K^T : `vdpbf16ps` of a query dim-pair vector (qp[p][j] = q_j[2p], q_j[2p+1]) with
- *               a broadcast key dim-pair, 16 keys at a time in 16 accumulators;
+ *               a broadcast key dim-pair, 16 keys at a time in 16 accumulators; the scale
+ *               (and log2 e, for exp2) applied to the fp32 sums;
  *   softmax   : keys in segments of PF_SEG, scores kept (fp32, base-2 units) so a segment's
  *               max is known before any exponential; an online correction between segments;
  *   O += P V  : P rounded to bf16 and interleaved by key pairs (pp[kp][j] = p_j[2kp],
