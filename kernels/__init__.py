@@ -5,7 +5,7 @@ a launcher `x()` that checks shapes, strides and dtypes. Importing a kernel modu
 Triton; the CPU engine path never does. With `TRITON_INTERPRET=1` set before a kernel module is
 imported, its kernels run on CPU tensors under Triton's interpreter (see `common.py`).
 
-One kernel serves the CPU path instead: `cpu_attention.py` loads a small C kernel
-(`cpu/paged_attention.c`, compiled on first use) that attends decode rows over the
-paged cache in place; without a C compiler the engine keeps its torch path.
+The CPU path has C kernels instead: `cpu_attention.py` loads `cpu/paged_attention.c` (decode
+rows) and `cpu/paged_prefill.c` (prefill chunks), compiled on first use into one library, which
+attend over the paged cache in place; without a C compiler the engine keeps its torch path.
 """

@@ -3,14 +3,16 @@
 - decode rows: the torch path gathers each row's K/V blocks into a padded copy before
   attending; at long contexts that copy is most of a decode step (memory-bound). The C kernel
   reads K/V in place from the paged cache with a per-block online softmax, once.
-- prefill chunks: torch's CPU SDPA reaches a fraction of the machine's FMA rate at head_dim 64;
-  the C kernel tiles 16 queries of one head against each K/V block read in place (chunked
-  prefill needs no gather of the cached context either).
+- prefill chunks (`paged_prefill.c`): torch's CPU SDPA reaches a fraction of the machine's
+  FMA rate at head_dim 64. In bf16 on CPUs with AVX512_BF16 the C kernel computes QK^T and PV
+  with `vdpbf16ps` (16 queries in the lanes, a GQA group per task, each chunk's K/V repacked
+  once per call from the paged cache); otherwise it tiles 16 queries of one head against fp32
+  copies of each block. Chunked prefill needs no gather of the cached context either way.
 
-It is compiled on first use by kernels/cpu_build.py (`cc -O3 -march=native -fopenmp -ffast-math`,
-cached per source hash and machine; torch's OpenMP runtime, so torch.set_num_threads governs it).
-Where no compiler is found, or LMC_CPU_KERNELS=0, `load()` returns None and the engine keeps the
-torch path.
+Both files are compiled on first use into one library by kernels/cpu_build.py
+(`cc -O3 -march=native -fopenmp -ffast-math`, cached per sources' hash and machine; torch's
+OpenMP runtime, so torch.set_num_threads governs it). Where no compiler is found, or
+LMC_CPU_KERNELS=0, `load()` returns None and the engine keeps the torch path.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from kernels.cpu_build import CpuKernelBuildError, load_library
 __all__ = ["CpuKernelBuildError", "load", "paged_decode_attention", "paged_prefill_attention",
            "supports"]
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
+SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",  # decode rows
+           Path(__file__).parent / "cpu" / "paged_prefill.c")  # prefill chunks
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # q, its row stride, out, its
@@ -52,7 +55,7 @@ _PREFILL_ARGTYPES = [
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, disabled, or the build failed)."""
-    library = load_library(SOURCE, "CPU attention kernels")
+    library = load_library(SOURCES, "CPU attention kernels")
     if library is None:
         return None
     for name in _DTYPES.values():
@@ -147,6 +150,8 @@ def paged_prefill_attention(
         q.shape[1] // head_dim, num_kv_heads, head_dim, block_size,
         scale, sliding_window or 0, logits_soft_cap or 0.0,
     )
+    if status == -2:
+        raise MemoryError("the CPU prefill kernel could not allocate its per-thread scratch")
     if status != 0:
         raise ValueError(f"unsupported shape for the CPU prefill kernel: head_dim {head_dim} "
                          f"(max 256), block_size {block_size} (max 64), "

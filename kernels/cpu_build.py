@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -38,21 +39,24 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build(source_path: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
-    """The shared library compiled from `source_path` (built once per source hash and host).
+def build(sources: Path | Sequence[Path], compiler: str, defines: tuple[str, ...] = ()) -> Path:
+    """The shared library compiled from `sources` (built once per sources' hash and host).
+
+    Several sources make one library, named after the first.
 
     `defines` (preprocessor symbols, e.g. a test's scalar-only build) are part of the cache key.
     """
-    source = source_path.read_bytes() + " ".join(defines).encode()
+    paths = [sources] if isinstance(sources, Path) else list(sources)
+    source = b"".join(path.read_bytes() for path in paths) + " ".join(defines).encode()
     key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
-    target = cache_dir() / f"{source_path.stem}-{key[:16]}.so"
+    target = cache_dir() / f"{paths[0].stem}-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math",
-               *(f"-D{name}" for name in defines), str(source_path), "-o", str(out), "-lm"]
+               *(f"-D{name}" for name in defines), *map(str, paths), "-o", str(out), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -60,8 +64,9 @@ def build(source_path: Path, compiler: str, defines: tuple[str, ...] = ()) -> Pa
     return target
 
 
-def load_library(source_path: Path, what: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled library of `source_path`, or None (disabled, no compiler, build failed).
+def load_library(sources: Path | Sequence[Path], what: str,
+                 defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library of `sources`, or None (disabled, no compiler, build failed).
 
     `what` names the kernels in the log line that explains a fallback to torch.
     """
@@ -72,7 +77,7 @@ def load_library(source_path: Path, what: str, defines: tuple[str, ...] = ()) ->
         logger.info("no C compiler found: %s stay on the torch path", what)
         return None
     try:
-        return ctypes.CDLL(str(build(source_path, compiler, defines)))
+        return ctypes.CDLL(str(build(sources, compiler, defines)))
     except (CpuKernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
         logger.warning("%s unavailable, using the torch path: %s", what, exc)
         return None
