@@ -1,7 +1,8 @@
 """CPU attention: the C kernels against the torch path, on the embedded model's shapes.
 
 Decode: B requests with `ctx` tokens of context in scattered blocks, one layer (9 query heads
-over 3 kv heads, head_dim 64), the C kernel vs the padded gather + batched matmuls. Prefill: one
+over 3 kv heads, head_dim 64), the C kernel vs the padded gather + batched matmuls; then a
+whole 30-layer decode step (32 requests at 432 tokens) whose K/V come from DRAM. Prefill: one
 T-token chunk (and five 400-token prompts in one call, as in an engine step), the C kernel vs
 torch SDPA. Both measured in this run, best of several repeats;
 prints the ratio (torch time / kernel time).
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.worker.huge_pages import zeros_huge_pages
 from kernels import cpu_attention
 
 BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM, NUM_BLOCKS = 16, 3, 3, 64, 4000
@@ -60,6 +62,37 @@ def decode_case(dtype: torch.dtype, batch: int, ctx: int) -> tuple[float, float]
     kernel = best_ms(lambda: cpu_attention.paged_decode_attention(
         q, out, cache, table, seq_lens, None, NUM_KV_HEADS, HEAD_DIM ** -0.5))
     return kernel, best_ms(torch_path)
+
+
+def decode_step_case(dtype: torch.dtype, batch: int, ctx: int, layers: int = 30) -> tuple[float, float]:
+    """A whole decode step's attention: `layers` layers, each with its own scattered blocks, in
+    one cache of hundreds of MB (on huge pages, as the engine allocates it), so K/V come from
+    DRAM as in the engine rather than from the L3 cache a one-layer case fits in."""
+    max_blocks = -(-ctx // BLOCK_SIZE)
+    num_blocks = layers * batch * max_blocks + 1
+    cache = zeros_huge_pages((2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype, torch.device("cpu"))
+    cache.normal_()
+    tables = torch.randperm(num_blocks)[: layers * batch * max_blocks].view(layers, batch, max_blocks).to(torch.int32)
+    q = torch.randn(batch, NUM_KV_HEADS * GROUP * HEAD_DIM, dtype=dtype)
+    out = torch.empty_like(q)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    metadata = [AttentionMetadata(batch, batch, torch.arange(batch + 1, dtype=torch.int32), seq_lens, table,
+                                  torch.full((batch,), -1, dtype=torch.long), 1, ctx,
+                                  list(range(batch + 1)), [ctx] * batch, BLOCK_SIZE) for table in tables]
+    groups = [torch_backend._group_decodes(md, list(range(batch))) for md in metadata]
+
+    def kernel_step() -> None:
+        for table in tables:
+            cpu_attention.paged_decode_attention(q, out, cache, table, seq_lens, None, NUM_KV_HEADS,
+                                                 HEAD_DIM ** -0.5)
+
+    def torch_step() -> None:
+        for layer_groups in groups:
+            for group in layer_groups:
+                rows = q[: len(group.seq_lens)] if group.token_idx is None else q.index_select(0, group.token_idx)
+                torch_backend._attend_decodes(rows, cache, group, NUM_KV_HEADS, HEAD_DIM ** -0.5, None, None)
+
+    return best_ms(kernel_step, iters=1, repeats=5), best_ms(torch_step, iters=1, repeats=3)
 
 
 def prefill_case(dtype: torch.dtype, length: int, prompts: int = 1) -> tuple[float, float]:
@@ -103,6 +136,8 @@ def main() -> None:
     for batch, ctx in ((32, 128), (32, 432), (64, 600)):
         kernel, base = decode_case(dtype, batch, ctx)
         print(f"{f'decode B={batch} ctx={ctx}':28s} {kernel:12.2f} {base:10.2f} {base / kernel:6.2f}x")
+    kernel, base = decode_step_case(dtype, 32, 432)
+    print(f"{'decode step, 30 layers':28s} {kernel:12.2f} {base:10.2f} {base / kernel:6.2f}x")
     for length, prompts in ((128, 1), (272, 1), (512, 1), (400, 5)):
         kernel, base = prefill_case(dtype, length, prompts)
         name = f"prefill {'' if prompts == 1 else f'{prompts}x'}T={length} (vs SDPA)"
