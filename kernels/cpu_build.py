@@ -47,7 +47,10 @@ def build(sources: Path | Sequence[Path], compiler: str, defines: tuple[str, ...
     `defines` (preprocessor symbols, e.g. a test's scalar-only build) are part of the cache key.
     """
     paths = [sources] if isinstance(sources, Path) else list(sources)
-    source = b"".join(path.read_bytes() for path in paths) + " ".join(defines).encode()
+    # The headers beside the sources (#include "..."), so a changed header rebuilds too.
+    headers = sorted({header for path in paths for header in path.parent.glob("*.h")})
+    source = (b"".join(path.read_bytes() for path in [*paths, *headers])
+              + " ".join(defines).encode())
     key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
     target = cache_dir() / f"{paths[0].stem}-{key[:16]}.so"
     if target.exists():

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(LMC_SCALAR)
 #include <immintrin.h>
 #define LMC_AVX512 1
@@ -26,20 +28,6 @@
 
 typedef uint16_t bf16;
 
-static inline float bf16_to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (bf16)(u >> 16);
-}
 
 #ifdef LMC_AVX512
 static inline __mmask16 tail_mask(int64_t n) {
@@ -106,8 +94,8 @@ static void silu_and_mul_row(const bf16 *gate, const bf16 *up, bf16 *out, int64_
     }
 #endif
     for (; j < d; j++) {
-        float g = bf16_to_f32(gate[j]);
-        out[j] = f32_to_bf16(g / (1.0f + expf(-g)) * bf16_to_f32(up[j]));
+        float g = bf16_to_float(gate[j]);
+        out[j] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[j]));
     }
 }
 
@@ -139,7 +127,7 @@ static float sum_squares(const bf16 *x, int64_t d) {
     total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #endif
     for (; j < d; j++) {
-        float v = bf16_to_f32(x[j]);
+        float v = bf16_to_float(x[j]);
         total += v * v;
     }
     return total;
@@ -155,7 +143,7 @@ static void scale_by_weight(const bf16 *x, const bf16 *w, bf16 *out, int64_t d, 
         store16(out + j, _mm512_mul_ps(_mm512_mul_ps(load16(x + j, m), s), load16(w + j, m)), m);
     }
 #endif
-    for (; j < d; j++) out[j] = f32_to_bf16(bf16_to_f32(x[j]) * scale * bf16_to_f32(w[j]));
+    for (; j < d; j++) out[j] = float_to_bf16(bf16_to_float(x[j]) * scale * bf16_to_float(w[j]));
 }
 
 /* x <- bf16(x + residual), the sum the torch add would store; returns its sum of squares. */
@@ -174,8 +162,8 @@ static float add_in_place(bf16 *x, const bf16 *residual, int64_t d) {
     total = _mm512_reduce_add_ps(acc);
 #endif
     for (; j < d; j++) {
-        x[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(residual[j]));
-        float s = bf16_to_f32(x[j]);
+        x[j] = float_to_bf16(bf16_to_float(x[j]) + bf16_to_float(residual[j]));
+        float s = bf16_to_float(x[j]);
         total += s * s;
     }
     return total;
@@ -242,9 +230,9 @@ void rotary_neox_bf16(bf16 *x, int64_t x_stride, const float *cos_t, const float
             }
 #endif
             for (; i < half; i++) {
-                float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-                x1[i] = f32_to_bf16(a * c[i] - b * s[i]);
-                x2[i] = f32_to_bf16(b * c[i] + a * s[i]);
+                float a = bf16_to_float(x1[i]), b = bf16_to_float(x2[i]);
+                x1[i] = float_to_bf16(a * c[i] - b * s[i]);
+                x2[i] = float_to_bf16(b * c[i] + a * s[i]);
             }
         }
     }

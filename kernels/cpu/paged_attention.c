@@ -17,25 +17,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
 #define MAX_HEADS 64
 
-static inline float bf16_load(const uint16_t *p) {
-    uint32_t bits = (uint32_t)(*p) << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint16_t bf16_store_value(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
+static inline float bf16_load(const uint16_t *p) { return bf16_to_float(*p); }
 
 static inline float f32_load(const float *p) { return *p; }
 static inline float f32_store_value(float value) { return value; }
@@ -116,7 +105,7 @@ static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t blo
     }                                                                                           \
 }
 
-DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store_value)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, float_to_bf16)
 DEFINE_TASK(task_f32, float, f32_load, f32_store_value)
 
 
@@ -205,8 +194,8 @@ static void NAME(const T *q_row, const T *k_cache, const T *v_cache, int64_t blo
     }                                                                                           \
 }
 
-DEFINE_TASK_AVX512(task_bf16_d64, uint16_t, load16_bf16, bf16_store_value, 4)
-DEFINE_TASK_AVX512(task_bf16_d128, uint16_t, load16_bf16, bf16_store_value, 8)
+DEFINE_TASK_AVX512(task_bf16_d64, uint16_t, load16_bf16, float_to_bf16, 4)
+DEFINE_TASK_AVX512(task_bf16_d128, uint16_t, load16_bf16, float_to_bf16, 8)
 DEFINE_TASK_AVX512(task_f32_d64, float, load16_f32, f32_store_value, 4)
 DEFINE_TASK_AVX512(task_f32_d128, float, load16_f32, f32_store_value, 8)
 #define PICK_TASK(GENERIC, D64, D128, head_dim) \
@@ -226,24 +215,6 @@ DEFINE_TASK_AVX512(task_f32_d128, float, load16_f32, f32_store_value, 8)
  * tree instead of one horizontal sum per key. p.V stays in fp32 FMAs for accuracy.
  * ------------------------------------------------------------------------------------- */
 #define KEYS 16
-
-/* exp(x) for x <= 0 as 2^n * 2^f, |f| <= 1/2, with a degree-7 Taylor polynomial of 2^f
- * (relative error < 1e-8 before rounding); underflows to 0 below -87. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Two vectors -> one whose 128-bit lane l holds (a, b, a, b) partial sums of lane l. */
 static inline __m512 pair_sums(__m512 a, __m512 b) {
@@ -372,7 +343,7 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
                     }                                                                           \
                     const float block_max = _mm512_mask_reduce_max_ps(valid, scores);           \
                     const float new_max = block_max > running_max[h] ? block_max : running_max[h]; \
-                    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(               \
+                    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive_ps(               \
                         _mm512_sub_ps(scores, _mm512_set1_ps(new_max))));                       \
                     correction[g] = expf(running_max[h] - new_max);                             \
                     running_sum[h] = running_sum[h] * correction[g] + _mm512_reduce_add_ps(p);  \
@@ -404,7 +375,7 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
         float tmp[16];                                                                          \
         for (int j = 0; j < NV; j++) {                                                          \
             _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[h][j], inv));                               \
-            for (int d = 0; d < 16; d++) out_row[(int64_t)h * D + 16 * j + d] = bf16_store_value(tmp[d]); \
+            for (int d = 0; d < 16; d++) out_row[(int64_t)h * D + 16 * j + d] = float_to_bf16(tmp[d]); \
         }                                                                                       \
     }                                                                                           \
 }

@@ -23,23 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define PF_MAX_HEAD_DIM 256
 #define PF_MAX_BLOCK 64
-
-static inline float pf_bf16_load(const uint16_t *p) {
-    uint32_t bits = (uint32_t)(*p) << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint16_t pf_bf16_store(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
 
 /* ---------------------------------------------------------------------------------------
  * Portable path. A task is one query head and a tile of QUERY_TILE consecutive query tokens
@@ -52,11 +39,11 @@ static inline uint16_t pf_bf16_store(float value) {
 
 /* Element access for the two cache dtypes; `bf16` is a compile-time constant at every call. */
 static inline __attribute__((always_inline)) float load_at(const void *base, int64_t i, int bf16) {
-    return bf16 ? pf_bf16_load((const uint16_t *)base + i) : ((const float *)base)[i];
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 static inline __attribute__((always_inline)) void store_at(void *base, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)base)[i] = pf_bf16_store(v);
+    if (bf16) ((uint16_t *)base)[i] = float_to_bf16(v);
     else ((float *)base)[i] = v;
 }
 

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 /* Built with -ffast-math, which lets the compiler assume no infinities: test the bits. */
 static inline int is_neg_inf(float x) {
     uint32_t bits;
@@ -61,23 +63,6 @@ static inline __m512i mix32_v(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* exp(x) for x <= 0: 2^n * 2^f with a degree-7 Taylor polynomial of 2^f, |f| <= 1/2. */
-static inline __m512 exp_nonpositive_v(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* -log(u) for u in (0, 1): u = m * 2^e with m in [0.75, 1.5), log(m) = 2 atanh(s),
  * s = (m - 1) / (m + 1), |s| < 0.2, odd series to s^9 (relative error < 1e-7). */
 static inline __m512 neg_log_v(__m512 u) {
@@ -116,7 +101,7 @@ static int64_t race_avx512(const float *row, int64_t vocab, uint64_t key) {
             _mm512_set1_ps(1.0f / 16777216.0f));
         const __m512 logit = _mm512_loadu_ps(row + v);
         const __mmask16 live = _mm512_cmp_ps_mask(logit, neg_inf, _CMP_NEQ_OQ);
-        const __m512 score = _mm512_div_ps(exp_nonpositive_v(_mm512_sub_ps(logit, max_b)), neg_log_v(u));
+        const __m512 score = _mm512_div_ps(exp_nonpositive_ps(_mm512_sub_ps(logit, max_b)), neg_log_v(u));
         /* strictly greater: on a tie the lower index (seen first in its lane) stays */
         const __mmask16 better = _mm512_mask_cmp_ps_mask(live, score, best_score, _CMP_GT_OQ);
         best_score = _mm512_mask_mov_ps(best_score, better, score);
