@@ -42,6 +42,13 @@ def best_ms(fn: Callable[[], object], iters: int = 10, repeats: int = 7) -> floa
     return best
 
 
+def _torch_decodes(q: torch.Tensor, cache: torch.Tensor, groups: list) -> None:
+    """The torch backend's decode path (padded gather + batched matmuls) for one layer."""
+    for group in groups:
+        rows = q[: len(group.seq_lens)] if group.token_idx is None else q.index_select(0, group.token_idx)
+        torch_backend._attend_decodes(rows, cache, group, NUM_KV_HEADS, HEAD_DIM ** -0.5, None, None)
+
+
 def decode_case(dtype: torch.dtype, batch: int, ctx: int) -> tuple[float, float]:
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
     max_blocks = -(-ctx // BLOCK_SIZE)
@@ -55,9 +62,7 @@ def decode_case(dtype: torch.dtype, batch: int, ctx: int) -> tuple[float, float]
     groups = torch_backend._group_decodes(md, list(range(batch)))
 
     def torch_path() -> None:
-        for group in groups:
-            rows = q[: len(group.seq_lens)] if group.token_idx is None else q.index_select(0, group.token_idx)
-            torch_backend._attend_decodes(rows, cache, group, NUM_KV_HEADS, HEAD_DIM ** -0.5, None, None)
+        _torch_decodes(q, cache, groups)
 
     kernel = best_ms(lambda: cpu_attention.paged_decode_attention(
         q, out, cache, table, seq_lens, None, NUM_KV_HEADS, HEAD_DIM ** -0.5))
@@ -88,9 +93,7 @@ def decode_step_case(dtype: torch.dtype, batch: int, ctx: int, layers: int = 30)
 
     def torch_step() -> None:
         for layer_groups in groups:
-            for group in layer_groups:
-                rows = q[: len(group.seq_lens)] if group.token_idx is None else q.index_select(0, group.token_idx)
-                torch_backend._attend_decodes(rows, cache, group, NUM_KV_HEADS, HEAD_DIM ** -0.5, None, None)
+            _torch_decodes(q, cache, layer_groups)
 
     return best_ms(kernel_step, iters=1, repeats=5), best_ms(torch_step, iters=1, repeats=3)
 

@@ -152,25 +152,6 @@ static inline __attribute__((always_inline)) void prefill_task(
     }
 }
 
-static void prefill_task_bf16(const void *q, int64_t q_row_stride, void *out, int64_t out_row_stride,
-                              const void *k_cache, const void *v_cache, int64_t block_stride,
-                              const int32_t *blocks, int first_pos, int num_queries, int head,
-                              int group, int head_dim, int num_kv_heads, int block_size,
-                              float scale, int window, float soft_cap) {
-    prefill_task(q, q_row_stride, out, out_row_stride, k_cache, v_cache, block_stride, blocks,
-                 first_pos, num_queries, head, group, head_dim, num_kv_heads, block_size, scale,
-                 window, soft_cap, 1);
-}
-
-static void prefill_task_f32(const void *q, int64_t q_row_stride, void *out, int64_t out_row_stride,
-                             const void *k_cache, const void *v_cache, int64_t block_stride,
-                             const int32_t *blocks, int first_pos, int num_queries, int head,
-                             int group, int head_dim, int num_kv_heads, int block_size,
-                             float scale, int window, float soft_cap) {
-    prefill_task(q, q_row_stride, out, out_row_stride, k_cache, v_cache, block_stride, blocks,
-                 first_pos, num_queries, head, group, head_dim, num_kv_heads, block_size, scale,
-                 window, soft_cap, 0);
-}
 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -558,7 +539,7 @@ static int pf_run_bf16(pf_args *a, int num_chunks) {
 
 /* chunk c: query rows q_starts[c] .. + q_lens[c], the last q_lens[c] of seq_lens[c] tokens.
  * Returns 0, -1 for an unsupported shape, -2 when scratch memory could not be allocated. */
-#define DEFINE_PREFILL_ENTRY(NAME, TASK, T, FAST)                                               \
+#define DEFINE_PREFILL_ENTRY(NAME, BF16, T, FAST)                                               \
 int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,                     \
          const T *k_cache, const T *v_cache, int64_t block_stride,                              \
          const int32_t *block_table, int64_t block_table_stride, const int32_t *q_starts,       \
@@ -583,10 +564,11 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
         const int first = (tile - tiles_before[c]) * QUERY_TILE;                                \
         const int n = q_lens[c] - first < QUERY_TILE ? q_lens[c] - first : QUERY_TILE;         \
         const int64_t row = (int64_t)q_starts[c] + first;                                      \
-        TASK(q + row * q_row_stride, q_row_stride, out + row * out_row_stride, out_row_stride,  \
-             k_cache, v_cache, block_stride, block_table + (int64_t)c * block_table_stride,     \
-             seq_lens[c] - q_lens[c] + first, n, head, group, head_dim, num_kv_heads,           \
-             block_size, scale, window, soft_cap);                                              \
+        prefill_task(q + row * q_row_stride, q_row_stride, out + row * out_row_stride,          \
+                     out_row_stride, k_cache, v_cache, block_stride,                            \
+                     block_table + (int64_t)c * block_table_stride,                             \
+                     seq_lens[c] - q_lens[c] + first, n, head, group, head_dim, num_kv_heads,   \
+                     block_size, scale, window, soft_cap, BF16);                                \
     }                                                                                           \
     return 0;                                                                                   \
 }
@@ -604,5 +586,5 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
 #define PF_BF16_FAST
 #endif
 
-DEFINE_PREFILL_ENTRY(paged_prefill_attention_bf16, prefill_task_bf16, uint16_t, PF_BF16_FAST)
-DEFINE_PREFILL_ENTRY(paged_prefill_attention_f32, prefill_task_f32, float, )
+DEFINE_PREFILL_ENTRY(paged_prefill_attention_bf16, 1, uint16_t, PF_BF16_FAST)
+DEFINE_PREFILL_ENTRY(paged_prefill_attention_f32, 0, float, )

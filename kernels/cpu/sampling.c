@@ -38,17 +38,24 @@ static inline float uniform_of(uint32_t key_lo, uint32_t key_hi, uint32_t v) {
     return ((float)(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
 }
 
-static int64_t race_scalar(const float *row, int64_t vocab, uint64_t key) {
+/* The race over tokens [first, vocab) of a row whose max is `max`: *best / *best_score move to
+ * a token that beats them (strictly, so the lower index keeps a tie). */
+static void race_range(const float *row, int64_t first, int64_t vocab, float max, uint64_t key,
+                       int64_t *best, float *best_score) {
     const uint32_t lo = (uint32_t)key, hi = (uint32_t)(key >> 32);
+    for (int64_t v = first; v < vocab; v++) {
+        if (is_neg_inf(row[v])) continue; /* removed by a filter: never sampled */
+        const float score = expf(row[v] - max) / -logf(uniform_of(lo, hi, (uint32_t)v));
+        if (score > *best_score) { *best_score = score; *best = v; }
+    }
+}
+
+static int64_t race_scalar(const float *row, int64_t vocab, uint64_t key) {
     float max = -INFINITY;
     for (int64_t v = 0; v < vocab; v++) max = row[v] > max ? row[v] : max;
     int64_t best = 0;
     float best_score = -1.f;
-    for (int64_t v = 0; v < vocab; v++) {
-        if (is_neg_inf(row[v])) continue; /* removed by a filter: never sampled */
-        const float score = expf(row[v] - max) / -logf(uniform_of(lo, hi, (uint32_t)v));
-        if (score > best_score) { best_score = score; best = v; }
-    }
+    race_range(row, 0, vocab, max, key, &best, &best_score);
     return best;
 }
 
@@ -115,12 +122,7 @@ static int64_t race_avx512(const float *row, int64_t vocab, uint64_t key) {
     float top = scores[0];
     for (int i = 1; i < 16; i++)
         if (scores[i] > top || (scores[i] == top && indices[i] < best)) { top = scores[i]; best = indices[i]; }
-    const uint32_t lo = (uint32_t)key, hi = (uint32_t)(key >> 32);
-    for (int64_t v = full; v < vocab; v++) {
-        if (is_neg_inf(row[v])) continue;
-        const float score = expf(row[v] - max) / -logf(uniform_of(lo, hi, (uint32_t)v));
-        if (score > top) { top = score; best = v; }
-    }
+    race_range(row, full, vocab, max, key, &best, &top);
     return best;
 }
 #define RACE race_avx512
