@@ -16,7 +16,7 @@ import msgspec
 
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.stats import SchedulerStats
-from engine.request import MultiModalFeatureSpec
+from engine.multimodal.inputs import MultiModalFeatureSpec
 from engine.sampling_params import SamplingParams
 
 

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine.multimodal.inputs import MultiModalFeatureSpec
+from engine.protocol import EngineCoreEvent
 
 if TYPE_CHECKING:
-    from engine.core.kv_cache.hashing import BlockHash
-    from engine.protocol import EngineCoreEvent, EngineCoreEventType
+    from engine.kv_cache_hashing import BlockHash
+    from engine.protocol import EngineCoreEventType
     from engine.sampling_params import SamplingParams
 
 
@@ -104,8 +105,6 @@ class Request:
     # -- events ------------------------------------------------------------------------
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         """Remember a lifecycle event; it rides on the request's next EngineCoreOutput."""
-        from engine.protocol import EngineCoreEvent
-
         self.events.append(EngineCoreEvent(event_type, time.time() if timestamp is None else timestamp))
 
     def take_events(self) -> list[EngineCoreEvent] | None:

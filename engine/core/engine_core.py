@@ -6,13 +6,13 @@ import time
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
-from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash
-from engine.core.kv_cache.hashing import get_hash_fn_by_name
-from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_config
+from engine.core.kv_cache import KVCacheManager
 from engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
 from engine.core.sched.scheduler import Scheduler
 from engine.errors import DuplicateRequestError, InsufficientKVCacheError
 from engine.executor.uniproc import UniProcExecutor
+from engine.kv_cache_hashing import get_hash_fn_by_name, get_request_block_hasher, init_none_hash
+from engine.kv_cache_interface import KVCacheConfig, get_kv_cache_config
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.stats import BlockPoolState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
@@ -197,7 +197,7 @@ class EngineCore:
 
     def get_prefix_cache_hashes(self) -> list[bytes]:
         """The block hashes in the prefix cache (debugging and KV event tests)."""
-        from engine.core.kv_cache.hashing import get_block_hash
+        from engine.kv_cache_hashing import get_block_hash
 
         return [get_block_hash(key) for key, _ in self.kv_cache_manager.block_pool.cached_block_hash_to_block.items()]
 

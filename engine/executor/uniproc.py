@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core.sched.output import SchedulerOutput
-from engine.worker.model_runner_output import ModelRunnerOutput
+from engine.model_runner_output import ModelRunnerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.worker.worker import Worker
 
 

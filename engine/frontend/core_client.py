@@ -2,18 +2,18 @@
 
 InprocClient runs the core in this process (tests, debugging, `multiprocess=False`);
 SyncMPClient (LLM's default) and AsyncMPClient (AsyncLLM) run it in its own process
-(engine/frontend/mp_client.py). All share this interface; utility calls behave the same.
+(engine/frontend/mp_client.py, which also holds make_client). All share this interface; utility
+calls behave the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
 if TYPE_CHECKING:
-    from engine.config import EngineArgs, EngineConfig
+    from engine.config import EngineConfig
     from engine.metrics.stats import BlockPoolState, SchedulerStats
 
 
@@ -51,21 +51,6 @@ class EngineCoreClient:
 
     def get_block_pool_state(self) -> BlockPoolState:
         return self.call_utility("get_block_pool_state")
-
-    @staticmethod
-    def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
-                    ) -> tuple[EngineCoreClient, EngineConfig]:
-        """The client LLM uses (SyncMPClient unless multiprocess=False) and the frontend config.
-
-        while_starting runs while a separate core process starts (not for the in-process core).
-        """
-        if engine_args.multiprocess:
-            from engine.frontend.mp_client import SyncMPClient
-
-            client = SyncMPClient(engine_args, while_starting=while_starting)
-            return client, engine_args.create_frontend_config(client.ready_info)
-        config = engine_args.create_engine_config()
-        return InprocClient(config), config
 
 
 class InprocClient(EngineCoreClient):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError
 from engine.frontend.core_client import EngineCoreClient
+from engine.frontend.mp_client import make_client
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor
@@ -34,7 +35,7 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         # The tokenizer code imports while the engine core process starts.
         self.engine_core: EngineCoreClient
-        self.engine_core, self.config = EngineCoreClient.make_client(
+        self.engine_core, self.config = make_client(
             self.engine_args, while_starting=preload_tokenizer_modules)
         self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)

@@ -18,18 +18,21 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, EngineError, fresh_error
-from engine.frontend.core_client import EngineCoreClient
+from engine.frontend.core_client import EngineCoreClient, InprocClient
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import MsgpackDecoder, MsgpackEncoder
 from engine.metrics.stats import BlockPoolState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -274,4 +277,17 @@ def _read_outputs(resources: EngineProcess, sink: OutputSink) -> None:
             sink.on_dead(EngineDeadError("The engine was shut down."), unexpected=False)
 
 
-__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient"]
+def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
+                ) -> tuple[EngineCoreClient, EngineConfig]:
+    """The client LLM uses (SyncMPClient unless multiprocess=False) and the frontend config.
+
+    while_starting runs while a separate core process starts (not for the in-process core).
+    """
+    if engine_args.multiprocess:
+        client = SyncMPClient(engine_args, while_starting=while_starting)
+        return client, engine_args.create_frontend_config(client.ready_info)
+    config = engine_args.create_engine_config()
+    return InprocClient(config), config
+
+
+__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient", "make_client"]

@@ -1,27 +1,61 @@
-"""KV cache events on a ZMQ PUB socket, in vLLM's wire shape (seed: KV Transfer, lines 3450-3549).
+"""KV cache events and their ZMQ PUB transport, in vLLM's wire shape.
 
-A message is three frames: (topic, seq as 8-byte big-endian, msgpack KVEventBatch). seq counts
-batches from 0 without gaps, so a subscriber sees a missed batch as a jump. The engine core
-drains the KV cache manager's events each step (take_events()) and publishes one batch a step.
+The events (seed: KV Cache Events, lines 2871-2882) are msgspec Structs, array_like and tagged,
+so one encodes as ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium]. The KV cache manager and the KV connectors produce them and the engine core
+drains them each step (take_events()) into one KVEventBatch.
+
+On the PUB socket (seed: KV Transfer, lines 3450-3549) a message is three frames: (topic, seq as
+8-byte big-endian, msgpack KVEventBatch). seq counts batches from 0 without gaps, so a
+subscriber sees a missed batch as a jump.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import zmq
 
-from engine.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.kv_cache_hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOPIC = b"kv-events"
+MEDIUM_GPU = "GPU"  # where the blocks live; the CPU backend reports the same name for uniformity
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventBatch",
-           "KVEventPublisher", "KVEventSubscriber", "decode_kv_event_message"]
+
+class KVCacheEventBase(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged KV cache events (the tag is the class name)."""
+
+
+class BlockStored(KVCacheEventBase):
+    """Full blocks entered the prefix cache as one chain segment (seed: cache_full_blocks, lines 3190-3221)."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None  # None when the segment starts the chain
+    token_ids: list[int]  # the tokens of all stored blocks, len == len(block_hashes) * block_size
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+
+
+class BlockRemoved(KVCacheEventBase):
+    """Blocks left the prefix cache, evicted for reuse or explicitly (seed: lines 2825-2854)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = MEDIUM_GPU
+
+
+class AllBlocksCleared(KVCacheEventBase):
+    """The whole prefix cache was reset (seed: reset_prefix_cache, lines 2855-2870)."""
+
+    medium: str | None = MEDIUM_GPU
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,21 +133,21 @@ def _copy_text_weights(model: Any, text_dir: Path) -> None:
         model.model.connector.modality_projection.proj.weight.mul_(float(embed.float().std()))
 
 
-def demo_vlm_target() -> Path:
-    """Where the demo VLM lives (built or not)."""
-    from engine.models.embedded import cache_dir
-
-    return cache_dir() / "models" / f"{DEMO_VLM_NAME}-v{_DEMO_VERSION}"
+def demo_vlm_target(models_dir: Path) -> Path:
+    """Where the demo VLM lives (built or not) in the model cache `models_dir`."""
+    return models_dir / f"{DEMO_VLM_NAME}-v{_DEMO_VERSION}"
 
 
-def demo_vlm_dir() -> Path:
-    """The demo VLM's directory, built once (atomically) from the embedded SmolLM2."""
-    from engine.models.embedded import DEFAULT_MODEL, resolve_model_path
+def demo_vlm_dir(models_dir: Path, text_model_dir: Callable[[], Path]) -> Path:
+    """The demo VLM's directory, built once (atomically) from the LM text_model_dir() returns.
 
-    target = demo_vlm_target()
+    engine/models/embedded.py passes its model cache and the embedded SmolLM2 (resolved only
+    when the demo VLM must be built).
+    """
+    target = demo_vlm_target(models_dir)
     if (target / "config.json").is_file():
         return target
-    text_dir = resolve_model_path(DEFAULT_MODEL)
+    text_dir = text_model_dir()
     text = json.loads((text_dir / "config.json").read_text())
     text_config = {k: text[k] for k in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

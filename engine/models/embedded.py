@@ -174,7 +174,7 @@ def list_known_models() -> list[KnownModel]:
 def _demo_vlm_entry() -> KnownModel:
     from engine.models.demo_vlm import DEMO_VLM_LABEL, DEMO_VLM_NAME, demo_vlm_target
 
-    target = demo_vlm_target()
+    target = demo_vlm_target(_models_dir())
     built = _is_model_dir(target)
     return KnownModel(
         name=DEMO_VLM_NAME,
@@ -196,7 +196,7 @@ def resolve_model_path(model: str | None) -> Path:
     if model is not None and model.lower() == "demo-vlm":
         from engine.models.demo_vlm import demo_vlm_dir
 
-        return demo_vlm_dir()
+        return demo_vlm_dir(_models_dir(), lambda: resolve_model_path(DEFAULT_MODEL))
     name = _known_name(DEFAULT_MODEL if model is None else model)
     if name is not None:
         spec = _EMBEDDED[name]

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.worker.model_runner_output import ModelRunnerOutput
+from engine.model_runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.ec_transfer.base import ECConnectorBase
+    from engine.scheduler_output import SchedulerOutput
     from engine.worker.input_batch import CachedRequestState
 
 

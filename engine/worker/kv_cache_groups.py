@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from engine.attention.layer import Attention, get_kv_cache_shape
 from engine.attention.metadata import AttentionMetadata
-from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from engine.worker.block_table import MultiGroupBlockTable
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer
 from engine.worker.huge_pages import zeros_huge_pages

@@ -14,8 +14,8 @@ from engine.distributed.kv_transfer.output import KVConnectorOutput
 from engine.forward_context import ForwardContext
 
 if TYPE_CHECKING:
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.kv_transfer.base import KVConnectorBase
+    from engine.scheduler_output import SchedulerOutput
 
 
 class KVConnectorModelRunnerMixin:

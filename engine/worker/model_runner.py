@@ -11,21 +11,21 @@ from engine.attention.layer import get_attention_layers, set_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
-from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, KVCacheSpec, get_kv_cache_config
-from engine.core.sched.output import SchedulerOutput
 from engine.distributed.kv_transfer.output import KVConnectorOutput
 from engine.forward_context import set_forward_context
+from engine.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
+from engine.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from engine.models.loader import load_model
 from engine.protocol import LogprobsLists
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
+from engine.scheduler_output import SchedulerOutput
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_runner
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from engine.worker.kv_connector_mixin import KVConnectorModelRunnerMixin
-from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one block takes across the layers it spans (K and V): all layers for a single
-        KV cache group, one layer per group for hybrid models (see kv_cache_spec.py)."""
+        KV cache group, one layer per group for hybrid models (see engine/kv_cache_interface.py)."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
         num_layers = get_kv_cache_config(self.get_kv_cache_spec(), 0).num_layers_per_block
         return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size

@@ -7,10 +7,10 @@ import os
 import torch
 
 from engine.config import EngineConfig
-from engine.core.kv_cache.kv_cache_spec import KVCacheSpec
-from engine.core.sched.output import SchedulerOutput
+from engine.kv_cache_interface import KVCacheSpec
+from engine.model_runner_output import ModelRunnerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
-from engine.worker.model_runner_output import ModelRunnerOutput
 
 _DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Decode graphs' own activations and allocator slack, kept out of the KV budget on CUDA.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.kv_cache import SlidingWindowSpec
-from engine.core.kv_cache.kv_cache_spec import cdiv
+from engine.kv_cache_interface import SlidingWindowSpec
+from engine.kv_cache_interface import cdiv
 from llm_helpers import compare_greedy, hf_greedy, random_prompts
 
 MAX_TOKENS = 32

@@ -159,7 +159,7 @@ def test_events_from_a_zmq_endpoint(tmp_path: Path) -> None:
 
     import zmq
 
-    from engine.core.kv_cache.events import BlockRemoved, BlockStored
+    from engine.metrics.kv_events import BlockRemoved, BlockStored
     from engine.metrics.kv_events import KVEventPublisher
 
     context = zmq.Context()

@@ -24,7 +24,7 @@ def test_stats_sample_of_scheduler_stats() -> None:
 def test_kv_records_of_engine_events_and_wire_messages() -> None:
     import msgspec
 
-    from engine.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+    from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from engine.metrics.kv_events import KVEventBatch, encode_kv_event_batch
 
     batch = KVEventBatch(ts=12.5, events=[

@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from engine import AsyncLLM, LLM, SamplingParams
-from engine.core.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.core.kv_cache.hashing import sha256_cbor
+from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.kv_cache_hashing import sha256_cbor
 from engine.metrics.kv_events import (
     KVEventBatch, KVEventPublisher, KVEventSubscriber, decode_kv_event_message, encode_kv_event_batch,
 )

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from engine.attention import AttentionMetadata
-from engine.core.kv_cache import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
+from engine.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
 from engine.models.loader import load_model
 from engine.worker.block_table import MultiGroupBlockTable
 from engine.worker.kv_cache_groups import (

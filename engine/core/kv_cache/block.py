@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.core.kv_cache.hashing import BlockHashWithGroupId
+from engine.kv_cache_hashing import BlockHashWithGroupId
 
 
 @dataclass(slots=True, eq=False)

@@ -7,14 +7,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
-from engine.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from engine.core.kv_cache.hashing import (
+from engine.kv_cache_hashing import (
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
     get_block_hash,
     make_block_hash_with_group_id,
 )
+from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
     from engine.request import Request

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import BlockPool
-from engine.core.kv_cache.hashing import BlockHash, BlockHashListWithBlockSize
-from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from engine.core.kv_cache.single_type import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
     spec_manager_map,
 )
+from engine.kv_cache_hashing import BlockHash, BlockHashListWithBlockSize
+from engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 if TYPE_CHECKING:
     from engine.request import Request

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Literal, overload
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import BlockPool
 from engine.core.kv_cache.coordinator import KVCacheCoordinator, get_kv_cache_coordinator
-from engine.core.kv_cache.events import KVCacheEvent
+from engine.metrics.kv_events import KVCacheEvent
 from engine.core.kv_cache.metrics import PrefixCacheStats
-from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import BlockPool
-from engine.core.kv_cache.hashing import BlockHash, BlockHashListWithBlockSize
-from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from engine.kv_cache_hashing import BlockHash, BlockHashListWithBlockSize
+from engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 
 if TYPE_CHECKING:
     from engine.request import Request

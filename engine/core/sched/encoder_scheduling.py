@@ -17,9 +17,9 @@ from engine.errors import TooManyMultiModalItemsError
 from engine.metrics.stats import EncoderCacheStats
 
 if TYPE_CHECKING:
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.ec_transfer.base import ECConnectorBase
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache import KVCacheManager
 from engine.core.sched.kv_connector_mixin import KVConnectorSchedulerMixin
-from engine.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
 from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.core.sched.encoder_scheduling import EncoderScheduler
     from engine.distributed.kv_transfer.base import KVConnectorBase
-    from engine.worker.model_runner_output import ModelRunnerOutput
+    from engine.model_runner_output import ModelRunnerOutput
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,

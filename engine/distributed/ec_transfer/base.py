@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.ec_transfer.config import ECTransferConfig
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
 
 
 class ECConnectorRole(enum.IntEnum):

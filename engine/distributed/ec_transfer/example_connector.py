@@ -17,9 +17,9 @@ from engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorMeta
 from engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.ec_transfer.config import ECTransferConfig
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
 
 _FILE = "encoder_cache.safetensors"
 

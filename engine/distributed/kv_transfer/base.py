@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.core.kv_cache.events import KVCacheEvent
     from engine.core.kv_cache.manager import KVCacheBlocks
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.kv_transfer.config import KVTransferConfig
     from engine.distributed.kv_transfer.output import KVConnectorOutput
     from engine.forward_context import ForwardContext
+    from engine.metrics.kv_events import KVCacheEvent
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
 
 
 class KVConnectorRole(enum.IntEnum):

@@ -25,7 +25,7 @@ from engine.distributed.kv_transfer.base import (
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.core.kv_cache.manager import KVCacheBlocks
-    from engine.core.sched.output import SchedulerOutput
+    from engine.scheduler_output import SchedulerOutput
     from engine.distributed.kv_transfer.config import KVTransferConfig
     from engine.forward_context import ForwardContext
     from engine.request import Request

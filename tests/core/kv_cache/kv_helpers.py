@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.core.kv_cache import get_request_block_hasher, init_none_hash, sha256_cbor
+from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
 from engine.request import MultiModalFeatureSpec, Request
 from engine.sampling_params import SamplingParams
 

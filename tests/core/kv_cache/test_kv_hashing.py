@@ -9,20 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.kv_cache import (
+from engine.kv_cache_hashing import (
     BlockHash,
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
     get_hash_fn_by_name,
-    get_request_block_hasher,
     hash_block_tokens,
     make_block_hash_with_group_id,
     sha256,
     sha256_cbor,
 )
-from engine.core.kv_cache import hashing
-from engine.core.kv_cache.hashing import BlockHashListWithBlockSize
+from engine import kv_cache_hashing as hashing
+from engine.kv_cache_hashing import BlockHashListWithBlockSize
 from engine.errors import InvalidEngineArgsError
 from engine.request import MultiModalFeatureSpec
 
@@ -136,7 +135,7 @@ def test_block_hash_list_with_block_size() -> None:
 
 
 _HASH_SCRIPT = (
-    "from engine.core.kv_cache import get_request_block_hasher, init_none_hash, {fn}\n"
+    "from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, {fn}\n"
     "from engine.request import Request\n"
     "from engine.sampling_params import SamplingParams\n"
     "init_none_hash({fn})\n"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import BlockStored, KVCacheBlocks, KVCacheManager
+from engine.core.kv_cache import KVCacheBlocks, KVCacheManager
 from engine.errors import InvalidEngineArgsError
+from engine.metrics.kv_events import BlockStored
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 

@@ -5,20 +5,18 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_cache import (
-    BlockPool,
+from engine.core.kv_cache import BlockPool, KVCacheBlock, KVCacheManager
+from engine.kv_cache_hashing import make_block_hash_with_group_id
+from engine.kv_cache_interface import (
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheGroupSpec,
-    KVCacheManager,
     SlidingWindowSpec,
     get_kv_cache_config,
     get_kv_cache_groups,
-    make_block_hash_with_group_id,
 )
 from engine.core.kv_cache.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
-from engine.core.kv_cache.hashing import BlockHash
-from engine.core.kv_cache.kv_cache_spec import cdiv
+from engine.kv_cache_hashing import BlockHash
+from engine.kv_cache_interface import cdiv
 from engine.core.kv_cache.single_type import SlidingWindowManager
 from engine.request import Request
 

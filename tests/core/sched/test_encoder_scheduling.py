@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash, sha256_cbor
+from engine.core.kv_cache import KVCacheManager
+from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
 from engine.core.sched.encoder_scheduling import EncoderScheduler
 from engine.core.sched.scheduler import Scheduler
 from engine.errors import TooManyMultiModalItemsError
 from engine.request import MultiModalFeatureSpec, Request
 from engine.sampling_params import SamplingParams
-from engine.worker.model_runner_output import ModelRunnerOutput
+from engine.model_runner_output import ModelRunnerOutput
 
 BLOCK_SIZE = 4
 init_none_hash(sha256_cbor)

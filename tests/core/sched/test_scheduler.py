@@ -7,11 +7,12 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash, sha256_cbor
+from engine.core.kv_cache import KVCacheManager
+from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
 from engine.core.sched.scheduler import Scheduler
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.worker.model_runner_output import ModelRunnerOutput
+from engine.model_runner_output import ModelRunnerOutput
 
 BLOCK_SIZE = 4
 EOS = 2

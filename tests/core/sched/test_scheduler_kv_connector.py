@@ -9,7 +9,7 @@ from engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMeta
 from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.distributed.kv_transfer.output import KVConnectorOutput
 from engine.request import RequestStatus
-from engine.worker.model_runner_output import ModelRunnerOutput
+from engine.model_runner_output import ModelRunnerOutput
 
 from test_scheduler import BLOCK_SIZE, assert_no_leak, fake_output, make_request, make_scheduler
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.core.kv_cache.hashing import _first_mm_idx_at, generate_block_hash_extra_keys, hash_block_tokens
+from engine.kv_cache_hashing import _first_mm_idx_at, generate_block_hash_extra_keys, hash_block_tokens
 
 if TYPE_CHECKING:
     from engine.request import Request

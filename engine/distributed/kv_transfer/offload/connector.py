@@ -10,23 +10,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.core.kv_cache.hashing import get_hash_fn_by_name
 from engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.distributed.kv_transfer.offload.chunk_hash import ChunkHasher, model_fingerprint
 from engine.distributed.kv_transfer.offload.metadata import OffloadConnectorMetadata
 from engine.distributed.kv_transfer.offload.scheduler_side import OffloadScheduler
 from engine.distributed.kv_transfer.offload.settings import OffloadSettings
 from engine.distributed.kv_transfer.offload.store import TieredKVStore, get_shared_store, release_shared_store
+from engine.kv_cache_hashing import get_hash_fn_by_name
 from engine.metrics.stats import KVTierStats
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.core.kv_cache.events import KVCacheEvent
     from engine.core.kv_cache.manager import KVCacheBlocks
-    from engine.core.sched.output import SchedulerOutput
     from engine.distributed.kv_transfer.config import KVTransferConfig
     from engine.forward_context import ForwardContext
+    from engine.metrics.kv_events import KVCacheEvent
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
 
 
 class OffloadConnector(KVConnectorBase):

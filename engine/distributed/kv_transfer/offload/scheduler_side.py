@@ -13,8 +13,8 @@ from engine.distributed.kv_transfer.offload.store import TieredKVStore
 
 if TYPE_CHECKING:
     from engine.core.kv_cache.manager import KVCacheBlocks
-    from engine.core.sched.output import SchedulerOutput
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
 
 
 class OffloadScheduler:

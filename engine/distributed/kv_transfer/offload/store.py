@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from engine.core.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent
 from engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError
 from engine.distributed.kv_transfer.offload.cpu_tier import CPUTier
 from engine.distributed.kv_transfer.offload.disk_tier import DiskTier
+from engine.metrics.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from engine.metrics.stats import KVTierStats
 
 logger = logging.getLogger(__name__)

@@ -303,7 +303,7 @@ def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tin
 
 
 def test_kv_events_carry_the_cpu_and_disk_medium(make_llm, tiny_llama_dir, tmp_path) -> None:
-    from engine.core.kv_cache.events import BlockStored
+    from engine.metrics.kv_events import BlockStored
     from engine.metrics.kv_events import KVEventSubscriber
 
     llm = engine(make_llm, tiny_llama_dir, offload_config(tmp_path), multiprocess=True, enable_kv_cache_events=True)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.core.kv_cache.events import BlockRemoved, BlockStored
+from engine.metrics.kv_events import BlockRemoved, BlockStored
 from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.distributed.kv_transfer.offload import disk_tier as disk_tier_module
 from engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, decode, encode_header
@@ -20,7 +20,7 @@ from engine.distributed.kv_transfer.offload.cpu_tier import CPUTier
 from engine.distributed.kv_transfer.offload.disk_tier import DiskTier
 from engine.distributed.kv_transfer.offload.settings import OffloadSettings
 from engine.distributed.kv_transfer.offload.store import TieredKVStore
-from engine.core.kv_cache.hashing import sha256_cbor
+from engine.kv_cache_hashing import sha256_cbor
 from engine.errors import InvalidEngineArgsError
 
 SHAPE = (2, 2, 8, 2, 4)  # [layers, K/V, chunk tokens, kv heads, head dim]

@@ -1,4 +1,8 @@
-"""SchedulerOutput and its per-request diffs (seed: data flow, lines 18-140; GPUModelRunner 1559-1730)."""
+"""SchedulerOutput and its per-request diffs (seed: data flow, lines 18-140; GPUModelRunner 1559-1730).
+
+The core's scheduler produces it and the executor hands it to every worker, so it lives at the
+bottom, below both, and imports no torch.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.request import MultiModalFeatureSpec, Request
+    from engine.multimodal.inputs import MultiModalFeatureSpec
+    from engine.request import Request
     from engine.sampling_params import SamplingParams
 
 

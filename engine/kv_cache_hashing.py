@@ -1,6 +1,8 @@
 """Prefix-cache hashing: block hash chain, NONE_HASH seed, extra keys, request block hasher.
 
-seed: Prefix cache, lines 2940-3251.
+seed: Prefix cache, lines 2940-3251. The core's prefix cache, the request (its block_hashes),
+the KV cache events and the KV connectors (the offload tiers' chunk keys) all use this one chain,
+so it lives at the bottom and imports no torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 A KVCacheSpec says how one attention layer uses its cache (full attention, or a sliding window);
 a KV cache group is a set of layers that share one spec, and so one block table: the scheduler
-allocates blocks per group, never per layer. Pure Python: the scheduler side imports no torch.
+allocates blocks per group, never per layer. The worker reports the specs and the core decides the
+KVCacheConfig, so this module sits at the bottom, below both, and imports no torch (vLLM:
+kv_cache_interface.py).
 
 Memory layout of a hybrid model (several groups): every group has at most `group_size` layers;
 KV cache tensor j is shared by layer j of every group, and one block pool hands out block ids to
