@@ -55,6 +55,10 @@ class EngineArgs:
     # KV connector (engine/distributed/kv_transfer): a dict or JSON string, e.g.
     # {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}.
     kv_transfer_config: Any = None
+    # Parallelism (engine/executor/): one worker for now. "fake" runs no model (FakeExecutor).
+    distributed_executor_backend: str = "uni"  # uni | fake (mp and ray: not supported yet)
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments, resolve the model and build the EngineConfig."""
@@ -101,7 +105,14 @@ class EngineArgs:
             mm_config=self.create_mm_config(),
             ec_transfer_config=self.create_ec_transfer_config(),
             kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
+            parallel_config=self.create_parallel_config(),
         )
+
+    def create_parallel_config(self) -> ParallelConfig:
+        """The ParallelConfig (validated by _verify)."""
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              data_parallel_size=self.data_parallel_size,
+                              distributed_executor_backend=self.distributed_executor_backend)
 
     def create_mm_config(self) -> Any:
         """The resolved MultiModalConfig (validated)."""
@@ -155,6 +166,15 @@ class EngineArgs:
                 f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
+        if self.distributed_executor_backend not in ("uni", "fake"):
+            not_yet = " is not supported yet" if self.distributed_executor_backend in ("mp", "ray") else " is unknown"
+            raise InvalidEngineArgsError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r}{not_yet}; allowed: uni, fake.")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value != 1:
+                raise InvalidEngineArgsError(
+                    f"{name}={value!r}: only 1 is supported yet (one worker, one engine core).")
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
@@ -178,7 +198,17 @@ class EngineArgs:
             enable_kv_cache_events=self.enable_kv_cache_events, log_stats=self.log_stats,
             num_blocks=info.num_blocks, mm_config=self.create_mm_config(),
             ec_transfer_config=self.create_ec_transfer_config(),
+            parallel_config=self.create_parallel_config(),
         )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over workers and engine cores (one of each for now)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake
 
 
 @dataclass
@@ -211,6 +241,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     mm_config: Any = None  # engine.multimodal.config.MultiModalConfig
     ec_transfer_config: Any = None  # engine.distributed.ec_transfer.config.ECTransferConfig | None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def text_config(self) -> Any:

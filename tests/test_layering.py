@@ -290,6 +290,12 @@ def test_shared_layer_loads_no_torch() -> None:
     assert loaded == "", f"importing the shared layer loaded {loaded}"
 
 
+def test_engine_core_loads_no_torch() -> None:
+    """EngineCore imports its executor lazily (Executor.get_class), so a FakeExecutor core is torch-free."""
+    loaded = _loaded_heavy_modules("engine.core.engine_core", "engine.core.engine_core_proc", "engine.executor.abstract")
+    assert loaded == "", f"importing the engine core loaded {loaded}"
+
+
 def test_protocol_does_not_load_the_kv_cache() -> None:
     check = "import sys, engine.protocol; print(sorted(m for m in sys.modules if m.startswith('engine.core')))"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=ROOT)

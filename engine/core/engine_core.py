@@ -10,7 +10,7 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
 from engine.core.sched.scheduler import Scheduler
 from engine.errors import DuplicateRequestError, InsufficientKVCacheError
-from engine.executor.uniproc import UniProcExecutor
+from engine.executor.abstract import Executor
 from engine.kv_cache_hashing import get_hash_fn_by_name, get_request_block_hasher, init_none_hash
 from engine.kv_cache_interface import KVCacheConfig, get_kv_cache_config
 from engine.metrics.kv_events import KVEventBatch
@@ -27,7 +27,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_executor = UniProcExecutor(config)
+        self.model_executor: Executor = Executor.get_class(config)(config)
         self.mm = MultiModalCore(config)
         if self.mm.is_producer_only:  # an encoder-only engine allocates no KV cache
             config.num_blocks = 2
@@ -84,7 +84,7 @@ class EngineCore:
         )
         # Block 0 is the null block, so one max-length request needs one more.
         if num_blocks < blocks_per_request + 1:
-            block_bytes = self.model_executor.worker.get_kv_cache_block_bytes()
+            block_bytes = self.model_executor.get_kv_cache_block_bytes()
             raise InsufficientKVCacheError(
                 f"The KV cache holds {max(num_blocks - 1, 0)} usable blocks of {config.block_size} "
                 f"tokens, but one request of max_model_len={config.max_model_len} tokens needs "

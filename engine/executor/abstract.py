@@ -1,0 +1,102 @@
+"""Executor: the engine core's one handle on the workers (seed: Executor, lines 1393-1558).
+
+EngineCore.step() calls execute_model() then sample_tokens(); each is a collective_rpc() that
+runs the same Worker method on every worker and returns the output rank's result (rank 0).
+The KV cache is sized and allocated through the executor too, so the core never touches a
+worker. Implementations: UniProcExecutor (the worker in this process, the default) and
+FakeExecutor (no torch, no model: the console's demo engine and tests); a multiprocess and a
+Ray executor (one worker per tensor-parallel rank) fit the same interface.
+
+This module imports no torch and no worker, so `engine.core.engine_core` stays torch-free until
+get_class() imports the executor the config names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidEngineArgsError
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.kv_cache_interface import KVCacheSpec
+    from engine.model_runner_output import ModelRunnerOutput
+    from engine.scheduler_output import SchedulerOutput
+
+# distributed_executor_backend -> "module:Class", imported on first use.
+EXECUTOR_BACKENDS: dict[str, str] = {
+    "uni": "engine.executor.uniproc:UniProcExecutor",
+    "fake": "engine.executor.fake:FakeExecutor",
+}
+
+
+class Executor(ABC):
+    """Runs one step of the model on its workers and reports what they computed.
+
+    Invariant: every worker holds the same model and the same KV cache layout, so
+    get_kv_cache_spec() and sample_tokens() return the output rank's answer for all of them.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """The executor class that config.parallel_config.distributed_executor_backend names."""
+        backend = config.parallel_config.distributed_executor_backend
+        target = EXECUTOR_BACKENDS.get(backend)
+        if target is None:
+            raise InvalidEngineArgsError(
+                f"distributed_executor_backend={backend!r} is not supported; allowed: {sorted(EXECUTOR_BACKENDS)}.")
+        module_name, class_name = target.split(":")
+        executor_class = getattr(importlib.import_module(module_name), class_name)
+        assert issubclass(executor_class, Executor), executor_class
+        return executor_class
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers: init_device and load_model on each."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run `method` (a Worker method name, or a function called with the worker first) on
+        every worker and return their results in rank order."""
+
+    # -- KV cache memory (seed: lines 1213-1221) ------------------------------------------------
+    def determine_num_available_blocks(self) -> int:
+        """KV cache blocks that fit the memory budget on every worker (the smallest answer)."""
+        return min(self.collective_rpc("determine_num_available_blocks"))
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV cache block takes on a worker (to say how much memory a shortfall needs)."""
+        return max(self.collective_rpc("get_kv_cache_block_bytes"))
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KVCacheSpec (the same on every worker)."""
+        return self.collective_rpc("get_kv_cache_spec")[0]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks KV cache blocks on every worker."""
+        self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
+
+    # -- the step ------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the forward pass of this step on every worker; the logits stay there."""
+        self.collective_rpc("execute_model", args=(scheduler_output,))
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Sample from the stored logits; the output rank's ModelRunnerOutput."""
+        return self.collective_rpc("sample_tokens")[0]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if a worker is dead or unresponsive; in-process workers are alive while we are."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release their resources (idempotent)."""

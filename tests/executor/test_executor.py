@@ -1,0 +1,76 @@
+"""The Executor interface: the backend registry, the argument checks, and UniProcExecutor's RPC."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineArgs, ParallelConfig
+from engine.errors import InvalidEngineArgsError
+from engine.executor.abstract import EXECUTOR_BACKENDS, Executor
+from engine.kv_cache_interface import FullAttentionSpec
+
+
+def _config(backend: str) -> types.SimpleNamespace:
+    # get_class reads only parallel_config.
+    return types.SimpleNamespace(parallel_config=ParallelConfig(distributed_executor_backend=backend))
+
+
+def test_uni_is_the_default_backend() -> None:
+    from engine.executor.uniproc import UniProcExecutor
+
+    assert ParallelConfig().distributed_executor_backend == "uni"
+    assert EngineArgs().create_parallel_config() == ParallelConfig()
+    assert Executor.get_class(_config("uni")) is UniProcExecutor
+
+
+def test_fake_backend_names_the_fake_executor() -> None:
+    assert EXECUTOR_BACKENDS["fake"] == "engine.executor.fake:FakeExecutor"
+    if importlib.util.find_spec("engine.executor.fake") is None:
+        pytest.skip("engine/executor/fake.py is not in this tree")
+    from engine.executor.fake import FakeExecutor
+
+    assert Executor.get_class(_config("fake")) is FakeExecutor
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(InvalidEngineArgsError, match="distributed_executor_backend='bogus'.*allowed"):
+        Executor.get_class(_config("bogus"))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"distributed_executor_backend": "mp"}, "'mp' is not supported yet"),
+    ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
+    ({"distributed_executor_backend": "threads"}, "'threads' is unknown; allowed: uni, fake"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: only 1 is supported yet"),
+    ({"data_parallel_size": 4}, "data_parallel_size=4: only 1 is supported yet"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0: only 1 is supported yet"),
+])
+def test_engine_args_refuse_what_is_not_supported(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidEngineArgsError, match=message):
+        EngineArgs(**kwargs).create_engine_config()
+
+
+def test_uniproc_executor_runs_rpcs_on_its_worker(tiny_llama_dir: Path) -> None:
+    from engine.executor.uniproc import UniProcExecutor
+
+    config = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory=1 << 20, device="cpu",
+                        multiprocess=False).create_engine_config()
+    executor = Executor.get_class(config)(config)
+    try:
+        assert isinstance(executor, UniProcExecutor)
+        block_bytes = executor.get_kv_cache_block_bytes()
+        assert block_bytes > 0
+        assert executor.determine_num_available_blocks() == (1 << 20) // block_bytes
+        specs = executor.get_kv_cache_spec()
+        assert len(specs) == config.text_config.num_hidden_layers
+        assert all(spec == FullAttentionSpec(block_size=16) for spec in specs.values())
+        # A function runs with the worker as its first argument; kwargs pass through.
+        assert executor.collective_rpc(lambda worker, x, y=0: (worker is executor.worker, x + y),
+                                       args=(1,), kwargs={"y": 2}) == [(True, 3)]
+        executor.check_health()
+    finally:
+        executor.shutdown()
