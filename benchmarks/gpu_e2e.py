@@ -183,7 +183,7 @@ def run_throughput(out: Path, enforce_eager: bool, deadline_s: float, smoke: boo
     return dict(cuda_graphs=not enforce_eager, num_requests=num_seqs,
                 output_tokens=generated, prompt_tokens=sum(map(len, prompts)),
                 seconds=elapsed, output_tok_s=generated / elapsed, partial=partial,
-                startup_s=startup_s, num_kv_blocks=getattr(llm.config, "num_blocks", None))
+                startup_s=startup_s, num_kv_blocks=llm.config.cache_config.num_blocks)
 
 
 def _raise_timeout(signum: int, frame: Any) -> None:

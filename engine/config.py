@@ -1,19 +1,25 @@
-"""EngineArgs (user-facing knobs) -> EngineConfig (resolved model, cache and scheduler settings)."""
+"""EngineArgs (user-facing knobs) -> EngineConfig (vLLM's VllmConfig): frozen sub-configs.
+
+EngineConfig holds ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig and DeviceConfig,
+plus the connector and multimodal configs. Each field has one type in every process: dtype and
+device are names, paths are str. The engine core resolves the config (create_engine_config);
+the frontend rebuilds it from the core's ready handshake (create_frontend_config).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import os
-import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
+    from engine.distributed.ec_transfer.config import ECTransferConfig
+    from engine.multimodal.config import MultiModalConfig
     from engine.protocol import EngineCoreReadyInfo
 
 
@@ -61,51 +67,48 @@ class EngineArgs:
     data_parallel_size: int = 1
 
     def create_engine_config(self) -> EngineConfig:
-        """Validate the arguments, resolve the model and build the EngineConfig."""
+        """Validate, resolve the model (converting or building it on first use) and the device.
+
+        The engine core's config: it runs where the engine core runs. The frontend builds its
+        own from the core's ready handshake (create_frontend_config), without torch.
+        """
         self._verify()
         from engine.models.embedded import resolve_model_path
         from engine.platform import detect_device, resolve_dtype
 
-        model_dir = resolve_model_path(self.model)
-        hf_config = _load_hf_config(model_dir)
-        device = detect_device() if self.device == "auto" else _torch_device(self.device)
-        dtype = resolve_dtype(self.dtype, device)
-        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        model_max = int(getattr(text_config, "max_position_embeddings", 2048) or 2048)
-        max_model_len = self.max_model_len or min(model_max, 8192)
-        if max_model_len > model_max:
-            raise InvalidEngineArgsError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}."
-            )
+        model_dir = str(resolve_model_path(self.model))
+        if self.device != "auto":
+            device = self.device
+        elif self.distributed_executor_backend == "fake":
+            device = "cpu"  # no model runs, so no GPU is needed (and torch is not imported)
+        else:
+            device = detect_device()
+        if device == "cuda" and detect_device() != "cuda":
+            raise InvalidEngineArgsError("device='cuda' was requested but no CUDA device is available.")
+        model_config = ModelConfig.from_model_dir(
+            model_dir, model_name=self.model or "SmolLM2-135M-Instruct",
+            tokenizer_dir=self.tokenizer or model_dir, dtype=resolve_dtype(self.dtype, device), seed=self.seed,
+            max_model_len=self.max_model_len)
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
-            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+            max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
         return EngineConfig(
-            model_dir=model_dir,
-            tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
-            model_name=self.model or "SmolLM2-135M-Instruct",
-            hf_config=hf_config,
-            dtype=dtype,
-            device=device,
-            seed=self.seed,
-            max_model_len=max_model_len,
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            kv_cache_memory=self.kv_cache_memory,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            num_threads=self.num_threads,
-            enable_kv_cache_events=self.enable_kv_cache_events,
-            log_stats=self.log_stats,
-            attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
-            mm_config=self.create_mm_config(),
-            ec_transfer_config=self.create_ec_transfer_config(),
-            kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo, kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_kv_cache_events=self.enable_kv_cache_events),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                enable_chunked_prefill=self.enable_chunked_prefill, log_stats=self.log_stats),
             parallel_config=self.create_parallel_config(),
+            device_config=DeviceConfig(device=device, num_threads=self.num_threads,
+                                       attention_backend=self.attention_backend, enforce_eager=self.enforce_eager),
+            kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
+            ec_transfer_config=self.create_ec_transfer_config(),
+            mm_config=self.create_mm_config(),
         )
 
     def create_parallel_config(self) -> ParallelConfig:
@@ -114,7 +117,7 @@ class EngineArgs:
                               data_parallel_size=self.data_parallel_size,
                               distributed_executor_backend=self.distributed_executor_backend)
 
-    def create_mm_config(self) -> Any:
+    def create_mm_config(self) -> MultiModalConfig:
         """The resolved MultiModalConfig (validated)."""
         from engine.multimodal.config import MultiModalConfig
 
@@ -125,7 +128,7 @@ class EngineArgs:
         mm_config.verify()
         return mm_config
 
-    def create_ec_transfer_config(self) -> Any:
+    def create_ec_transfer_config(self) -> ECTransferConfig | None:
         """ECTransferConfig from ec_transfer_config (dict or JSON string), or None."""
         if self.ec_transfer_config is None:
             return None
@@ -178,28 +181,105 @@ class EngineArgs:
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
-        """The frontend's EngineConfig, from the core's ready handshake: no torch involved.
-
-        dtype and device are names (str); hf_config is config.json as a namespace.
-        """
+        """The frontend's EngineConfig: the core's resolved configs from its ready handshake
+        (no torch, no model files read), with this process's own multimodal settings."""
         self._verify()
-        model_dir = Path(info.model_dir)
-        hf_config = types.SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
-        hf_config.vocab_size = info.vocab_size
         return EngineConfig(
-            model_dir=model_dir, tokenizer_dir=Path(info.tokenizer_dir), model_name=info.model_name,
-            hf_config=hf_config, dtype=info.dtype, device=info.device, seed=self.seed,
-            max_model_len=info.max_model_len, block_size=info.block_size,
-            enable_prefix_caching=info.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            max_num_batched_tokens=info.max_num_batched_tokens, max_num_seqs=info.max_num_seqs,
-            kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override, num_threads=self.num_threads,
-            enable_kv_cache_events=self.enable_kv_cache_events, log_stats=self.log_stats,
-            num_blocks=info.num_blocks, mm_config=self.create_mm_config(),
-            ec_transfer_config=self.create_ec_transfer_config(),
-            parallel_config=self.create_parallel_config(),
+            model_config=info.model_config, cache_config=info.cache_config,
+            scheduler_config=info.scheduler_config, parallel_config=self.create_parallel_config(),
+            device_config=info.device_config, kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
+            ec_transfer_config=self.create_ec_transfer_config(), mm_config=self.create_mm_config(),
         )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model and the facts about it that the layers need, resolved once from config.json.
+
+    The engine core resolves it (create_engine_config) and sends it in the ready handshake, so the
+    frontend holds the same values. Paths are str (one type in every process and on the wire);
+    dtype is a name (engine.platform.torch_dtype gives the torch dtype where torch is used).
+    For a VLM the facts are the language model's (its text_config).
+    """
+
+    model_name: str  # as the user named it (the embedded default's name for None)
+    model_dir: str  # a Hugging Face-format directory
+    tokenizer_dir: str
+    architectures: tuple[str, ...]  # config.json's architectures (the model registry's key)
+    is_multimodal: bool  # an image pipeline exists for the architecture (engine/multimodal/processing.py)
+    dtype: str  # float32 | bfloat16 | float16
+    seed: int
+    max_model_len: int
+    max_position_embeddings: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, *, model_name: str, tokenizer_dir: str, dtype: str, seed: int,
+                       max_model_len: int | None) -> ModelConfig:
+        """Read the model's facts from model_dir's config; max_model_len None: the model's (capped)."""
+        from engine.multimodal.processing import is_multimodal_architecture
+
+        hf_config = load_hf_config(model_dir)
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        # A config without max_position_embeddings is taken as a 2048-token model.
+        model_max = int(getattr(text, "max_position_embeddings", 2048) or 2048)
+        max_model_len = max_model_len or min(model_max, 8192)
+        if max_model_len > model_max:
+            raise InvalidEngineArgsError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}."
+            )
+        num_attention_heads = int(text.num_attention_heads)
+        architectures = tuple(getattr(hf_config, "architectures", None) or ())
+        return cls(
+            model_name=model_name, model_dir=model_dir, tokenizer_dir=tokenizer_dir, architectures=architectures,
+            is_multimodal=is_multimodal_architecture(architectures), dtype=dtype, seed=seed,
+            max_model_len=max_model_len, max_position_embeddings=model_max, vocab_size=int(text.vocab_size),
+            hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+            num_attention_heads=num_attention_heads,
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_attention_heads),
+            head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // num_attention_heads),
+        )
+
+    @property
+    def hf_config(self) -> Any:
+        """The transformers config of model_dir, the one place it is held (loaded once per process).
+
+        The model code and the core's multimodal budget read it. transformers imports torch
+        with it, so the frontend never asks for it.
+        """
+        return load_hf_config(self.model_dir)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry, prefix caching and the memory budget."""
+
+    block_size: int = 16  # tokens per block
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256_cbor"  # engine/kv_cache_hashing.py
+    kv_cache_memory: int | None = None  # bytes of KV cache on CPU (None: 1 GiB)
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory the engine may use
+    num_gpu_blocks_override: int | None = None  # skip the memory budget, use this many blocks
+    enable_kv_cache_events: bool = False
+    # Blocks in the pool (the null block included). None in the config the workers start with:
+    # the core decides it once from their memory budget, and the config it hands on (scheduler,
+    # KV connector, ready handshake, frontend) carries it.
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The per-step budget of the scheduler."""
+
+    max_num_batched_tokens: int = 2048  # tokens per step (>= max_model_len without chunked prefill)
+    max_num_seqs: int = 128  # requests per step
+    enable_chunked_prefill: bool = True
+    log_stats: bool = True  # SchedulerStats on every step's outputs
 
 
 @dataclass(frozen=True)
@@ -211,56 +291,38 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake
 
 
-@dataclass
-class EngineConfig:
-    """Resolved configuration shared by the scheduler, the KV cache manager and the worker."""
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how the model runs: the device by name (engine.platform.torch_device gives the torch one)."""
 
-    model_dir: Path
-    tokenizer_dir: Path
-    model_name: str
-    hf_config: Any
-    dtype: Any  # torch.dtype
-    device: Any  # torch.device
-    seed: int
-    max_model_len: int
-    block_size: int
-    enable_prefix_caching: bool
-    prefix_caching_hash_algo: str
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    kv_cache_memory: int | None
-    gpu_memory_utilization: float
-    num_gpu_blocks_override: int | None
-    num_threads: int | None
-    enable_kv_cache_events: bool
-    log_stats: bool
-    num_blocks: int = 0  # filled in by EngineCore after profiling the KV budget
+    device: str = "cpu"  # cpu | cuda
+    num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
     attention_backend: str = "auto"  # auto | torch | triton (engine/attention/selector.py)
-    enforce_eager: bool = False  # no CUDA graphs
-    kv_transfer_config: KVTransferConfig | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    mm_config: Any = None  # engine.multimodal.config.MultiModalConfig
-    ec_transfer_config: Any = None  # engine.distributed.ec_transfer.config.ECTransferConfig | None
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every resolved setting, one frozen sub-config per concern (vLLM: VllmConfig)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    # Connectors and multimodal settings (engine/distributed/, engine/multimodal/config.py).
+    kv_transfer_config: KVTransferConfig | None = None
+    ec_transfer_config: ECTransferConfig | None = None
+    mm_config: MultiModalConfig | None = None
 
-    @property
-    def text_config(self) -> Any:
-        """The language model's config (a VLM's text_config; the config itself otherwise)."""
-        hf = self.hf_config
-        if hasattr(hf, "get_text_config"):
-            return hf.get_text_config()
-        return hf
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        """This config with the KV cache's block count decided (the core calls it once)."""
+        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, num_blocks=num_blocks))
 
 
-def _load_hf_config(model_dir: Path) -> Any:
+@functools.lru_cache(maxsize=8)
+def load_hf_config(model_dir: str) -> Any:
+    """transformers' AutoConfig for model_dir, once per process (imports transformers and torch)."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
-
-
-def _torch_device(name: str) -> Any:
-    import torch
-
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InvalidEngineArgsError("device='cuda' was requested but no CUDA device is available.")
-    return torch.device(name)

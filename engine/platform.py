@@ -1,32 +1,42 @@
-"""Device and dtype choices: where the model runs and in which precision."""
+"""Device and dtype choices by name, and the torch objects they stand for.
+
+Configs hold names ("cpu", "bfloat16"): one type in every process, and torch-free. torch is
+imported only inside the functions that need it (detect_device, torch_dtype, torch_device),
+which run in the engine core and the worker, never in the frontend.
+"""
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidEngineArgsError
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+# Accepted spellings -> the canonical dtype name (a torch attribute name).
+_DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 # /proc/cpuinfo flags that mean bf16 matrix products run in hardware (oneDNN uses them).
 _FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def detect_device() -> torch.device:
-    """CUDA when a GPU is visible, else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def detect_device() -> str:
+    """"cuda" when a GPU is visible, else "cpu" (asks torch)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.cache
@@ -47,24 +57,31 @@ def cpuinfo_has_fast_bf16(cpuinfo: str) -> bool:
     return False
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
-    """Turn a user dtype ("auto", "bf16", torch.float32, ...) into a torch dtype for `device`.
+def resolve_dtype(dtype: Any, device: str) -> str:
+    """The canonical dtype name for a user dtype ("auto", "bf16", torch.float32, ...) on `device`.
 
     "auto" picks bf16 on CUDA and on CPUs with fast bf16, float32 otherwise.
     """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in set(_DTYPE_NAMES.values()):
-            raise InvalidEngineArgsError(
-                f"dtype {dtype} is not supported; use one of float32, bfloat16, float16"
-            )
-        return dtype
-    name = str(dtype).lower().removeprefix("torch.")
+    name = str(dtype).lower().removeprefix("torch.")  # a torch.dtype prints as torch.float32
     if name == "auto":
-        device_type = torch.device(device).type
-        if device_type == "cuda" or (device_type == "cpu" and cpu_has_fast_bf16()):
-            return torch.bfloat16
-        return torch.float32
+        if device == "cuda" or (device == "cpu" and cpu_has_fast_bf16()):
+            return "bfloat16"
+        return "float32"
     if name not in _DTYPE_NAMES:
         allowed = ", ".join(["auto", *_DTYPE_NAMES])
         raise InvalidEngineArgsError(f"unknown dtype {dtype!r}; allowed: {allowed}")
     return _DTYPE_NAMES[name]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a canonical dtype name (ModelConfig.dtype)."""
+    import torch
+
+    return getattr(torch, _DTYPE_NAMES[name])
+
+
+def torch_device(name: str) -> torch.device:
+    """The torch device of a device name (DeviceConfig.device)."""
+    import torch
+
+    return torch.device(name)

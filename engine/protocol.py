@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from engine.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.stats import SchedulerStats
 from engine.multimodal.inputs import MultiModalFeatureSpec
@@ -130,20 +131,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineCoreReadyInfo(msgspec.Struct, array_like=True, gc=False):
-    """What the core tells the frontend at start-up: the resolved model and cache geometry."""
+    """What the core tells the frontend at start-up: its resolved configs (the KV cache's
+    num_blocks decided), so the frontend builds its EngineConfig without torch."""
 
-    model_name: str
-    model_dir: str
-    tokenizer_dir: str
-    device: str
-    dtype: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_blocks: int  # blocks in the pool, the null block included
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    enable_prefix_caching: bool
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
     kv_events_endpoint: str | None = None
     pid: int = 0
 

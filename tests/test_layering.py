@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The sampler runs inside the worker's step (vLLM: v1/sample beside v1/worker).
     ("worker", ("engine.worker", "engine.sample")),
     # KV and encoder-cache connectors: the core creates their scheduler role, the worker their
-    # worker role, so they sit below both and see the core only through the shared types.
+    # worker role, so they sit below both and see the core only through the shared types. (A
+    # tensor-parallel group module that the models use belongs lower: map it there.)
     ("connectors", ("engine.distributed",)),
     ("models", ("engine.models",)),
     ("attention", ("engine.attention", "engine.forward_context")),
@@ -54,16 +55,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Deliberate imports against the order: (importer, imported) -> why. Keep this short.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("engine.config", "engine.models.embedded"): "temporary: the config split (issue 12 item 2) removes it",
+    ("engine.config", "engine.models.embedded"): (
+        "EngineArgs.create_engine_config resolves a model name to its directory, converting the "
+        "embedded GGUF or building demo-vlm on first use; it runs in the engine core's process "
+        "(the frontend builds its config from the ready handshake instead)"),
 }
 
 # Modules that are allowed in `shared` although they import torch lazily inside a function.
 SHARED_LAZY_TORCH: dict[str, str] = {
     "engine.ipc": "a tensor in a multimodal message is sent as a raw frame; torch loads only then",
-    "engine.config": "temporary: the config split (issue 12 item 2) removes it",
+    "engine.platform": ("configs name devices and dtypes; torch loads when the engine core asks for a "
+                        "GPU (detect_device) or the worker for a torch dtype or device"),
 }
-# Temporary (issue 12 item 2 makes engine.platform torch-free at module level).
-SHARED_MODULE_TORCH = {"engine.platform"}
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,11 @@ def test_exceptions_are_still_needed() -> None:
     present = {(edge.importer, edge.imported) for edge in EDGES}
     stale = [pair for pair in EXCEPTIONS if pair not in present]
     assert not stale, f"exceptions no longer needed: {stale}"
+    lazy_torch = {module for module, path in MODULES.items()
+                  for node, lazy in _imports(ast.parse(path.read_text()))
+                  if lazy and isinstance(node, ast.Import) and any(alias.name == "torch" for alias in node.names)}
+    stale_torch = sorted(set(SHARED_LAZY_TORCH) - lazy_torch)
+    assert not stale_torch, f"SHARED_LAZY_TORCH entries no longer needed: {stale_torch}"
 
 
 def test_no_import_cycles() -> None:
@@ -260,7 +268,7 @@ def test_shared_layer_imports_no_torch_at_module_level() -> None:
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""])
             if any(name == "torch" or name.startswith("torch.") for name in names):
-                if (lazy and module in SHARED_LAZY_TORCH) or module in SHARED_MODULE_TORCH:
+                if lazy and module in SHARED_LAZY_TORCH:
                     continue
                 offenders.append(f"{module}:{node.lineno}{' (lazy)' if lazy else ''}")
     assert not offenders, "torch imported in the shared layer:\n" + "\n".join(offenders)
@@ -285,14 +293,15 @@ def _loaded_heavy_modules(*names: str) -> str:
 def test_shared_layer_loads_no_torch() -> None:
     """The frontend and the console import all of these without paying for torch."""
     shared = LAYERS.index(next(layer for layer in LAYERS if layer[0] == "shared"))
-    names = sorted(module for module in MODULES if layer_of(module) == shared and module not in SHARED_MODULE_TORCH)
+    names = sorted(module for module in MODULES if layer_of(module) == shared)
     loaded = _loaded_heavy_modules(*names)
     assert loaded == "", f"importing the shared layer loaded {loaded}"
 
 
 def test_engine_core_loads_no_torch() -> None:
     """EngineCore imports its executor lazily (Executor.get_class), so a FakeExecutor core is torch-free."""
-    loaded = _loaded_heavy_modules("engine.core.engine_core", "engine.core.engine_core_proc", "engine.executor.abstract")
+    loaded = _loaded_heavy_modules("engine.core.engine_core", "engine.core.engine_core_proc",
+                                   "engine.executor.abstract")
     assert loaded == "", f"importing the engine core loaded {loaded}"
 
 

@@ -26,24 +26,25 @@ class EngineCore:
     """The inner loop of the engine: schedule, execute, update (seed: EngineCore.step)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_executor: Executor = Executor.get_class(config)(config)
         self.mm = MultiModalCore(config)
+        cache, model = config.cache_config, config.model_config
         if self.mm.is_producer_only:  # an encoder-only engine allocates no KV cache
-            config.num_blocks = 2
-            self.kv_cache_manager: KVCacheManager = EncoderOnlyKVCacheManager(config.max_model_len,
-                                                                             config.block_size)
+            num_blocks = 2
+            self.kv_cache_manager: KVCacheManager = EncoderOnlyKVCacheManager(model.max_model_len,
+                                                                             cache.block_size)
         else:
-            num_blocks = self._initialize_kv_caches()
-            config.num_blocks = num_blocks
+            num_blocks = self._initialize_kv_caches(config)
             self.kv_cache_manager = KVCacheManager(
                 num_blocks=num_blocks,
-                block_size=config.block_size,
-                max_model_len=config.max_model_len,
-                enable_caching=config.enable_prefix_caching,
-                enable_kv_cache_events=config.enable_kv_cache_events,
+                block_size=cache.block_size,
+                max_model_len=model.max_model_len,
+                enable_caching=cache.enable_prefix_caching,
+                enable_kv_cache_events=cache.enable_kv_cache_events,
                 kv_cache_config=self.kv_cache_config,
             )
+        # num_blocks is decided: the config handed on from here (connector, ready handshake) carries it.
+        self.config = config = config.with_num_blocks(num_blocks)
         self.kv_connector = None
         if config.kv_transfer_config is not None:
             from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
@@ -52,42 +53,42 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             connector=self.kv_connector,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            log_stats=config.log_stats,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            max_model_len=model.max_model_len,
+            log_stats=config.scheduler_config.log_stats,
             encoder_scheduler=self.mm.encoder_scheduler,
         )
-        hash_fn = get_hash_fn_by_name(config.prefix_caching_hash_algo)
+        hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.request_block_hasher = (
-            get_request_block_hasher(config.block_size, hash_fn) if config.enable_prefix_caching else None
+            get_request_block_hasher(cache.block_size, hash_fn) if cache.enable_prefix_caching else None
         )
         self.num_steps = 0
         self.is_sleeping_flag = False
         self._last_block_map_time = float("-inf")
 
-    def _initialize_kv_caches(self) -> int:
+    def _initialize_kv_caches(self, config: EngineConfig) -> int:
         """Size the KV cache from the memory budget (or the override), then allocate it.
 
         Sets self.kv_cache_config: the model's KV cache groups (one for full-attention models,
         several for hybrid sliding-window models) over the num_blocks blocks (seed: 1213-1221).
         """
-        config = self.config
-        if config.num_gpu_blocks_override is not None:
-            num_blocks = config.num_gpu_blocks_override
+        cache, max_model_len = config.cache_config, config.model_config.max_model_len
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
         else:
             num_blocks = self.model_executor.determine_num_available_blocks()
         self.kv_cache_config: KVCacheConfig = get_kv_cache_config(self.model_executor.get_kv_cache_spec(), num_blocks)
         blocks_per_request = self.kv_cache_config.max_num_blocks_per_request(
-            config.max_model_len, config.max_num_batched_tokens
+            max_model_len, config.scheduler_config.max_num_batched_tokens
         )
         # Block 0 is the null block, so one max-length request needs one more.
         if num_blocks < blocks_per_request + 1:
             block_bytes = self.model_executor.get_kv_cache_block_bytes()
             raise InsufficientKVCacheError(
-                f"The KV cache holds {max(num_blocks - 1, 0)} usable blocks of {config.block_size} "
-                f"tokens, but one request of max_model_len={config.max_model_len} tokens needs "
+                f"The KV cache holds {max(num_blocks - 1, 0)} usable blocks of {cache.block_size} "
+                f"tokens, but one request of max_model_len={max_model_len} tokens needs "
                 f"{blocks_per_request}. Raise kv_cache_memory to at least "
                 f"{(blocks_per_request + 1) * block_bytes} bytes (or gpu_memory_utilization), "
                 f"or lower max_model_len."
@@ -137,7 +138,7 @@ class EngineCore:
         model_output = self.model_executor.sample_tokens()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
-        if self.config.log_stats:
+        if self.config.scheduler_config.log_stats:
             stats = self.make_stats()
             stats.step_time_s = time.perf_counter() - start
             if not outputs:

@@ -149,7 +149,7 @@ class EngineCoreProc:
         self.output_sockets[client_index].send_multipart(self.encoder.encode(outputs), copy=False)
 
     def _send_idle_stats(self) -> None:
-        if not self.engine_core.config.log_stats:
+        if not self.engine_core.config.scheduler_config.log_stats:
             return
         stats = self.engine_core.make_stats(force_block_map=True)
         stats.num_scheduled_tokens = stats.num_prompt_tokens = stats.num_generation_tokens = 0
@@ -182,7 +182,7 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
         try:
             config = engine_args.create_engine_config()
             engine_core = EngineCore(config)
-            if config.enable_kv_cache_events and addresses.kv_events_endpoint:
+            if config.cache_config.enable_kv_cache_events and addresses.kv_events_endpoint:
                 publisher = KVEventPublisher(context, addresses.kv_events_endpoint)
         except BaseException as error:  # noqa: BLE001 - every start-up failure goes to the frontend
             failure = EngineCoreStartupFailure(
@@ -191,13 +191,10 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             input_socket.send_multipart([EngineCoreRequestType.STARTUP_FAILED.frame(),
                                          *encoder.encode(failure)])
             return
+        config = engine_core.config  # with the KV cache's num_blocks decided
         info = EngineCoreReadyInfo(
-            model_name=config.model_name, model_dir=str(config.model_dir),
-            tokenizer_dir=str(config.tokenizer_dir), device=str(config.device),
-            dtype=str(config.dtype).removeprefix("torch."), max_model_len=config.max_model_len,
-            vocab_size=int(config.text_config.vocab_size), block_size=config.block_size,
-            num_blocks=config.num_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
+            model_config=config.model_config, cache_config=config.cache_config,
+            scheduler_config=config.scheduler_config, device_config=config.device_config,
             kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid())
         input_socket.send_multipart([EngineCoreRequestType.READY.frame(), *encoder.encode(info)])
         death_fd = death_reader.fileno() if death_reader is not None else None

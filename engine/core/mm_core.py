@@ -6,13 +6,14 @@ seed: multimodal pipeline (lines 3550-3622), ECConnector producer mode (lines 90
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache import KVCacheManager
 from engine.core.kv_cache.manager import KVCacheBlocks
 from engine.core.sched.encoder_scheduling import EncoderScheduler
 from engine.errors import MultiModalNotSupportedError
-from engine.multimodal.processing import get_max_tokens_per_mm_item, is_multimodal_config, requires_unsplit_mm_items
+from engine.multimodal.processing import get_max_tokens_per_mm_item, requires_unsplit_mm_items
 from engine.multimodal.processor_cache import MultiModalReceiverCache
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class MultiModalCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.is_multimodal = is_multimodal_config(config.hf_config)
+        self.is_multimodal = config.model_config.is_multimodal
         self.ec_config = config.ec_transfer_config
         self.is_producer_only = self.ec_config is not None and self.ec_config.is_producer_only
         mm_config = config.mm_config
@@ -37,21 +38,21 @@ class MultiModalCore:
             self.encoder_scheduler = self._make_encoder_scheduler()
 
     def _make_encoder_scheduler(self) -> EncoderScheduler:
-        config, mm = self.config, self.config.mm_config
+        model, mm = self.config.model_config, self.config.mm_config
         connector = None
         if self.ec_config is not None:
             from engine.distributed.ec_transfer import ECConnectorFactory, ECConnectorRole
 
             connector = ECConnectorFactory.create_connector(self.ec_config, ECConnectorRole.SCHEDULER)
-        budget = config.max_num_batched_tokens
+        budget = self.config.scheduler_config.max_num_batched_tokens
         return EncoderScheduler(
             max_num_encoder_input_tokens=(mm.max_num_encoder_input_tokens if mm else None) or budget,
             encoder_cache_size=(mm.encoder_cache_size if mm else None) or budget,
-            max_tokens_per_mm_item=get_max_tokens_per_mm_item(config.model_dir, config.hf_config),
+            max_tokens_per_mm_item=get_max_tokens_per_mm_item(Path(model.model_dir), model.hf_config),
             max_num_batched_tokens=budget,
             # Bidirectional attention within an image (Gemma3) needs the image's tokens in one chunk.
             disable_chunked_mm_input=bool(mm and mm.disable_chunked_mm_input)
-            or requires_unsplit_mm_items(config.hf_config),
+            or requires_unsplit_mm_items(model.architectures),
             ec_connector=connector)
 
     def preprocess_request(self, engine_request: EngineCoreRequest) -> None:
@@ -70,7 +71,7 @@ class MultiModalCore:
                 receiver.get_and_update(feature)
         if not self.is_multimodal:
             raise MultiModalNotSupportedError(
-                f"request {engine_request.request_id} has images but model {self.config.model_name} is "
+                f"request {engine_request.request_id} has images but model {self.config.model_config.model_name} is "
                 "text-only; use a vision-language model (e.g. --model demo-vlm).")
 
     def validate_request(self, request: Request) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineArgs
@@ -44,10 +45,10 @@ class AsyncLLM:
         # The tokenizer code imports while the engine core process starts.
         self.engine_core = AsyncMPClient(self.engine_args, while_starting=preload_tokenizer_modules)
         self.config = self.engine_args.create_frontend_config(self.engine_core.ready_info)
-        self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
-        eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
+        self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
+        eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.config.max_model_len, self.config.text_config.vocab_size,
+            self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config))
         self.output_processor = OutputProcessor(self.tokenizer)
         if stat_loggers is None:
@@ -65,13 +66,13 @@ class AsyncLLM:
     @property
     def model_config_summary(self) -> dict[str, Any]:
         """What the console header shows: model, device, dtype and the cache/batch geometry."""
-        info = self.engine_core.ready_info
+        model, cache, sched = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         return {
-            "model": info.model_name, "model_dir": info.model_dir, "device": info.device,
-            "dtype": info.dtype, "block_size": info.block_size, "num_blocks": info.num_blocks,
-            "max_model_len": info.max_model_len, "max_num_batched_tokens": info.max_num_batched_tokens,
-            "max_num_seqs": info.max_num_seqs, "enable_prefix_caching": info.enable_prefix_caching,
-            "vocab_size": info.vocab_size, "kv_events_endpoint": info.kv_events_endpoint,
+            "model": model.model_name, "model_dir": model.model_dir, "device": self.config.device_config.device,
+            "dtype": model.dtype, "block_size": cache.block_size, "num_blocks": cache.num_blocks,
+            "max_model_len": model.max_model_len, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs, "enable_prefix_caching": cache.enable_prefix_caching,
+            "vocab_size": model.vocab_size, "kv_events_endpoint": self.kv_events_endpoint,
             "multimodal": self.input_processor.mm_processor is not None,
         }
 

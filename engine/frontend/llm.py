@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs
@@ -37,10 +38,10 @@ class LLM:
         self.engine_core: EngineCoreClient
         self.engine_core, self.config = make_client(
             self.engine_args, while_starting=preload_tokenizer_modules)
-        self.tokenizer = load_tokenizer(self.config.tokenizer_dir)
-        eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
+        self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
+        eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.config.max_model_len, self.config.text_config.vocab_size,
+            self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)

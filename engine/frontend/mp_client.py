@@ -286,8 +286,8 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
     if engine_args.multiprocess:
         client = SyncMPClient(engine_args, while_starting=while_starting)
         return client, engine_args.create_frontend_config(client.ready_info)
-    config = engine_args.create_engine_config()
-    return InprocClient(config), config
+    client = InprocClient(engine_args.create_engine_config())
+    return client, client.engine_core.config  # the core's config, with num_blocks decided
 
 
 __all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient", "make_client"]

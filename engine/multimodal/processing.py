@@ -13,15 +13,19 @@ ProcessorCache skip the HF processor for an image it has seen.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidPromptError, MultiModalNotSupportedError, InvalidImageError
+from engine.errors import InvalidImageError, InvalidPromptError, MultiModalNotSupportedError
 from engine.multimodal.hasher import MultiModalHasher
 from engine.multimodal.image import ImageItem, load_image
 from engine.multimodal.inputs import MultiModalFeatureSpec
 from engine.multimodal.processor_cache import ItemPromptInfo, MultiModalSenderCache
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 SUPPORTED_MODALITIES = ("image",)
 
@@ -145,14 +149,14 @@ PROCESSING_INFOS: dict[str, type[BaseProcessingInfo]] = {
 BIDIRECTIONAL_MM_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 
-def requires_unsplit_mm_items(hf_config: Any) -> bool:
+def requires_unsplit_mm_items(architectures: Sequence[str]) -> bool:
     """Whether an image's placeholder tokens must never be split over prefill chunks (torch-free)."""
-    return any(name in BIDIRECTIONAL_MM_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or ())
+    return any(name in BIDIRECTIONAL_MM_ARCHITECTURES for name in architectures)
 
 
-def is_multimodal_config(hf_config: Any) -> bool:
-    """Whether config.architectures names a model with an image pipeline (torch-free)."""
-    return any(name in PROCESSING_INFOS for name in getattr(hf_config, "architectures", None) or ())
+def is_multimodal_architecture(architectures: Sequence[str]) -> bool:
+    """Whether config.json's architectures name a model with an image pipeline (torch-free)."""
+    return any(name in PROCESSING_INFOS for name in architectures)
 
 
 @dataclass(slots=True)
@@ -166,11 +170,11 @@ class ProcessedPrompt:
 class MultiModalProcessor:
     """P0's multimodal path: load, hash, process (or hit the ProcessorCache), expand."""
 
-    def __init__(self, model_dir: Path, model_id: str, hf_config: Any, hasher_algorithm: str = "auto",
+    def __init__(self, model_dir: Path, model_id: str, architectures: Sequence[str], hasher_algorithm: str = "auto",
                  cache_bytes: int = 0) -> None:
         self.model_dir = Path(model_dir)
         self.model_id = model_id
-        names = [n for n in getattr(hf_config, "architectures", None) or () if n in PROCESSING_INFOS]
+        names = [n for n in architectures if n in PROCESSING_INFOS]
         self._info_cls = PROCESSING_INFOS[names[0]]
         self._info: BaseProcessingInfo | None = None
         self.hasher = MultiModalHasher(hasher_algorithm)
@@ -360,12 +364,13 @@ def get_max_tokens_per_mm_item(model_dir: Path, hf_config: Any) -> int:
     return 0
 
 
-def make_mm_processor(config: Any) -> MultiModalProcessor | None:
+def make_mm_processor(config: EngineConfig) -> MultiModalProcessor | None:
     """The frontend's MultiModalProcessor for an EngineConfig, None for a text-only model."""
-    if not is_multimodal_config(config.hf_config):
+    model = config.model_config
+    if not model.is_multimodal:
         return None
     mm = config.mm_config
     return MultiModalProcessor(
-        config.model_dir, config.model_name, config.hf_config,
+        Path(model.model_dir), model.model_name, model.architectures,
         hasher_algorithm=mm.mm_hasher_algorithm if mm is not None else "auto",
         cache_bytes=mm.processor_cache_bytes if mm is not None else 0)

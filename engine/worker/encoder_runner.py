@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.model_runner_output import ModelRunnerOutput
+from engine.platform import torch_device, torch_dtype
 
 if TYPE_CHECKING:
     from engine.distributed.ec_transfer.base import ECConnectorBase
@@ -209,4 +210,5 @@ def maybe_create_encoder_runner(model: Any, config: Any) -> EncoderRunner | None
         from engine.distributed.ec_transfer import ECConnectorFactory, ECConnectorRole
 
         connector = ECConnectorFactory.create_connector(config.ec_transfer_config, ECConnectorRole.WORKER)
-    return EncoderRunner(model, config.device, config.dtype, connector)
+    return EncoderRunner(model, torch_device(config.device_config.device), torch_dtype(config.model_config.dtype),
+                         connector)

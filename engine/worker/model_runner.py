@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from engine.forward_context import set_forward_context
 from engine.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from engine.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from engine.models.loader import load_model
+from engine.platform import torch_device, torch_dtype
 from engine.protocol import LogprobsLists
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
@@ -42,25 +44,24 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     Inputs are staged in persistent CpuGpuBuffers (pinned and copied asynchronously on CUDA;
     the device tensor is the host tensor on CPU). On CUDA with the Triton backend, pure-decode
-    steps replay CUDA graphs unless config.enforce_eager.
+    steps replay CUDA graphs unless config.device_config.enforce_eager.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = config.device
-        self.dtype = config.dtype
-        self.block_size = config.block_size
-        self.max_model_len = config.max_model_len
-        hf = config.text_config  # a VLM's language model config (else the config itself)
-        self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.vocab_size = hf.vocab_size
+        model, sched = config.model_config, config.scheduler_config
+        self.device = torch_device(config.device_config.device)
+        self.dtype = torch_dtype(model.dtype)
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = model.max_model_len
+        self.num_layers = model.num_layers  # a VLM's facts are its language model's
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.vocab_size = model.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size,
-                                      self.device)
-        max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        max_num_seqs = config.max_num_seqs
+        self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, self.block_size, self.device)
+        max_num_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        max_num_seqs = sched.max_num_seqs
 
         def buffer(*size: int, dtype: torch.dtype) -> CpuGpuBuffer:
             return CpuGpuBuffer(*size, dtype=dtype, device=self.device)
@@ -74,7 +75,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             block_table=self.input_batch.block_table[0].buffer,
             logits_indices=buffer(max_num_seqs, dtype=torch.int64),
         )
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_attention_backend(config.device_config.attention_backend, self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
@@ -91,7 +92,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.config.model_dir, self.config.hf_config, self.dtype, self.device)
+        model_config = self.config.model_config
+        self.model = load_model(Path(model_config.model_dir), model_config.hf_config, self.dtype, self.device)
         if self.attention_backend != "torch":  # the layers default to the torch backend
             set_attention_backend(self.model,
                                   load_attention_backend(self.attention_backend, self.device))
@@ -107,7 +109,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         with set_forward_context(None):
             hidden_states = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden_states[: self.config.max_num_seqs])
+        logits = self.model.compute_logits(hidden_states[: self.config.scheduler_config.max_num_seqs])
         torch.sort(logits, dim=-1, descending=True)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -127,7 +129,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.kv_cache_config = get_kv_cache_config(self.get_kv_cache_spec(), num_blocks)
         num_groups = len(self.kv_cache_config.kv_cache_groups)
         if num_groups > 1:  # one block table (and slot mapping) per KV cache group
-            self.input_batch = InputBatch(self.config.max_num_seqs, self.max_model_len,
+            self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs, self.max_model_len,
                                           self.block_size, self.device, num_groups)
             self.buffers.block_table = self.input_batch.block_table[0].buffer
             self.group_metadata_builder = GroupAttentionMetadataBuilder(
@@ -142,8 +144,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)})
         # Decode graphs read group 0's block table only: hybrid models run eagerly.
         if (self.device.type == "cuda" and self.attention_backend == "triton"
-                and not self.config.enforce_eager and num_groups == 1):
-            self.cuda_graphs = CudaGraphRunner(self.model, self.buffers, self.config.max_num_seqs,
+                and not self.config.device_config.enforce_eager and num_groups == 1):
+            max_num_seqs = self.config.scheduler_config.max_num_seqs
+            self.cuda_graphs = CudaGraphRunner(self.model, self.buffers, max_num_seqs,
                                                self.block_size, self.max_model_len)
             self.cuda_graphs.capture()
 

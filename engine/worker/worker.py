@@ -25,9 +25,10 @@ class Worker:
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
-        if self.config.device.type == "cpu":
-            torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
-        torch.manual_seed(self.config.seed)
+        device = self.config.device_config
+        if device.device == "cpu":
+            torch.set_num_threads(device.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config)
         if self.config.kv_transfer_config is not None:
             from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
@@ -42,9 +43,9 @@ class Worker:
         """Blocks that fit the KV budget: kv_cache_memory on CPU, profiled free memory on CUDA."""
         assert self.model_runner is not None
         block_bytes = self.model_runner.get_kv_cache_block_bytes()
-        if self.config.device.type == "cuda":
+        if self.config.device_config.device == "cuda":
             return max(self._profile_cuda_kv_budget() // block_bytes, 0)
-        budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_CACHE_BYTES
+        budget = self.config.cache_config.kv_cache_memory or _DEFAULT_CPU_KV_CACHE_BYTES
         return budget // block_bytes
 
     def _profile_cuda_kv_budget(self) -> int:
@@ -61,7 +62,7 @@ class Worker:
         activation_peak = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - (total - free)
         return budget - activation_peak - _CUDA_GRAPH_RESERVE_BYTES
 
     def get_kv_cache_block_bytes(self) -> int:

@@ -24,8 +24,8 @@ class OfflineEngine:
         from engine import LLM
 
         llm = LLM(model, **engine_args)
-        dtype = str(llm.config.dtype).replace("torch.", "")
-        return cls(llm, str(llm.config.model_dir), dtype, len(llm.get_tokenizer()))
+        model_config = llm.config.model_config
+        return cls(llm, model_config.model_dir, model_config.dtype, len(llm.get_tokenizer()))
 
     def warm_up(self, num_requests: int = 2) -> None:
         """A few short requests so one-time costs stay out of the timing."""

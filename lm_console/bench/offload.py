@@ -59,7 +59,7 @@ def bench_offload(model: str | None, engine_args: dict[str, Any], prompt_len: in
     try:
         _log("offload off: cold prompt, an evicting prompt, the repeated prompt (recomputed)")
         llm = LLM(model, **args)
-        vocab = llm.config.hf_config.vocab_size
+        vocab = llm.config.model_config.vocab_size
         prompt_a = [rng.randrange(10, vocab) for _ in range(prompt_len)]
         prompt_b = [rng.randrange(10, vocab) for _ in range(max_model_len - 1)]
         cold, tokens_off, _ = _ttft(llm, prompt_a)
@@ -175,7 +175,7 @@ def bench_pd(model: str | None, engine_args: dict[str, Any], prompt_len: int = 1
     try:
         producer = LLM(model, kv_transfer_config=offload_transfer_config(disk, "kv_producer", chunk_size=chunk_size), **args)
         consumer = LLM(model, kv_transfer_config=offload_transfer_config(disk, "kv_consumer", chunk_size=chunk_size), **args)
-        vocab = producer.config.hf_config.vocab_size
+        vocab = producer.config.model_config.vocab_size
         rng = random.Random(seed)
         prompt = {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(prompt_len)]}
         start = time.perf_counter()
@@ -203,7 +203,8 @@ def bench_pd(model: str | None, engine_args: dict[str, Any], prompt_len: int = 1
 def pd_lines(r: dict[str, Any]) -> list[str]:
     ttft = r["consumer_ttft_s"]
     return [
-        f"producer prefilled {r['prompt_len']} tokens in {r['prefill_s'] * 1e3:.1f} ms; kv_transfer_params={r['kv_transfer_params']}",
+        f"producer prefilled {r['prompt_len']} tokens in {r['prefill_s'] * 1e3:.1f} ms; "
+        f"kv_transfer_params={r['kv_transfer_params']}",
         f"consumer loaded {r['consumer_cached_tokens']} tokens, TTFT {ttft * 1e3 if ttft else float('nan'):.1f} ms, "
         f"{r['output_len']} tokens in {r['consumer_s'] * 1e3:.1f} ms",
         f"consumer output identical to a single engine's: {r['same_tokens']}",

@@ -66,7 +66,7 @@ def test_uniproc_executor_runs_rpcs_on_its_worker(tiny_llama_dir: Path) -> None:
         assert block_bytes > 0
         assert executor.determine_num_available_blocks() == (1 << 20) // block_bytes
         specs = executor.get_kv_cache_spec()
-        assert len(specs) == config.text_config.num_hidden_layers
+        assert len(specs) == config.model_config.num_layers
         assert all(spec == FullAttentionSpec(block_size=16) for spec in specs.values())
         # A function runs with the worker as its first argument; kwargs pass through.
         assert executor.collective_rpc(lambda worker, x, y=0: (worker is executor.worker, x + y),

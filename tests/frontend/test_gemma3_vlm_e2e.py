@@ -80,7 +80,7 @@ def test_chunked_prefill_never_splits_an_image_and_matches_hf(tiny_gemma3_vlm_di
     outputs = llm.generate(requests(), GREEDY, use_tqdm=False)
     for output, expected in zip(outputs, hf_expected):
         assert_matches_hf(output, expected)
-    image_id = llm.config.hf_config.image_token_id
+    image_id = llm.config.model_config.hf_config.image_token_id
     spans = {}
     for i, output in enumerate(outputs):
         positions = [p for p, t in enumerate(output.prompt_token_ids) if t == image_id]
@@ -109,12 +109,15 @@ def test_prefix_caching_on_and_off_give_identical_outputs(tiny_gemma3_vlm_dir, h
 
 
 def test_llm_in_its_own_process_serves_text_and_images(tiny_gemma3_vlm_dir, hf_expected, make_llm) -> None:
-    """The frontend reads the VLM's nested text_config (vocab size, max positions) correctly."""
+    """The core resolves the VLM's nested text_config (vocab size, max positions) for the frontend."""
     from engine.errors import InvalidPromptError
 
     llm = make_llm(str(tiny_gemma3_vlm_dir), **{**ENGINE, "multiprocess": True})
-    text_config = llm.config.text_config
-    assert llm.config.max_model_len == 256
+    model_config = llm.config.model_config
+    assert model_config.max_model_len == 256 and model_config.is_multimodal
+    text_config = model_config.hf_config.get_text_config()  # the test may load transformers
+    assert model_config.vocab_size == text_config.vocab_size
+    assert model_config.max_position_embeddings == text_config.max_position_embeddings
     image, text = llm.generate([requests()[0], {"prompt": "hello"}], GREEDY, use_tqdm=False)
     assert_matches_hf(image, hf_expected[0])
     # The same image again: a ProcessorCache hit (no HF processor call, no pixels sent), and the
@@ -124,7 +127,7 @@ def test_llm_in_its_own_process_serves_text_and_images(tiny_gemma3_vlm_dir, hf_e
     assert_matches_hf(llm.generate(requests()[1], GREEDY, use_tqdm=False)[0], hf_expected[1])
     assert mm_processor.num_hf_calls == calls
     assert len(text.outputs[0].token_ids) == MAX_TOKENS
-    vocab = int(text_config.vocab_size if not isinstance(text_config, dict) else text_config["vocab_size"])
+    vocab = model_config.vocab_size
     with pytest.raises(InvalidPromptError):
         llm.generate({"prompt_token_ids": [2, vocab]}, GREEDY, use_tqdm=False)
 

@@ -34,7 +34,7 @@ def _token_ids(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list
 def test_gemma3_greedy_matches_hf(make_llm, tiny_gemma3_dir) -> None:
     llm = make_llm(str(tiny_gemma3_dir), **IN_PROCESS, num_gpu_blocks_override=NUM_BLOCKS)
     # Prompts of 5 to 300 tokens: most are longer than the window of 24.
-    prompts = random_prompts(llm.config.hf_config.vocab_size, 12, 5, 300, seed=1)
+    prompts = random_prompts(llm.config.model_config.vocab_size, 12, 5, 300, seed=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=5), use_tqdm=False)
     exact, failures = compare_greedy(outputs, hf_greedy(tiny_gemma3_dir, prompts, MAX_TOKENS))
     print(f"tiny gemma3: {exact}/{len(prompts)} prompts match HF exactly")
@@ -111,7 +111,7 @@ def test_sliding_window_blocks_are_freed_during_generation(make_llm, tiny_gemma3
         return out
 
     core.scheduler.schedule = recording_schedule
-    prompt = random_prompts(llm.config.hf_config.vocab_size, 1, 40, 40, seed=3)[0]
+    prompt = random_prompts(llm.config.model_config.vocab_size, 1, 40, 40, seed=3)[0]
     outputs = llm.generate([{"prompt_token_ids": prompt}], _greedy(200), use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 200
     assert observed and observed[-1][0] >= 230
@@ -127,7 +127,7 @@ def test_mistral_all_sliding_layers_use_one_sliding_group(make_llm, tiny_mistral
     llm = make_llm(str(tiny_mistral_dir), **IN_PROCESS, num_gpu_blocks_override=NUM_BLOCKS)
     groups = llm.engine_core.engine_core.kv_cache_config.kv_cache_groups
     assert [g.kv_cache_spec for g in groups] == [SlidingWindowSpec(BLOCK_SIZE, 24)]
-    prompts = random_prompts(llm.config.hf_config.vocab_size, 4, 30, 120, seed=2)
+    prompts = random_prompts(llm.config.model_config.vocab_size, 4, 30, 120, seed=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=5), use_tqdm=False)
     exact, failures = compare_greedy(outputs, hf_greedy(tiny_mistral_dir, prompts, MAX_TOKENS))
     assert not failures, failures

@@ -19,7 +19,7 @@ def _greedy(n: int = MAX_TOKENS) -> SamplingParams:
 def test_greedy_matches_hf_on_tiny_models(request, make_llm, model_fixture) -> None:
     model_dir = request.getfixturevalue(model_fixture)
     llm = make_llm(str(model_dir), dtype="float32")
-    prompts = random_prompts(llm.config.hf_config.vocab_size, 20, 5, 500, seed=1)
+    prompts = random_prompts(llm.config.model_config.vocab_size, 20, 5, 500, seed=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
     exact, failures = compare_greedy(outputs, hf_greedy(model_dir, prompts, MAX_TOKENS))
     print(f"{model_fixture}: {exact}/{len(prompts)} prompts match HF exactly")

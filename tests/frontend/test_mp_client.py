@@ -41,14 +41,13 @@ def _compare_modes(model: str | None, prompts_of, passes: int = 2, max_tokens: i
     mp = LLM(model, **engine_args)
     assert isinstance(mp.engine_core, SyncMPClient)
     assert [_greedy_outputs(mp, prompts, max_tokens) for _ in range(passes)] == expected
-    assert mp.config.max_model_len == inproc.config.max_model_len
-    assert mp.config.num_blocks == inproc.config.num_blocks
-    assert mp.config.dtype == str(inproc.config.dtype).removeprefix("torch.")
+    # The frontend's config is the core's, from the ready handshake (num_blocks decided).
+    assert mp.config == inproc.config and mp.config.cache_config.num_blocks > 0
     mp.shutdown()
 
 
 def test_multiprocess_equals_inprocess_on_a_tiny_model(tiny_llama_dir) -> None:
-    _compare_modes(str(tiny_llama_dir), lambda llm: random_prompts(llm.config.hf_config.vocab_size, 8, 5, 80),
+    _compare_modes(str(tiny_llama_dir), lambda llm: random_prompts(llm.config.model_config.vocab_size, 8, 5, 80),
                    dtype="float32", max_model_len=256, num_gpu_blocks_override=256)
 
 

@@ -66,7 +66,8 @@ def test_prompt_expansion_equals_hf_processor(tiny_gemma3_vlm_dir, hf_processor)
 
     from engine.multimodal.processing import MultiModalProcessor
 
-    processor = MultiModalProcessor(tiny_gemma3_vlm_dir, "tiny", AutoConfig.from_pretrained(tiny_gemma3_vlm_dir))
+    architectures = AutoConfig.from_pretrained(tiny_gemma3_vlm_dir).architectures
+    processor = MultiModalProcessor(tiny_gemma3_vlm_dir, "tiny", architectures)
     tokenizer = hf_processor.tokenizer
     image_id = tokenizer.image_token_id
     merged_somewhere = False
@@ -102,7 +103,8 @@ def test_stray_soft_token_in_the_prompt_is_rejected(tiny_gemma3_vlm_dir, hf_proc
     from engine.errors import InvalidPromptError
     from engine.multimodal.processing import MultiModalProcessor
 
-    processor = MultiModalProcessor(tiny_gemma3_vlm_dir, "tiny", AutoConfig.from_pretrained(tiny_gemma3_vlm_dir))
+    architectures = AutoConfig.from_pretrained(tiny_gemma3_vlm_dir).architectures
+    processor = MultiModalProcessor(tiny_gemma3_vlm_dir, "tiny", architectures)
     with pytest.raises(InvalidPromptError, match="image_soft_token"):
         processor.process({"prompt": "<start_of_image>a<image_soft_token>",
                            "multi_modal_data": {"image": make_image(1)}}, hf_processor.tokenizer)

@@ -56,7 +56,8 @@ def test_prompt_expansion_equals_hf_processor(tiny_idefics3_dir, hf_processor) -
 
     from engine.multimodal.processing import MultiModalProcessor
 
-    processor = MultiModalProcessor(tiny_idefics3_dir, "tiny", AutoConfig.from_pretrained(tiny_idefics3_dir))
+    architectures = AutoConfig.from_pretrained(tiny_idefics3_dir).architectures
+    processor = MultiModalProcessor(tiny_idefics3_dir, "tiny", architectures)
     tokenizer = AutoTokenizer.from_pretrained(tiny_idefics3_dir)
     for text, images in PROMPTS:
         processed = processor.process({"prompt": text, "multi_modal_data": {"image": images}}, tokenizer)

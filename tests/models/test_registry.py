@@ -12,7 +12,14 @@ from engine.errors import InvalidEngineArgsError, UnsupportedArchitectureError
 from engine.forward_context import set_forward_context
 from engine.models.loader import iterate_safetensors, load_model
 from engine.models.registry import MODEL_REGISTRY, get_model_class
-from engine.platform import cpu_has_fast_bf16, cpuinfo_has_fast_bf16, detect_device, resolve_dtype
+from engine.platform import (
+    cpu_has_fast_bf16,
+    cpuinfo_has_fast_bf16,
+    detect_device,
+    resolve_dtype,
+    torch_device,
+    torch_dtype,
+)
 
 
 def test_registry_maps_supported_architectures():
@@ -61,17 +68,21 @@ def test_dummy_run_without_metadata_matches_hf(tiny_qwen3_dir):
 
 
 def test_resolve_dtype(monkeypatch):
-    cpu = torch.device("cpu")
-    assert resolve_dtype("bf16", cpu) is torch.bfloat16
-    assert resolve_dtype("float32", cpu) is torch.float32
-    assert resolve_dtype("FP16", cpu) is torch.float16
-    assert resolve_dtype(torch.bfloat16, cpu) is torch.bfloat16
-    assert resolve_dtype("auto", "cuda") is torch.bfloat16
-    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    assert resolve_dtype("auto", cpu) is expected
+    assert resolve_dtype("bf16", "cpu") == "bfloat16"
+    assert resolve_dtype("float32", "cpu") == "float32"
+    assert resolve_dtype("FP16", "cpu") == "float16"
+    assert resolve_dtype(torch.bfloat16, "cpu") == "bfloat16"
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    expected = "bfloat16" if cpu_has_fast_bf16() else "float32"
+    assert resolve_dtype("auto", "cpu") == expected
     with pytest.raises(InvalidEngineArgsError, match="bfloat16"):
-        resolve_dtype("int8", cpu)
-    assert detect_device().type in ("cpu", "cuda")
+        resolve_dtype("int8", "cpu")
+    with pytest.raises(InvalidEngineArgsError, match="torch.float64"):
+        resolve_dtype(torch.float64, "cpu")
+    assert detect_device() in ("cpu", "cuda")
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        assert torch_dtype(name) is dtype
+    assert torch_device("cpu") == torch.device("cpu")
 
 
 def test_cpuinfo_flags_decide_fast_bf16():

@@ -241,9 +241,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             hit_length = curr_hit_length
         num_blocks = hit_length // block_size
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in self.kv_cache_specs]
-        for (_, group_ids, _), hits in zip(self.attention_groups, hits_by_type):
-            assert hits is not None
-            for group_id, blocks in zip(group_ids, hits):
+        for (_, group_ids, _), group_hits in zip(self.attention_groups, hits_by_type):
+            assert group_hits is not None
+            for group_id, blocks in zip(group_ids, group_hits):
                 hit_blocks[group_id] = blocks[:num_blocks]
         return tuple(hit_blocks), hit_length
 

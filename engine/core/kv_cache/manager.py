@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Literal, overload
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import BlockPool
 from engine.core.kv_cache.coordinator import KVCacheCoordinator, get_kv_cache_coordinator
-from engine.metrics.kv_events import KVCacheEvent
 from engine.core.kv_cache.metrics import PrefixCacheStats
-from engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.errors import InvalidEngineArgsError
+from engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from engine.metrics.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -87,7 +87,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         # No config: one full-attention group (every model without sliding-window layers).
-        kv_cache_specs = [FullAttentionSpec(block_size=block_size)]
+        kv_cache_specs: list[KVCacheSpec] = [FullAttentionSpec(block_size=block_size)]
         if kv_cache_config is not None:
             kv_cache_specs = kv_cache_config.kv_cache_specs
             if any(spec.block_size != block_size for spec in kv_cache_specs):

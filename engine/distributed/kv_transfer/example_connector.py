@@ -61,7 +61,7 @@ class ExampleConnector(KVConnectorBase):
         super().__init__(config, role, kv_transfer_config)
         path = kv_transfer_config.get_from_extra_config("storage_path", "/tmp/lmc_example_connector")
         self.storage_path = Path(path)
-        self.block_size = config.block_size
+        self.block_size = config.cache_config.block_size
         self.is_producer = kv_transfer_config.is_kv_producer
         self.is_consumer = kv_transfer_config.is_kv_consumer
         # scheduler side

@@ -8,6 +8,7 @@ engine process on the machine computed it (shared disk tier).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
@@ -18,6 +19,7 @@ from engine.distributed.kv_transfer.offload.settings import OffloadSettings
 from engine.distributed.kv_transfer.offload.store import TieredKVStore, get_shared_store, release_shared_store
 from engine.kv_cache_hashing import get_hash_fn_by_name
 from engine.metrics.stats import KVTierStats
+from engine.platform import torch_dtype
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -36,17 +38,21 @@ class OffloadConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_transfer_config: KVTransferConfig) -> None:
         super().__init__(config, role, kv_transfer_config)
         self.settings = settings = OffloadSettings.from_config(config, kv_transfer_config)
-        self._store_key = (settings, kv_transfer_config.engine_id, id(config))
+        # One store per engine: both roles receive that engine's one KVTransferConfig object (the
+        # core hands the scheduler role its config with num_blocks decided, a different object).
+        self._store_key = (settings, kv_transfer_config.engine_id, id(kv_transfer_config))
         self.store: TieredKVStore = get_shared_store(self._store_key, lambda: TieredKVStore(
             settings.cpu_bytes, settings.disk_path, settings.disk_bytes, settings.chunk_shape,
-            config.dtype, settings.chunk_size))
+            torch_dtype(settings.dtype_name), settings.chunk_size))
         self._closed = False
         self._scheduler: OffloadScheduler | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            fingerprint = model_fingerprint(config.model_dir, settings.dtype_name, settings.chunk_shape)
-            hasher = ChunkHasher(settings.chunk_size, get_hash_fn_by_name(config.prefix_caching_hash_algo), fingerprint)
-            self._scheduler = OffloadScheduler(settings, self.store, hasher, config.block_size,
+            fingerprint = model_fingerprint(Path(config.model_config.model_dir), settings.dtype_name,
+                                            settings.chunk_shape)
+            cache = config.cache_config
+            hasher = ChunkHasher(settings.chunk_size, get_hash_fn_by_name(cache.prefix_caching_hash_algo), fingerprint)
+            self._scheduler = OffloadScheduler(settings, self.store, hasher, cache.block_size,
                                                kv_transfer_config.is_kv_producer, kv_transfer_config.is_kv_consumer)
         else:
             from engine.distributed.kv_transfer.offload.worker_side import OffloadWorker

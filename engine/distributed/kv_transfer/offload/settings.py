@@ -54,9 +54,7 @@ class OffloadSettings:
         if unknown:
             raise InvalidEngineArgsError(
                 f"OffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; allowed: {sorted(_KEYS)}.")
-        hf = config.hf_config
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        model = config.model_config
         settings = cls(
             chunk_size=_int(extra, "chunk_size", 256),
             cpu_bytes=_int(extra, "cpu_bytes", 1 << 30),
@@ -66,13 +64,14 @@ class OffloadSettings:
             load_timeout_s=float(extra.get("load_timeout_s", 30.0)),
             remote_wait_s=float(extra.get("remote_wait_s", 10.0)),
             load_mode=str(extra.get("load_mode", "async")),
-            num_layers=hf.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            dtype_name=str(config.dtype).removeprefix("torch."),
+            num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            dtype_name=model.dtype,
         )
-        if settings.chunk_size % config.block_size:
+        block_size = config.cache_config.block_size
+        if settings.chunk_size % block_size:
             raise InvalidEngineArgsError(
                 f"OffloadConnector: chunk_size={settings.chunk_size} must be a multiple of "
-                f"block_size={config.block_size}.")
+                f"block_size={block_size}.")
         if settings.cpu_bytes < settings.chunk_nbytes:
             raise InvalidEngineArgsError(
                 f"OffloadConnector: cpu_bytes={settings.cpu_bytes} is smaller than one chunk "

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.metrics.kv_events import BlockRemoved, BlockStored
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.distributed.kv_transfer.offload import disk_tier as disk_tier_module
 from engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, decode, encode_header
@@ -20,8 +20,9 @@ from engine.distributed.kv_transfer.offload.cpu_tier import CPUTier
 from engine.distributed.kv_transfer.offload.disk_tier import DiskTier
 from engine.distributed.kv_transfer.offload.settings import OffloadSettings
 from engine.distributed.kv_transfer.offload.store import TieredKVStore
-from engine.kv_cache_hashing import sha256_cbor
 from engine.errors import InvalidEngineArgsError
+from engine.kv_cache_hashing import sha256_cbor
+from engine.metrics.kv_events import BlockRemoved, BlockStored
 
 SHAPE = (2, 2, 8, 2, 4)  # [layers, K/V, chunk tokens, kv heads, head dim]
 
@@ -153,8 +154,11 @@ def test_chunk_hasher_is_deterministic_and_chained() -> None:
 
 
 def _settings(**extra: object) -> OffloadSettings:
-    hf = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
-    config = SimpleNamespace(hf_config=hf, block_size=16, dtype=torch.float32)
+    model = ModelConfig(model_name="tiny", model_dir="/nonexistent", tokenizer_dir="/nonexistent",
+                        architectures=("LlamaForCausalLM",), is_multimodal=False, dtype="float32", seed=0,
+                        max_model_len=256, max_position_embeddings=256, vocab_size=128, hidden_size=64,
+                        num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16)
+    config = EngineConfig(model_config=model, cache_config=CacheConfig(block_size=16))
     return OffloadSettings.from_config(config, KVTransferConfig("OffloadConnector", kv_connector_extra_config=extra))
 
 
