@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The tests not marked slow (end-to-end runs of the embedded model, long engine runs): a quick
+# check while working; `make test` (and CI) runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# ruff and mypy, configured in pyproject.toml (installed by the [test] extra).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
