@@ -60,7 +60,7 @@ class KVConnectorLifecycle:
         if scheduler_output.preempted_req_ids:
             connector.handle_preemptions(scheduler_output.preempted_req_ids)
         connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-        forward_context = None if scheduler_output.is_empty else ForwardContext(None, connector)
+        forward_context = None if scheduler_output.is_empty else ForwardContext(None, kv_connector=connector)
         connector.start_load_kv(forward_context)
 
     def has_pending_layer_loads(self) -> bool:

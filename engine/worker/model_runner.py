@@ -27,33 +27,7 @@ from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from engine.worker.kv_connector_lifecycle import KVConnectorLifecycle, NoKVConnectorLifecycle
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's model inputs (what _prepare_inputs hands the forward pass).
-
-    The host arrays are per request ([num_reqs]) or per token ([num_tokens]); the device
-    tensors are rows of the runner's persistent buffers.
-    """
-
-    req_ids: list[str]
-    num_tokens: int  # scheduled this step, all requests together
-    max_query_len: int
-    num_scheduled: np.ndarray  # [num_reqs] tokens each request computes
-    cu_num_tokens: np.ndarray  # [num_reqs] running sum of num_scheduled
-    num_computed: np.ndarray  # [num_reqs] tokens in the KV cache before this step
-    seq_lens: np.ndarray  # [num_reqs] num_computed + num_scheduled
-    req_indices: np.ndarray  # [num_tokens] each token's request row
-    positions: np.ndarray  # [num_tokens]
-    sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
-    input_ids: torch.Tensor  # [num_tokens] on the device
-    logits_indices: torch.Tensor  # [num_reqs] each request's last token, on the device
-    inputs_embeds: torch.Tensor | None = None  # [num_tokens, hidden]: text + image embeddings
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
+from engine.worker.step_inputs import StepInputs, build_attention_metadata, prepare_inputs
 
 
 @dataclass(slots=True)
@@ -202,40 +176,12 @@ class ModelRunner:
         self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        """Positions, token ids, slot mapping and sequence lengths of the step's tokens, staged in
-        the persistent buffers (seed: _prepare_inputs, 1828-1985), plus multimodal embeddings."""
+        """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
         batch = self.input_batch
-        num_reqs = batch.num_reqs
-        # Issue the block-table DMA first: it overlaps the CPU work below.
-        batch.block_table.commit_block_table(num_reqs)
-        req_ids = batch.req_ids[:num_reqs]  # a slice: already a copy
-        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        cu_num_tokens = np.cumsum(num_scheduled)
-        total = int(cu_num_tokens[-1])
-        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
-        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
-        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        positions = num_computed[req_indices] + offsets
-        seq_lens = num_computed + num_scheduled
-        bufs = self.buffers
-        bufs.positions.np[:total] = positions
-        bufs.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
-        bufs.slot_mapping.np[:total] = batch.block_table[0].compute_slot_mapping(req_indices, positions)
-        bufs.query_start_loc.np[0] = 0
-        bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
-        bufs.seq_lens.np[:num_reqs] = seq_lens
-        bufs.logits_indices.np[:num_reqs] = cu_num_tokens - 1
-        inputs = StepInputs(
-            req_ids=req_ids, num_tokens=total, max_query_len=int(num_scheduled.max()),
-            num_scheduled=num_scheduled, cu_num_tokens=cu_num_tokens, num_computed=num_computed,
-            seq_lens=seq_lens, req_indices=req_indices, positions=positions,
-            sample_rows=(seq_lens >= batch.num_tokens[:num_reqs]).tolist(),
-            input_ids=bufs.input_ids.copy_to_gpu(total),
-            logits_indices=bufs.logits_indices.copy_to_gpu(num_reqs),
-        )
+        inputs = prepare_inputs(batch, self.buffers, scheduler_output.num_scheduled_tokens)
         if self.encoder_runner is not None:
             inputs.inputs_embeds = self.encoder_runner.get_inputs_embeds(
-                inputs.input_ids, batch.states[:num_reqs], num_computed, num_scheduled)
+                inputs.input_ids, batch.states[:inputs.num_reqs], inputs.num_computed, inputs.num_scheduled)
         return inputs
 
     def _encoder_only_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[bool]]:
@@ -270,23 +216,11 @@ class ModelRunner:
     def _build_attention_metadata(
             self, inputs: StepInputs) -> tuple[AttentionMetadata, list[AttentionMetadata] | None]:
         """Attention metadata of an eager step (and per KV cache group, for hybrid models)."""
-        bufs, batch, num_reqs = self.buffers, self.input_batch, inputs.num_reqs
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=inputs.num_tokens,
-            num_reqs=num_reqs,
-            query_start_loc=bufs.query_start_loc.copy_to_gpu(num_reqs + 1),
-            seq_lens=bufs.seq_lens.copy_to_gpu(num_reqs),
-            block_table=batch.block_table[0].get_device_tensor(num_reqs),
-            slot_mapping=bufs.slot_mapping.copy_to_gpu(inputs.num_tokens),
-            max_query_len=inputs.max_query_len,
-            max_seq_len=int(inputs.seq_lens.max()),
-            query_start_loc_cpu=[0, *inputs.cu_num_tokens.tolist()],
-            seq_lens_cpu=inputs.seq_lens.tolist(),
-            block_size=self.block_size,
-        )
+        batch = self.input_batch
+        attn_metadata = build_attention_metadata(inputs, self.buffers, batch.block_table[0], self.block_size)
         if inputs.inputs_embeds is not None:  # image tokens this step: Gemma3 attends both ways within one
             attn_metadata.bidirectional_spans = self.encoder_runner.bidirectional_spans(  # type: ignore[union-attr]
-                batch.states[:num_reqs], inputs.num_computed, inputs.num_scheduled)
+                batch.states[:inputs.num_reqs], inputs.num_computed, inputs.num_scheduled)
         group_metadata = None
         if self.group_metadata_builder is not None:
             group_metadata = self.group_metadata_builder.build(attn_metadata, inputs.req_indices, inputs.positions)
