@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention
-from engine.models.layers import Embedding, Linear, RotaryEmbedding, apply_rotary, rope_parameters
+from engine.models.layers import Embedding, Linear, RopeAngles, RotaryEmbedding, rope_parameters
 from engine.models.llama import LlamaForCausalLM
 
 SLIDING = "sliding_attention"
@@ -46,6 +46,11 @@ class GemmaRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def norm_heads_(self, x: Tensor, num_heads: int) -> None:
+        """Normalise each of the first num_heads heads of the rows x [T, >= H * D] in place."""
+        heads = x[:, : num_heads * self.weight.shape[0]].view(x.shape[0], num_heads, -1)
+        heads.copy_(self(heads))
 
 
 def layer_types(config: Any) -> list[str]:
@@ -96,15 +101,11 @@ class Gemma3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, float(config.query_pre_attn_scalar) ** -0.5,
                               self.num_kv_heads, sliding_window=sliding_window)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        num_tokens = hidden.shape[0]
+    def forward(self, hidden: Tensor, rope: RopeAngles) -> Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2*Hkv) * D]
-        q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size]
-                        .view(num_tokens, self.num_kv_heads, self.head_dim))
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # [T, H + Hkv, D]
-        q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
-        k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
+        self.q_norm.norm_heads_(qkv[:, : self.q_size], self.num_heads)  # in place, inside qkv
+        self.k_norm.norm_heads_(qkv[:, self.q_size : self.q_size + self.kv_size], self.num_kv_heads)
+        q, k = rope.rotate(qkv, self.num_heads, self.num_kv_heads)  # [T, H * D], [T, Hkv * D]
         v = qkv[:, self.q_size + self.kv_size :]  # [T, Hkv * D]
         return self.o_proj(self.attn(q, k, v))
 
@@ -136,8 +137,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(config, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps, dtype)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), cos, sin))
+    def forward(self, hidden: Tensor, rope: RopeAngles) -> Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope))
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
@@ -152,8 +153,9 @@ class Gemma3TextModel(nn.Module):
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         max_position = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, gemma3_rope_parameters(config, FULL))
-        self.rotary_emb_local = RotaryEmbedding(config.head_dim, max_position, gemma3_rope_parameters(config, SLIDING))
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, gemma3_rope_parameters(config, FULL), dtype)
+        self.rotary_emb_local = RotaryEmbedding(config.head_dim, max_position,
+                                                gemma3_rope_parameters(config, SLIDING), dtype)
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """Token ids [T] -> scaled embeddings [T, hidden] (the VLM merges image features into these)."""
@@ -161,13 +163,10 @@ class Gemma3TextModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # global layers
-        cos_local, sin_local = self.rotary_emb_local(positions, hidden.dtype)  # sliding layers
+        rope = self.rotary_emb(positions)  # global layers
+        rope_local = self.rotary_emb_local(positions)  # sliding layers
         for layer in self.layers:
-            if layer.self_attn.is_sliding:
-                hidden = layer(hidden, cos_local, sin_local)
-            else:
-                hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, rope_local if layer.self_attn.is_sliding else rope)
         return self.norm(hidden)
 
 

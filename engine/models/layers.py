@@ -1,12 +1,18 @@
-"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, rotary embedding.
+"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, SiluAndMul, rotary.
 
 Parameters are allocated uninitialised (`torch.empty`): every one is overwritten by
 `load_weights`, and skipping random init saves most of the model build time.
+
+The kernel choice lives here, not in the models: a layer with a fused CPU kernel
+(kernels/cpu_ops.py) picks it or its torch code once, at construction, for the dtype and the
+device it is built on (`load_model` builds models in place on their device), so every model has
+one forward. Build a layer on the device it runs on: moving it afterwards keeps its choice.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +21,12 @@ from torch import Tensor, nn
 
 from engine.errors import UnsupportedArchitectureError
 from kernels import cpu_ops
+
+
+def cpu_kernels_serve(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the fused C kernels serve layers of this dtype on this device: bf16 on the CPU,
+    once the library is built; float32 keeps the exact torch path the HF-exactness tests compare."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops.load() is not None
 
 
 class Linear(nn.Module):
@@ -61,9 +73,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.use_cpu_kernels = cpu_kernels_serve(dtype, self.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 2 and cpu_ops.enabled(x):
+        """x [T, hidden_size] -> normalised rows (a new tensor)."""
+        if self.use_cpu_kernels:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         return self._torch_norm(x)
 
@@ -73,15 +87,38 @@ class RMSNorm(nn.Module):
         The fused kernel writes the sum into x's storage (x must be a temporary the caller
         owns, e.g. a sublayer's output); residual is only read.
         """
-        if x.dim() == 2 and cpu_ops.enabled(x):
+        if self.use_cpu_kernels:
             return cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps), x
         residual = x + residual
         return self._torch_norm(residual), residual
+
+    def norm_heads_(self, x: Tensor, num_heads: int) -> None:
+        """Normalise each of the first num_heads heads (of hidden_size each) of the rows
+        x [T, >= num_heads * hidden_size] in place: Qwen3's q/k norm inside the fused qkv."""
+        if self.use_cpu_kernels:
+            cpu_ops.rms_norm_heads_(x, num_heads, self.weight.shape[0], self.weight, self.eps)
+            return
+        heads = x[:, : num_heads * self.weight.shape[0]].view(x.shape[0], num_heads, -1)
+        heads.copy_(self._torch_norm(heads))
 
     def _torch_norm(self, x: Tensor) -> Tensor:
         # torch's fused kernel gives the same float32 result as pow/mean/rsqrt, in fewer passes.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU's activation: [T, 2I] gate | up -> [T, I] silu(gate) * up (one fused pass in bf16)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.use_cpu_kernels = cpu_kernels_serve(dtype, torch.get_default_device())
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.use_cpu_kernels:
+            return cpu_ops.silu_and_mul(x)
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -123,33 +160,49 @@ def _inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> Tenso
     )
 
 
+@dataclass(slots=True)
+class RopeAngles:
+    """cos and sin of one step's positions, laid out for the kernel that rotates q and k; the
+    model computes them once per forward (RotaryEmbedding) and every layer rotates with them."""
+
+    cos: Tensor  # CPU kernel: [T, head_dim // 2] float32 rows; torch: [T, 1, head_dim // 2], model dtype
+    sin: Tensor
+    use_cpu_kernels: bool
+
+    def rotate(self, qkv: Tensor, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor]:
+        """Neox rope on the q and k heads leading the rows qkv [T, >= (H + Hkv) * D].
+
+        Returns q [T, H * D] and k [T, Hkv * D]: views of qkv rotated in place by the fused
+        kernel (one pass over both), or new tensors from the torch path.
+        """
+        num_tokens, head_dim = qkv.shape[0], 2 * self.cos.shape[-1]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if self.use_cpu_kernels:
+            cpu_ops.rotary_neox_(qkv, num_heads + num_kv_heads, head_dim, self.cos, self.sin)
+            return qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        qk = apply_rotary(qk, self.cos, self.sin)  # [T, H + Hkv, D], one pass for q and k
+        return qk[:, :num_heads].reshape(num_tokens, q_size), qk[:, num_heads:].reshape(num_tokens, kv_size)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves), cos/sin tables precomputed in float32."""
 
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype):
         super().__init__()
         inv_freq = _inv_freq(head_dim, params, max_position)  # [head_dim // 2]
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         # [max_position, head_dim // 2] each; not saved in checkpoints
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.dtype = dtype  # the model's: q and k are rotated in it
+        self.use_cpu_kernels = cpu_kernels_serve(dtype, freqs.device)
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [num_tokens, 1, head_dim // 2] in `dtype` for the given positions."""
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-
-    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [num_tokens, head_dim // 2] float32 rows: the fused kernel's inputs."""
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-
-
-def uses_rope_tables(x: Tensor, cos: Tensor) -> bool:
-    """Whether rope on rows x goes through the fused in-place kernel (`cpu_ops.rotary_neox_`).
-
-    It does for bf16 CPU rows given `RotaryEmbedding.tables`' float32 [T, D/2] rows, which
-    LlamaModel passes exactly when the fused kernels are on (else [T, 1, D/2] in x's dtype).
-    """
-    return cos.dim() == 2 and cos.dtype == torch.float32 and cpu_ops.enabled(x)
+    def forward(self, positions: Tensor) -> RopeAngles:
+        """The angles of positions [T], in the layout of this layer's kernel."""
+        if self.use_cpu_kernels:  # float32 rows, read by the fused in-place kernel
+            return RopeAngles(self.cos.index_select(0, positions), self.sin.index_select(0, positions), True)
+        return RopeAngles(self.cos[positions, None].to(self.dtype), self.sin[positions, None].to(self.dtype), False)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

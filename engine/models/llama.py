@@ -11,14 +11,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention
 from engine.models.layers import (
-    Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters, uses_rope_tables,
+    Embedding, Linear, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters,
 )
-from kernels import cpu_ops
 
 # HF checkpoint projection -> (our fused parameter, shard index); see _fused_shards.
 _FUSED = {
@@ -66,33 +64,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
                               self.num_kv_heads, sliding_window=_sliding_window(config, layer_idx))
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """cos, sin: RotaryEmbedding's [T, 1, D/2] in the model dtype, or its float32 `tables`."""
-        num_tokens = hidden.shape[0]
+    def forward(self, hidden: Tensor, rope: RopeAngles) -> Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2*Hkv) * D]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        if uses_rope_tables(qkv, cos):
-            # Fused bf16 path: q/k norm (Qwen3) and rope in place inside qkv, read as views.
-            if self.use_qk_norm:
-                cpu_ops.rms_norm_heads_(qkv, self.num_heads, self.head_dim, self.q_norm.weight,
-                                        self.q_norm.eps)
-                cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, self.head_dim,
-                                        self.k_norm.weight, self.k_norm.eps)
-            cpu_ops.rotary_neox_(qkv, num_qk_heads, self.head_dim, cos, sin)
-            q_end = self.q_size
-            q, k, v = (qkv[:, :q_end], qkv[:, q_end : q_end + self.kv_size],
-                       qkv[:, q_end + self.kv_size :])
-            return self.o_proj(self.attn(q, k, v))
-        if self.use_qk_norm:
-            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, -1))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size]
-                            .view(num_tokens, self.num_kv_heads, -1))
-            qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, D]
-        else:
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, -1)
-        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D], one pass for q and k
-        q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
-        k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
+        if self.use_qk_norm:  # in place, inside qkv
+            self.q_norm.norm_heads_(qkv[:, : self.q_size], self.num_heads)
+            self.k_norm.norm_heads_(qkv[:, self.q_size : self.q_size + self.kv_size], self.num_kv_heads)
+        q, k = rope.rotate(qkv, self.num_heads, self.num_kv_heads)  # [T, H * D], [T, Hkv * D]
         v = qkv[:, self.q_size + self.kv_size :]  # [T, Hkv * D]
         return self.o_proj(self.attn(q, k, v))
 
@@ -103,16 +80,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
+        self.act_fn = SiluAndMul(dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if gate_up.dim() == 2 and cpu_ops.enabled(gate_up):
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # via [T, 2 * intermediate]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -132,8 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, hidden: Tensor, residual: Tensor | None, cos: Tensor,
-                sin: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor, residual: Tensor | None, rope: RopeAngles) -> tuple[Tensor, Tensor]:
         """(previous MLP output, residual stream before it; None for the first layer, whose
         `hidden` is the embeddings) -> (this layer's MLP output, the stream before it)."""
         if residual is None:
@@ -141,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -157,18 +129,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings,
-                                          rope_parameters(config))
+                                          rope_parameters(config), dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         # inputs_embeds: text + image embeddings already merged by a multimodal wrapper.
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        if cpu_ops.enabled(hidden):  # float32 [T, D/2] rows for the fused rope kernel
-            cos, sin = self.rotary_emb.tables(positions)
-        else:
-            cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, D/2], shared by layers
+        rope = self.rotary_emb(positions)  # shared by the layers
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rope)
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]

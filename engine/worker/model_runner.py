@@ -12,6 +12,7 @@ from engine.attention.layer import get_attention_layers, set_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
+from engine.distributed.kv_transfer.base import KVConnectorBase
 from engine.distributed.kv_transfer.output import KVConnectorOutput
 from engine.forward_context import set_forward_context
 from engine.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
@@ -27,7 +28,8 @@ from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_runner
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
-from engine.worker.kv_connector_mixin import KVConnectorModelRunnerMixin
+from engine.worker.kv_connector_lifecycle import KVConnectorLifecycle, NoKVConnectorLifecycle
+from engine.worker.step_inputs import StepInputs, build_attention_metadata, prepare_inputs
 
 
 @dataclass(slots=True)
@@ -39,15 +41,17 @@ class ExecuteModelState:
     sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
 
 
-class ModelRunner(KVConnectorModelRunnerMixin):
+class ModelRunner:
     """Owns the model, the KV cache tensors, the persistent InputBatch and the Sampler.
 
     Inputs are staged in persistent CpuGpuBuffers (pinned and copied asynchronously on CUDA;
     the device tensor is the host tensor on CPU). On CUDA with the Triton backend, pure-decode
-    steps replay CUDA graphs unless config.device_config.enforce_eager.
+    steps replay CUDA graphs unless config.device_config.enforce_eager. A worker-side KV
+    connector, if any, runs its lifecycle around each step through `kv_transfer`
+    (kv_connector_lifecycle.py).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVConnectorBase | None = None) -> None:
         self.config = config
         model, sched = config.model_config, config.scheduler_config
         self.device = torch_device(config.device_config.device)
@@ -87,8 +91,14 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         # Multimodal models: encoder_cache, encoder execution, embedding merge (encoder_runner.py).
         self.encoder_runner: EncoderRunner | None = None
         self._encoder_only_output: ModelRunnerOutput | None = None
-        self.kv_connector = None  # the worker-side KV connector, set by the Worker
+        self.kv_transfer: KVConnectorLifecycle | NoKVConnectorLifecycle = (
+            NoKVConnectorLifecycle() if kv_connector is None else KVConnectorLifecycle(kv_connector))
         self._kv_connector_output: KVConnectorOutput | None = None
+
+    @property
+    def kv_connector(self) -> KVConnectorBase | None:
+        """The worker-side KV connector (None when none is configured)."""
+        return self.kv_transfer.connector
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -136,12 +146,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 self.input_batch.block_table, self.buffers.input_ids.cpu.shape[0], self.device)
         self.kv_caches = allocate_kv_caches(self.model, self.kv_cache_config, self.block_size,
                                             self.dtype, self.device)
-        if self.kv_connector is not None:
-            if num_groups > 1:
-                raise NotImplementedError("KV connectors support models with one KV cache group "
-                                          "(full attention or one sliding window), not hybrid ones")
-            self.kv_connector.register_kv_caches(
-                {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)})
+        self.kv_transfer.register_kv_caches(
+            {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)}, num_groups)
         # Decode graphs read group 0's block table only: hybrid models run eagerly.
         if (self.device.type == "cuda" and self.attention_backend == "triton"
                 and not self.config.device_config.enforce_eager and num_groups == 1):
@@ -159,87 +165,70 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if encoder is not None:
             encoder.update_states(scheduler_output)
             encoder.execute_mm_encoder(scheduler_output, self.requests)
-        if self.kv_connector is not None:
-            self._kv_connector_begin(scheduler_output)
-        if scheduler_output.is_empty:
-            self._state = None
-            if self.kv_connector is not None:  # seed: kv_connector_no_forward
-                self._kv_connector_output = self._kv_connector_finish(scheduler_output)
+        self.kv_transfer.begin(scheduler_output)
+        self._state = None
+        if scheduler_output.is_empty:  # the connector's lifecycle still runs (seed: kv_connector_no_forward)
+            self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
             return
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
-        # Issue the block-table DMA first: it overlaps the CPU work below (seed 1828-1985).
-        batch.block_table.commit_block_table(num_reqs)
-        req_ids = batch.req_ids[:num_reqs]  # a slice: already a copy
-        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids],
-                                 dtype=np.int64)
-        cu_num_tokens = np.cumsum(num_scheduled)
-        total = int(cu_num_tokens[-1])
-        max_query_len = int(num_scheduled.max())
-        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
-        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
-        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        positions = num_computed[req_indices] + offsets
-        seq_lens = num_computed + num_scheduled
         if encoder is not None and encoder.is_producer_only:  # ECConnector producer: no decoder
-            self._state = None
-            self._encoder_only_output = encoder.make_encoder_only_output(
-                req_ids, (seq_lens >= batch.num_tokens[:num_reqs]).tolist())
+            self._encoder_only_output = encoder.make_encoder_only_output(*self._encoder_only_rows(scheduler_output))
             return
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden_states = self._forward(inputs)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
+        self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows)
 
-        bufs = self.buffers
-        bufs.positions.np[:total] = positions
-        bufs.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
-        bufs.slot_mapping.np[:total] = batch.block_table[0].compute_slot_mapping(req_indices,
-                                                                                positions)
-        bufs.query_start_loc.np[0] = 0
-        bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
-        bufs.seq_lens.np[:num_reqs] = seq_lens
-        input_ids = bufs.input_ids.copy_to_gpu(total)
-        inputs_embeds = None
-        if encoder is not None:
-            inputs_embeds = encoder.get_inputs_embeds(input_ids, batch.states[:num_reqs], num_computed,
-                                                      num_scheduled)
-        graph_size = None
-        if (self.cuda_graphs is not None and max_query_len == 1 and inputs_embeds is None
-                and not (self.kv_connector is not None and self.kv_connector.has_pending_layer_loads())):
-            graph_size = self.cuda_graphs.padded_size(num_reqs)
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
+        batch = self.input_batch
+        inputs = prepare_inputs(batch, self.buffers, scheduler_output.num_scheduled_tokens)
+        if self.encoder_runner is not None:
+            inputs.inputs_embeds = self.encoder_runner.get_inputs_embeds(
+                inputs.input_ids, batch.states[:inputs.num_reqs], inputs.num_computed, inputs.num_scheduled)
+        return inputs
+
+    def _encoder_only_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[bool]]:
+        """(request ids, whether each request's prompt is complete after this step)."""
+        batch = self.input_batch
+        req_ids = batch.req_ids[:batch.num_reqs]
+        seq_lens = batch.num_computed_tokens_cpu[:batch.num_reqs] + np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        return req_ids, (seq_lens >= batch.num_tokens[:batch.num_reqs]).tolist()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the step's tokens: a CUDA graph replay for a pure-decode step that fits
+        one, else an eager forward with the step's attention metadata. -> [num_tokens, hidden]"""
+        graph_size = self._cuda_graph_size(inputs)
         if graph_size is not None:
-            hidden_states = self.cuda_graphs.replay(num_reqs, graph_size)
-        else:
-            attn_metadata = AttentionMetadata(
-                num_actual_tokens=total,
-                num_reqs=num_reqs,
-                query_start_loc=bufs.query_start_loc.copy_to_gpu(num_reqs + 1),
-                seq_lens=bufs.seq_lens.copy_to_gpu(num_reqs),
-                block_table=batch.block_table[0].get_device_tensor(num_reqs),
-                slot_mapping=bufs.slot_mapping.copy_to_gpu(total),
-                max_query_len=max_query_len,
-                max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=[0, *cu_num_tokens.tolist()],
-                seq_lens_cpu=seq_lens.tolist(),
-                block_size=self.block_size,
-            )
-            if inputs_embeds is not None:  # image tokens this step: Gemma3 attends both ways within one
-                attn_metadata.bidirectional_spans = encoder.bidirectional_spans(  # type: ignore[union-attr]
-                    batch.states[:num_reqs], num_computed, num_scheduled)
-            group_metadata = None
-            if self.group_metadata_builder is not None:
-                group_metadata = self.group_metadata_builder.build(attn_metadata, req_indices,
-                                                                   positions)
-            positions_gpu = bufs.positions.copy_to_gpu(total)
-            with set_forward_context(attn_metadata, group_metadata, self.kv_connector):
-                if inputs_embeds is None:
-                    hidden_states = self.model(input_ids, positions_gpu)
-                else:
-                    hidden_states = self.model(input_ids, positions_gpu, inputs_embeds)
-        bufs.logits_indices.np[:num_reqs] = cu_num_tokens - 1
-        logits_indices = bufs.logits_indices.copy_to_gpu(num_reqs)
-        logits = self.model.compute_logits(hidden_states[logits_indices])
-        sample_rows = (seq_lens >= batch.num_tokens[:num_reqs]).tolist()
-        if self.kv_connector is not None:
-            self._kv_connector_output = self._kv_connector_finish(scheduler_output)
-        self._state = ExecuteModelState(req_ids=req_ids, logits=logits, sample_rows=sample_rows)
+            return self.cuda_graphs.replay(inputs.num_reqs, graph_size)  # type: ignore[union-attr]
+        attn_metadata, group_metadata = self._build_attention_metadata(inputs)
+        positions = self.buffers.positions.copy_to_gpu(inputs.num_tokens)
+        with set_forward_context(attn_metadata, group_metadata, self.kv_connector):
+            if inputs.inputs_embeds is None:
+                return self.model(inputs.input_ids, positions)
+            return self.model(inputs.input_ids, positions, inputs.inputs_embeds)
+
+    def _cuda_graph_size(self, inputs: StepInputs) -> int | None:
+        """The captured batch size to replay, or None to run eagerly: graphs serve pure-decode
+        steps of text tokens only, and skip the per-layer waits of a KV connector's loads."""
+        if (self.cuda_graphs is None or inputs.max_query_len != 1 or inputs.inputs_embeds is not None
+                or self.kv_transfer.has_pending_layer_loads()):
+            return None
+        return self.cuda_graphs.padded_size(inputs.num_reqs)
+
+    def _build_attention_metadata(
+            self, inputs: StepInputs) -> tuple[AttentionMetadata, list[AttentionMetadata] | None]:
+        """Attention metadata of an eager step (and per KV cache group, for hybrid models)."""
+        batch = self.input_batch
+        attn_metadata = build_attention_metadata(inputs, self.buffers, batch.block_table[0], self.block_size)
+        if inputs.inputs_embeds is not None:  # image tokens this step: Gemma3 attends both ways within one
+            attn_metadata.bidirectional_spans = self.encoder_runner.bidirectional_spans(  # type: ignore[union-attr]
+                batch.states[:inputs.num_reqs], inputs.num_computed, inputs.num_scheduled)
+        group_metadata = None
+        if self.group_metadata_builder is not None:
+            group_metadata = self.group_metadata_builder.build(attn_metadata, inputs.req_indices, inputs.positions)
+        return attn_metadata, group_metadata
 
     # -- step, phase 2 --------------------------------------------------------------------
     @torch.inference_mode()

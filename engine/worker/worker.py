@@ -29,11 +29,12 @@ class Worker:
         if device.device == "cpu":
             torch.set_num_threads(device.num_threads or os.cpu_count() or 1)
         torch.manual_seed(self.config.model_config.seed)
-        self.model_runner = ModelRunner(self.config)
+        kv_connector = None
         if self.config.kv_transfer_config is not None:
             from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 
-            self.model_runner.kv_connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER)
+            kv_connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER)
+        self.model_runner = ModelRunner(self.config, kv_connector)
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -87,5 +88,5 @@ class Worker:
 
     def shutdown(self) -> None:
         """Stop the worker-side KV connector's threads (idempotent)."""
-        if self.model_runner is not None and self.model_runner.kv_connector is not None:
-            self.model_runner.kv_connector.shutdown()
+        if self.model_runner is not None:
+            self.model_runner.kv_transfer.shutdown()

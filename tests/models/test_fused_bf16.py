@@ -68,6 +68,22 @@ def test_fused_bf16_is_at_least_as_close_to_float32(fixture, request, kernel_cal
     assert fused_err.max() <= 0.02 * exact.abs().max()
 
 
+def test_gemma3_bf16_takes_the_rope_kernel_of_the_shared_layer(tiny_gemma3_dir, kernel_calls, monkeypatch):
+    """Gemma3 picks up the fused rope through RotaryEmbedding (the kernel choice is the layer's);
+    its (1 + w) norms and GELU MLP have no kernel and stay on torch."""
+    prompt = torch.randint(0, 500, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    exact = _logits(tiny_gemma3_dir, torch.float32, prompt)
+    assert not kernel_calls, "float32 must stay on the torch path"
+    fused = _logits(tiny_gemma3_dir, torch.bfloat16, prompt)
+    assert set(kernel_calls) == {"rotary_neox_"}
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    plain = _logits(tiny_gemma3_dir, torch.bfloat16, prompt)
+
+    fused_err, plain_err = (fused - exact).abs(), (plain - exact).abs()
+    assert fused_err.mean() <= plain_err.mean() * 1.05, (fused_err.mean(), plain_err.mean())
+    assert fused_err.max() <= 0.02 * exact.abs().max()
+
+
 def _logprob(entry) -> float:
     return float(getattr(entry, "logprob", entry))
 

@@ -1,10 +1,11 @@
 """Encoder scheduling inside the token budget (seed: backend MM path §2, lines 4010-4075).
 
-The Scheduler calls in at four points: try_schedule() before it allocates a request's KV slots
-(which encoder inputs must run for the tokens it is about to schedule, and how many tokens it
-may schedule at all), commit() once the allocation succeeded, finish_step() to put the step's
-encoder work on the SchedulerOutput, and free()/free_consumed() as requests finish, get
-preempted or move past their images. Pure Python: no torch.
+A composed object of the Scheduler, called at four points: try_schedule() before it allocates a
+request's KV slots (which encoder inputs must run for the tokens it is about to schedule, and how
+many tokens it may schedule at all), commit() once the allocation succeeded, finish_step() to put
+the step's encoder work on the SchedulerOutput, and free()/free_consumed() as requests finish, get
+preempted or move past their images. Text-only models get `NoEncoderScheduler`, whose hooks do
+nothing, so the Scheduler has one code path. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ class EncoderScheduler:
         self.encoder_compute_budget = self.max_encoder_compute_budget
         self.scheduled_encoder_inputs = {}
 
-    def try_schedule(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> EncoderPlan:
+    def try_schedule(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> EncoderPlan | None:
         """Which items must be encoded (or loaded) for tokens [computed, computed + new), and
-        the number of tokens that can be scheduled (cut before an item that cannot run)."""
+        the number of tokens that can be scheduled (cut before an item that cannot run).
+        None for a request without multimodal inputs: it schedules num_new_tokens as asked."""
+        if not request.mm_features:
+            return None
         plan = EncoderPlan(num_new_tokens)
         manager = self.encoder_cache_manager
         end = num_computed_tokens + num_new_tokens
@@ -107,8 +111,10 @@ class EncoderScheduler:
                 plan.num_compute_embeds += feature.num_embeds
         return plan
 
-    def commit(self, request: Request, plan: EncoderPlan) -> None:
+    def commit(self, request: Request, plan: EncoderPlan | None) -> None:
         """The request was scheduled: reserve its items' cache space, spend the budget."""
+        if plan is None:
+            return
         manager = self.encoder_cache_manager
         for i in plan.compute:
             manager.allocate(request, i)
@@ -151,3 +157,31 @@ class EncoderScheduler:
             num_free_slots=manager.num_free_slots, num_lookups=counters.num_lookups,
             num_hits=counters.num_hits, num_encoder_runs=counters.num_encoder_runs,
             num_external_loads=counters.num_external_loads, num_evictions=counters.num_evictions)
+
+
+class NoEncoderScheduler:
+    """The encoder hooks of a text-only model: no encoder budget, no encoder cache, nothing to do."""
+
+    def validate(self, request: Request) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def try_schedule(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> EncoderPlan | None:
+        return None
+
+    def commit(self, request: Request, plan: EncoderPlan | None) -> None:
+        pass
+
+    def finish_step(self, scheduler_output: SchedulerOutput) -> None:
+        pass
+
+    def free_consumed(self, request: Request) -> None:
+        pass
+
+    def free(self, request: Request) -> None:
+        pass
+
+    def make_stats(self) -> EncoderCacheStats | None:
+        return None

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache import KVCacheManager
-from engine.core.sched.kv_connector_mixin import KVConnectorSchedulerMixin
+from engine.core.sched.encoder_scheduling import NoEncoderScheduler
+from engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
 from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -15,7 +17,8 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.core.sched.encoder_scheduling import EncoderScheduler
+    from engine.core.kv_cache.manager import KVCacheBlocks
+    from engine.core.sched.encoder_scheduling import EncoderPlan, EncoderScheduler
     from engine.distributed.kv_transfer.base import KVConnectorBase
     from engine.model_runner_output import ModelRunnerOutput
 
@@ -27,15 +30,46 @@ _FINISH_REASON = {
 }
 
 
-class Scheduler(KVConnectorSchedulerMixin):
+@dataclass(slots=True)
+class _StepSchedule:
+    """What one schedule() call has decided so far; its phases fill it in turn."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)  # admitted from WAITING this step
+    cached_reqs: list[Request] = field(default_factory=list)  # RUNNING ones the worker holds
+    new_block_ids: dict[str, tuple[list[int], ...] | None] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+
+
+@dataclass(slots=True)
+class _Admission:
+    """How a WAITING request would be admitted: its computed tokens, then what it schedules."""
+
+    computed_blocks: KVCacheBlocks  # its prefix-cache hit
+    num_local_tokens: int  # tokens of that hit
+    num_external_tokens: int  # tokens a KV connector loads
+    load_async: bool  # the load runs across steps: the request parks until it ends
+    num_computed_tokens: int
+    num_new_tokens: int = 0
+    encoder_plan: EncoderPlan | None = None
+
+
+class Scheduler:
     """Decides, each step, how many tokens every request computes (seed: Scheduler).
 
     There are no prefill and decode phases: a request's progress is num_computed_tokens, and
     each step gives RUNNING requests their share of the token budget first, then admits
     WAITING ones. When allocate_slots fails, the latest-arrived running request is preempted
-    (its blocks freed, to be recomputed later).
+    (its blocks freed, to be recomputed later). Two composed objects carry the optional
+    features, each with a do-nothing default: `encoder_scheduler` (the encoder budget and cache
+    of multimodal models) and `kv_transfer` (the KV connector's admission and delayed frees).
     Invariant: every request in `running` holds KV blocks; in `waiting` only those parked for
-    (or back from) a KV connector load do (see KVConnectorSchedulerMixin).
+    (or back from) a KV connector load do (see kv_connector_scheduling.py).
     """
 
     def __init__(
@@ -56,7 +90,7 @@ class Scheduler(KVConnectorSchedulerMixin):
         self.enable_chunked_prefill = enable_chunked_prefill
         self.log_stats = log_stats  # record request events (queue time) and step counts
         # Multimodal models: encoder budget, encoder cache, ECConnector (encoder_scheduling.py).
-        self.encoder_scheduler = encoder_scheduler
+        self.encoder_scheduler: EncoderScheduler | NoEncoderScheduler = encoder_scheduler or NoEncoderScheduler()
         self.requests: dict[str, Request] = {}
         self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []
@@ -67,7 +101,13 @@ class Scheduler(KVConnectorSchedulerMixin):
         self._last_num_scheduled_tokens = 0
         self._last_num_prompt_tokens = 0
         self._last_num_generation_tokens = 0
+        self.kv_transfer: KVConnectorScheduling | NoKVConnector = NoKVConnector()
         self._init_kv_connector_state(connector)
+
+    def _init_kv_connector_state(self, connector: KVConnectorBase | None) -> None:
+        """Use `connector` for KV transfer (None: no connector)."""
+        self.kv_transfer = (NoKVConnector() if connector is None
+                            else KVConnectorScheduling(connector, self.kv_cache_manager))
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -102,157 +142,184 @@ class Scheduler(KVConnectorSchedulerMixin):
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0 or self.has_pending_kv_transfers()
+        return self.get_num_unfinished_requests() > 0 or self.kv_transfer.has_pending_transfers()
 
     # -- schedule -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Phase 1: RUNNING requests; phase 2: WAITING requests; phase 3: build the output."""
-        kv = self.kv_cache_manager
-        token_budget = self.max_num_scheduled_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[Request] = []
-        cached_reqs: list[Request] = []
-        new_block_ids: dict[str, tuple[list[int], ...] | None] = {}
-        preempted: list[Request] = []
-        encoder = self.encoder_scheduler
-        if encoder is not None:
-            encoder.begin_step()
+        step = _StepSchedule(token_budget=self.max_num_scheduled_tokens)
+        self.encoder_scheduler.begin_step()
+        self._schedule_running(step)
+        # Admit waiting requests only when nothing was preempted: a preemption means memory is
+        # short, and admitting more would just preempt again.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        scheduler_output = self._make_scheduler_output(step)
+        self._update_after_schedule(scheduler_output, len(step.preempted))
+        return scheduler_output
 
+    def _schedule_running(self, step: _StepSchedule) -> None:
+        """Phase 1: each RUNNING request in turn gets the tokens it still needs (one to decode, a
+        prefill chunk up to the budget); when the KV cache is full, the latest-arrived running
+        request is preempted, possibly this one (then the phase ends)."""
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
+            req_index += 1
             num_new_tokens = min(
                 request.num_tokens - request.num_computed_tokens,
-                token_budget,
+                step.token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
             if num_new_tokens <= 0:
-                req_index += 1
                 continue
-            plan = None
-            if encoder is not None and request.mm_features:
-                plan = encoder.try_schedule(request, request.num_computed_tokens, num_new_tokens)
+            plan = self.encoder_scheduler.try_schedule(request, request.num_computed_tokens, num_new_tokens)
+            if plan is not None:
                 num_new_tokens = plan.num_new_tokens
                 if num_new_tokens <= 0:
-                    req_index += 1
-                    continue
-            while True:
-                new_blocks = kv.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
+                    continue  # an image it reached cannot be encoded this step
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step.preempted)
             if new_blocks is None:
                 break
-            if plan is not None:
-                encoder.commit(request, plan)  # type: ignore[union-attr]
-            cached_reqs.append(request)
-            new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            req_index += 1
+            self.encoder_scheduler.commit(request, plan)
+            step.cached_reqs.append(request)
+            step.new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
+            step.add(request, num_new_tokens)
 
-        # Admit waiting requests only when nothing was preempted: a preemption means memory is
-        # short, and admitting more would just preempt again.
-        if not preempted:
-            skipped: list[Request] = []  # waiting on a KV connector: back to the queue's front
-            unparked = False
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
-                request = self.waiting.peek_request()
-                if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                        and not self._update_waiting_for_remote_kv(request)):
-                    skipped.append(self.waiting.pop_request())
-                    continue
-                num_external, load_async = 0, False
-                if request.request_id in self._kv_ready:  # holds its loaded blocks already
-                    computed_blocks, num_local = kv.empty_kv_cache_blocks, 0
-                else:
-                    computed_blocks, num_local = kv.get_computed_blocks(request)
-                    if self.connector is not None and request.request_id not in self._no_external_kv:
-                        ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-                        if ext is None:  # the connector cannot tell yet: ask again next step
-                            skipped.append(self.waiting.pop_request())
-                            continue
-                        num_external = ext
-                num_computed_tokens = request.num_computed_tokens + num_local + num_external
-                num_new_tokens = 0 if load_async else request.num_tokens - num_computed_tokens
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
-                plan = None
-                if encoder is not None and request.mm_features and not load_async:
-                    plan = encoder.try_schedule(request, num_computed_tokens, num_new_tokens)
-                    num_new_tokens = plan.num_new_tokens
-                    if num_new_tokens <= 0:
-                        break
-                new_blocks = kv.allocate_slots(
-                    request, num_new_tokens, num_new_computed_tokens=num_local,
-                    new_computed_blocks=computed_blocks, num_external_computed_tokens=num_external,
-                    delay_cache_blocks=num_external > 0,
-                )
-                if new_blocks is None:
-                    if not self.running and not unparked and self._unpark_ready_requests():
-                        unparked = True  # retry the head once, now that parked blocks are free
-                        continue
-                    break
-                if plan is not None:
-                    encoder.commit(request, plan)  # type: ignore[union-attr]
-                self.waiting.pop_request()
-                if self._after_alloc(request, num_local, num_external, load_async):
-                    skipped.append(request)
-                    continue
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
-                if self.log_stats:
-                    request.record_event(EngineCoreEventType.SCHEDULED)
-                new_reqs.append(request)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-            for request in reversed(skipped):
-                self.waiting.prepend_request(request)
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             preempted: list[Request]) -> KVCacheBlocks | None:
+        """allocate_slots for a running request, preempting from the back of `running` until the
+        blocks fit; None when the request itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
 
-        total = self.max_num_scheduled_tokens - token_budget
+    def _schedule_waiting(self, step: _StepSchedule) -> None:
+        """Phase 2: admit WAITING requests in queue order while the budget, the seats
+        (max_num_seqs) and the KV cache last. Requests a KV connector is not ready for, or that
+        park for an async load, keep their place at the queue's front."""
+        skipped: list[Request] = []
+        unparked = False
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+            request = self.waiting.peek_request()
+            admission = self._get_computed_tokens(request)
+            if admission is None:
+                skipped.append(self.waiting.pop_request())
+                continue
+            if not self._plan_new_tokens(request, admission, step.token_budget):
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, admission.num_new_tokens, num_new_computed_tokens=admission.num_local_tokens,
+                new_computed_blocks=admission.computed_blocks,
+                num_external_computed_tokens=admission.num_external_tokens,
+                delay_cache_blocks=admission.num_external_tokens > 0,
+            )
+            if new_blocks is None:
+                if not self.running and not unparked and self.kv_transfer.unpark_ready_requests(self.waiting):
+                    unparked = True  # retry the head once, now that parked blocks are free
+                    continue
+                break
+            self.encoder_scheduler.commit(request, admission.encoder_plan)
+            self.waiting.pop_request()
+            if self.kv_transfer.update_state_after_alloc(request, admission.num_local_tokens,
+                                                         admission.num_external_tokens, admission.load_async):
+                skipped.append(request)  # parked in WAITING_FOR_REMOTE_KVS until its load ends
+                continue
+            self._admit(request, admission, step)
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
+
+    def _get_computed_tokens(self, request: Request) -> _Admission | None:
+        """A waiting request's computed tokens: the loaded blocks it holds already, or its
+        prefix-cache hit plus the KV connector's external hit. None: not ready (ask next step)."""
+        kv_transfer = self.kv_transfer
+        if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and not kv_transfer.update_waiting_for_remote_kv(request)):
+            return None  # its async load is still running
+        if kv_transfer.holds_loaded_blocks(request):  # its num_computed_tokens are loaded
+            return _Admission(self.kv_cache_manager.empty_kv_cache_blocks, 0, 0, False,
+                              request.num_computed_tokens)
+        computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+        num_external, load_async = kv_transfer.get_num_new_matched_tokens(request, num_local)
+        if num_external is None:
+            return None  # the connector cannot tell yet
+        num_computed_tokens = request.num_computed_tokens + num_local + num_external
+        return _Admission(computed_blocks, num_local, num_external, load_async, num_computed_tokens)
+
+    def _plan_new_tokens(self, request: Request, admission: _Admission, token_budget: int) -> bool:
+        """Set the admission's new tokens (and encoder plan); False when the request does not
+        fit this step (no chunked prefill, or an image that cannot run), which ends phase 2."""
+        if admission.load_async:
+            return True  # it only allocates now: its tokens arrive through the connector
+        num_new_tokens = request.num_tokens - admission.num_computed_tokens
+        if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+            return False
+        num_new_tokens = min(num_new_tokens, token_budget)
+        plan = self.encoder_scheduler.try_schedule(request, admission.num_computed_tokens, num_new_tokens)
+        if plan is not None:
+            num_new_tokens = plan.num_new_tokens
+            if num_new_tokens <= 0:
+                return False
+        admission.num_new_tokens, admission.encoder_plan = num_new_tokens, plan
+        return True
+
+    def _admit(self, request: Request, admission: _Admission, step: _StepSchedule) -> None:
+        """WAITING -> RUNNING with its computed tokens; it is a new request for the worker."""
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = admission.num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = admission.num_computed_tokens
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.SCHEDULED)
+        step.new_reqs.append(request)
+        step.add(request, admission.num_new_tokens)
+
+    def _make_scheduler_output(self, step: _StepSchedule) -> SchedulerOutput:
+        """Phase 3: the step's new and cached requests, encoder work and connector metadata."""
+        kv = self.kv_cache_manager
+        cached_reqs = step.cached_reqs
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in new_reqs
+                NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in step.new_reqs
             ],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.request_id for r in cached_reqs],
-                new_block_ids=[new_block_ids[r.request_id] for r in cached_reqs],
+                new_block_ids=[step.new_block_ids[r.request_id] for r in cached_reqs],
                 num_computed_tokens=[r.num_computed_tokens for r in cached_reqs],
             ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - step.token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted} | self._take_recompute_req_ids(),
+            preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
         )
-        if encoder is not None:
-            encoder.finish_step(scheduler_output)
-        if self.connector is not None:  # before the progress below: it plans from the old one
-            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(scheduler_output)
-        # The worker advances by what was scheduled; so does the scheduler, before the step
-        # runs (seed: _update_after_schedule), so the next schedule() sees the new progress.
+        self.encoder_scheduler.finish_step(scheduler_output)
+        # Before _update_after_schedule: the connector plans from the progress before this step.
+        scheduler_output.kv_connector_metadata = self.kv_transfer.build_connector_meta(scheduler_output)
+        return scheduler_output
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput, num_preempted: int) -> None:
+        """The worker advances by what was scheduled; so does the scheduler, before the step
+        runs (seed: _update_after_schedule), so the next schedule() sees the new progress."""
         num_prompt_tokens = 0
-        for request_id, num_tokens in num_scheduled_tokens.items():
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             num_prompt_tokens += max(0, min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens))
             request.num_computed_tokens += num_tokens
         self._last_num_prompt_tokens = num_prompt_tokens
         self.finished_req_ids = set()
-        self._num_preempted_last_step = len(preempted)
-        self._last_num_scheduled_tokens = total
-        return scheduler_output
+        self._num_preempted_last_step = num_preempted
+        self._last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        if self.encoder_scheduler is not None:
-            self.encoder_scheduler.free(request)
+        self.encoder_scheduler.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -271,13 +338,15 @@ class Scheduler(KVConnectorSchedulerMixin):
         logprobs = model_runner_output.logprobs
         stopped: set[Request] = set()
         num_generation_tokens = 0
-        failed_loads = self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
+        failed_loads = self.kv_transfer.update_from_output(model_runner_output.kv_connector_output)
+        for request_id in failed_loads:
+            self._restart_request(self.requests[request_id])
         delay_frees: dict[Request, bool] = {}
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished() or request_id in failed_loads:
                 continue  # aborted while the step ran, or its KV load failed (it starts over)
-            if request.mm_features and self.encoder_scheduler is not None:
+            if request.mm_features:
                 self.encoder_scheduler.free_consumed(request)
             req_index = model_runner_output.req_id_to_index[request_id]
             generated = sampled[req_index]
@@ -297,7 +366,7 @@ class Scheduler(KVConnectorSchedulerMixin):
             finish_reason = _FINISH_REASON.get(request.status) if request in stopped else None
             kv_transfer_params = None
             if request in stopped:
-                delay_frees[request], kv_transfer_params = self._connector_finished(request)
+                delay_frees[request], kv_transfer_params = self.kv_transfer.request_finished(request)
             outputs.setdefault(request.client_index, []).append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -343,12 +412,22 @@ class Scheduler(KVConnectorSchedulerMixin):
     def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
         """Release the request's blocks (unless a KV connector still needs them) and forget it."""
         if delay_free is None:
-            delay_free, _ = self._connector_finished(request)
-        self._release_blocks(request, delay_free)
-        if self.encoder_scheduler is not None:
-            self.encoder_scheduler.free(request)
+            delay_free, _ = self.kv_transfer.request_finished(request)
+        if delay_free:
+            self.kv_transfer.delay_free(request)
+        else:
+            self.kv_cache_manager.free(request)
+        self.encoder_scheduler.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def _restart_request(self, request: Request) -> None:
+        """Recompute a request from scratch after a failed synchronous load (not a preemption)."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.prepend_request(request)
 
     # -- stats ----------------------------------------------------------------------------
     def make_stats(self, drain: bool = True) -> SchedulerStats:
@@ -372,8 +451,8 @@ class Scheduler(KVConnectorSchedulerMixin):
             num_generation_tokens=self._last_num_generation_tokens,
             num_preemptions_total=self.num_preemptions_total,
             timestamp=time.time(),
-            encoder_cache=self.encoder_scheduler.make_stats() if self.encoder_scheduler is not None else None,
-            kv_tiers=self.kv_tier_stats,
+            encoder_cache=self.encoder_scheduler.make_stats(),
+            kv_tiers=self.kv_transfer.kv_tier_stats,
         )
 
 
