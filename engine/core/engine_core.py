@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager, get_request_block_hasher, init_none_hash
@@ -12,7 +13,6 @@ from engine.core.kv_cache.kv_cache_spec import KVCacheConfig, get_kv_cache_confi
 from engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
 from engine.core.sched.scheduler import Scheduler
 from engine.errors import DuplicateRequestError, InsufficientKVCacheError
-from engine.executor.uniproc import UniProcExecutor
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.stats import BlockPoolState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
@@ -25,9 +25,13 @@ BLOCK_MAP_INTERVAL_S = 0.25
 class EngineCore:
     """The inner loop of the engine: schedule, execute, update (seed: EngineCore.step)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Any] | None = None) -> None:
         self.config = config
-        self.model_executor = UniProcExecutor(config)
+        if executor_class is None:
+            from engine.executor.uniproc import UniProcExecutor  # lazy: it imports torch
+
+            executor_class = UniProcExecutor
+        self.model_executor = executor_class(config)
         self.mm = MultiModalCore(config)
         if self.mm.is_producer_only:  # an encoder-only engine allocates no KV cache
             config.num_blocks = 2
@@ -84,7 +88,7 @@ class EngineCore:
         )
         # Block 0 is the null block, so one max-length request needs one more.
         if num_blocks < blocks_per_request + 1:
-            block_bytes = self.model_executor.worker.get_kv_cache_block_bytes()
+            block_bytes = self.model_executor.collective_rpc("get_kv_cache_block_bytes")[0]
             raise InsufficientKVCacheError(
                 f"The KV cache holds {max(num_blocks - 1, 0)} usable blocks of {config.block_size} "
                 f"tokens, but one request of max_model_len={config.max_model_len} tokens needs "
