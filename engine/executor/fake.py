@@ -15,14 +15,16 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.core.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, get_kv_cache_config
-from engine.core.sched.output import SchedulerOutput
 from engine.errors import EngineDeadError, InvalidEngineArgsError
 from engine.protocol import LogprobsLists
 from engine.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from engine.core.sched.output import SchedulerOutput
 
 _DEFAULT_KV_CACHE_BYTES = 64 << 20  # without num_gpu_blocks_override or kv_cache_memory
 _MASK64 = (1 << 64) - 1
@@ -198,7 +200,7 @@ class FakeExecutor:
         vocab_size = self.model.vocab_size
         sampled: list[list[int]] = []
         logprobs: dict[str, LogprobsLists] = {}
-        for req_id, samples in zip(req_ids, self._sample_rows):
+        for req_id, samples in zip(req_ids, self._sample_rows, strict=True):
             if not samples:
                 sampled.append([])
                 continue
@@ -235,7 +237,7 @@ class FakeExecutor:
                 token_ids=[*new_req.prompt_token_ids, *new_req.output_token_ids],
                 num_computed_tokens=new_req.num_computed_tokens, num_logprobs=params.logprobs)
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             self.requests[req_id].num_computed_tokens = num_computed
 
 

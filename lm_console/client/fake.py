@@ -67,7 +67,9 @@ class FakeConsoleClient:
                                     max_model_len=max_model_len, max_num_batched_tokens=token_budget,
                                     max_num_seqs=max_num_seqs, seed=seed)
         self.core = EngineCore(config, executor_class=FakeExecutor)
-        self.executor: FakeExecutor = self.core.model_executor
+        executor = self.core.model_executor
+        assert isinstance(executor, FakeExecutor)
+        self.executor = executor
         self.tokenizer = WordTokenizer(FAKE_MODEL.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, config.max_model_len, FAKE_MODEL.vocab_size,
                                               eos_token_id=None)

@@ -18,7 +18,7 @@ SUMMARY = {"model": "m", "model_dir": "/nowhere", "device": "cpu", "dtype": "flo
            "enable_prefix_caching": True, "vocab_size": 900, "kv_events_endpoint": None, "multimodal": False}
 
 
-def test_info_comes_from_the_engines_summary_and_stats_pass_through(fake_async_llm, monkeypatch) -> None:  # noqa: ANN001
+def test_info_from_the_engines_summary_and_stats_pass_through(fake_async_llm, monkeypatch) -> None:  # noqa: ANN001
     stats = SchedulerStats(num_running_reqs=2, num_steps=5)
 
     async def stats_stream(self):  # noqa: ANN001, ANN202
