@@ -157,7 +157,7 @@ class _dead_as_unavailable:
         return False
 
 
-# -- conversions (pure functions) ---------------------------------------------------------
+# -- helpers and conversions -----------------------------------------------------------------
 def _model_notice(model_dir: Any) -> str | None:
     """The demo VLM's caveat, read from the marker file its builder writes."""
     import json
