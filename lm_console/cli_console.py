@@ -31,7 +31,8 @@ def make_client(fake: bool, model: str | None, args: dict):  # noqa: ANN201 - Co
     if fake:
         return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
                                  block_size=args.get("block_size", 16),
-                                 max_num_seqs=min(args.get("max_num_seqs", 16), 32))
+                                 max_num_seqs=min(args.get("max_num_seqs", 16), 32),
+                                 max_model_len=args.get("max_model_len"))
     return AsyncLLMConsoleClient(model, **args)
 
 

@@ -5,19 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
-from lm_console.client.asyncllm import hash_hex, kv_records_of
+from lm_console.client.asyncllm import kv_records_of
 from lm_console.client.protocol import ConsoleClient
 from lm_console.client.types import EngineUnavailable, KVEventRecord
 from lm_console.load_generator import LoadGenerator, LoadShape
 from lm_console.request_book import RequestBook
-
-_FIELDS = {  # positional fields of array-encoded events, after the tag
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-    "BlockRemoved": ("block_hashes",),
-    "AllBlocksCleared": (),
-}
 
 
 async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int | None = None,
@@ -32,14 +26,14 @@ async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int 
     if load:
         generator.start()
     printed = 0
-    seq = 0
+    num_batches = 0
 
     async def pump() -> None:
-        nonlocal printed, seq
+        nonlocal printed, num_batches
         async for records in client.kv_events_stream():
+            num_batches += 1
             for record in records:
-                seq += 1
-                record.seq = record.seq or seq
+                record.seq = record.seq or num_batches  # the client's own number, else ours
                 out.write(json.dumps(record.to_json_dict()) + "\n")
                 printed += 1
                 if count is not None and printed >= count:
@@ -63,7 +57,6 @@ async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int 
 async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None = None,
                                 duration: float | None = None, topic: str = "") -> int:
     """Subscribe to an engine's KV-event PUB socket (multipart: topic, seq, msgpack batch)."""
-    import msgspec
     import zmq
     import zmq.asyncio
 
@@ -81,7 +74,7 @@ async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None
             if not await socket.poll(None if timeout is None else int(timeout * 1000)):
                 break
             frames = await socket.recv_multipart()
-            for record in records_of_message(frames, msgspec)[: None if count is None else count - printed]:
+            for record in records_of_message(frames)[: None if count is None else count - printed]:
                 out.write(json.dumps(record.to_json_dict()) + "\n")
                 printed += 1
             out.flush()
@@ -91,40 +84,9 @@ async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None
     return printed
 
 
-def records_of_message(frames: list[bytes], msgspec: Any) -> list[KVEventRecord]:
-    """Decode one PUB message with the engine's typed decoder, or generically without it."""
-    try:
-        from engine.metrics.kv_events import decode_kv_event_message
+def records_of_message(frames: list[bytes]) -> list[KVEventRecord]:
+    """The rows of one PUB message, decoded with the engine's typed decoder (vLLM's wire shape)."""
+    from engine.metrics.kv_events import decode_kv_event_message
 
-        _, seq, batch = decode_kv_event_message(frames)
-        records = kv_records_of(batch)
-        for record in records:
-            record.seq = seq
-        return records
-    except ImportError:
-        seq = int.from_bytes(frames[1], "big") if len(frames) >= 3 else 0
-        return records_of_wire_batch(msgspec.msgpack.decode(frames[-1]), seq)
-
-
-def records_of_wire_batch(batch: Any, seq: int) -> list[KVEventRecord]:
-    """Flatten a decoded EventBatch (array- or map-encoded) into records."""
-    if isinstance(batch, dict):
-        ts, events = batch.get("ts", time.time()), batch.get("events", [])
-    else:
-        ts, events = batch[0], batch[1]
-    records = []
-    for event in events:
-        if isinstance(event, dict):
-            kind = str(event.get("type") or event.get("kind") or "?")
-            fields = event
-        else:
-            kind = str(event[0])
-            fields = dict(zip(_FIELDS.get(kind, ()), event[1:]))
-        parent = fields.get("parent_block_hash")
-        records.append(KVEventRecord(
-            ts=float(ts), kind=kind, block_hashes=[hash_hex(h) for h in fields.get("block_hashes") or []],
-            parent_block_hash=None if parent is None else hash_hex(parent),
-            num_tokens=len(fields.get("token_ids") or []), block_size=int(fields.get("block_size") or 0),
-            seq=seq,
-        ))
-    return records
+    _, seq, batch = decode_kv_event_message(frames)
+    return kv_records_of(batch, seq)

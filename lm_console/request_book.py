@@ -47,7 +47,6 @@ class RequestBook:
         self.tpot_samples: deque[float] = deque(maxlen=max_samples)
         self.num_finished = 0
         self.num_failed = 0
-        self.num_generated_pending = 0  # generated tokens since the last take_generated()
 
     def submit(self, request_id: str, source: str, now: float, num_prompt_tokens: int = 0) -> TrackedRequest:
         request = TrackedRequest(request_id, source, now, num_prompt_tokens)
@@ -64,7 +63,6 @@ class RequestBook:
         request.num_cached = max(request.num_cached, chunk.num_cached_tokens)
         if chunk.num_new_tokens:
             request.num_generated += chunk.num_new_tokens
-            self.num_generated_pending += chunk.num_new_tokens
             if request.first_token_ts is None:
                 request.first_token_ts = now
                 request.ttft_s = chunk.ttft_s if chunk.ttft_s is not None else now - request.arrival
@@ -81,11 +79,6 @@ class RequestBook:
             request.error = message
             self.num_failed += 1
             self._close(request, FAILED, now)
-
-    def take_generated(self) -> int:
-        """Generated tokens counted since the last call (drained)."""
-        count, self.num_generated_pending = self.num_generated_pending, 0
-        return count
 
     def num_active(self, source: str | None = None) -> int:
         return sum(1 for r in self.active.values() if source is None or r.source == source)

@@ -77,6 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     size = tuple(int(x) for x in args.size.split("x"))
     os.environ["TZ"] = "UTC"  # the event log prints times of day
+    os.environ["PYTHONHASHSEED"] = "0"  # the root of the block hashes it shows (else random)
     time.tzset()
     scenes = {"dashboard": shoot_dashboard, "chat": shoot_chat, "help": shoot_help}
     for name, scene in scenes.items():

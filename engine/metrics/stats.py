@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+# SchedulerStats.block_states: one byte a block (BlockPool.get_block_states, the console's block map).
+BLOCK_STATE_FREE = 0  # ref_cnt == 0, no hash: plain free block
+BLOCK_STATE_IN_USE = 1  # ref_cnt > 0
+BLOCK_STATE_CACHED = 2  # ref_cnt == 0 with a hash: free but still a prefix-cache hit (evictable)
+BLOCK_STATE_NULL = 3  # the null block
+
 
 class PrefixCacheStatsSnapshot(msgspec.Struct, array_like=True, gc=False):
     """Prefix-cache lookups since the last snapshot, counted in tokens."""

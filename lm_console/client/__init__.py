@@ -1,22 +1,18 @@
 """Engine clients for the console: the ConsoleClient protocol, the AsyncLLM adapter and a fake.
 
-Importing this package stays light (no torch): AsyncLLMConsoleClient imports the engine only
-when it starts.
+Importing this package stays light (no torch): AsyncLLMConsoleClient imports the engine's
+frontend only when it starts, and the fake runs the engine core over the torch-free FakeExecutor.
 """
 
 from __future__ import annotations
 
 from lm_console.client.fake import FakeConsoleClient
 from lm_console.client.protocol import ChatMessages, ConsoleClient
-from lm_console.client.types import (
-    BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_NULL, EngineInfo, EngineUnavailable, GenParams,
-    KVEventRecord, StatsSample, StreamChunk,
-)
+from lm_console.client.types import EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StreamChunk
 
 __all__ = [
-    "BLOCK_CACHED", "BLOCK_FREE", "BLOCK_IN_USE", "BLOCK_NULL", "ChatMessages", "ConsoleClient",
-    "EngineInfo", "EngineUnavailable", "FakeConsoleClient", "GenParams", "KVEventRecord",
-    "StatsSample", "StreamChunk", "AsyncLLMConsoleClient",
+    "ChatMessages", "ConsoleClient", "EngineInfo", "EngineUnavailable", "FakeConsoleClient", "GenParams",
+    "KVEventRecord", "StreamChunk", "AsyncLLMConsoleClient",
 ]
 
 

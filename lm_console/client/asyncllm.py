@@ -1,7 +1,8 @@
 """AsyncLLMConsoleClient: the ConsoleClient over the engine's AsyncLLM (core in a child process).
 
-The engine is imported only in start(), so importing this module costs no torch; the adapter
-converts the engine's SchedulerStats, KV events and RequestOutputs into the console's types.
+The engine's frontend is imported only in start(), so importing this module costs no torch.
+Stats pass through as the engine's SchedulerStats; KV events become rows holding the engine's
+event Structs; RequestOutputs become StreamChunks.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ import asyncio
 import importlib
 import os
 import sys
-import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lm_console.client.types import (
-    EncoderCacheSample, EngineInfo, EngineUnavailable, GenParams, KVEventRecord, KVTierSample, StatsSample,
-    StreamChunk,
-)
+from lm_console.client.types import EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StreamChunk
+
+if TYPE_CHECKING:
+    from engine.metrics.kv_events import KVEventBatch
+    from engine.metrics.stats import SchedulerStats
+    from engine.outputs import RequestOutput
 
 _DEAD_HINT = ("The engine core process stopped (its log is below). Restart the console "
               "(`lmc tui`). If it ran out of memory, lower --num-blocks or --max-num-seqs.")
@@ -44,20 +46,16 @@ class AsyncLLMConsoleClient:
             # stat_loggers=[]: the dashboard shows the stats; log lines would scribble on it.
             self.llm = await asyncio.to_thread(module.AsyncLLM, self.model, stat_loggers=[], **self.engine_args)
             self.tokenizer = self.llm.get_tokenizer()
-            summary = dict(getattr(self.llm, "model_config_summary", None) or {})
+            summary = self.llm.model_config_summary
         except Exception as error:  # noqa: BLE001 - every start failure becomes a panel
             raise EngineUnavailable(f"{type(error).__name__}: {error}", _START_HINT,
                                     during_start=True) from error
         self.info = EngineInfo(
-            model=str(summary.get("model") or self.info.model),
-            device=str(summary.get("device", "cpu")), dtype=str(summary.get("dtype", "?")).replace("torch.", ""),
-            block_size=int(summary.get("block_size", 16)), num_blocks=int(summary.get("num_blocks", 0)),
-            max_model_len=int(summary.get("max_model_len", 0)),
-            max_num_batched_tokens=int(summary.get("max_num_batched_tokens", 0)),
-            max_num_seqs=int(summary.get("max_num_seqs", 0)),
-            vocab_size=min(int(summary.get("vocab_size") or 1 << 30), len(self.tokenizer)),
-            multimodal=bool(summary.get("multimodal", False)),
-            notice=_model_notice(summary.get("model_dir")),
+            model=summary["model"], device=summary["device"], dtype=summary["dtype"],
+            block_size=summary["block_size"], num_blocks=summary["num_blocks"],
+            max_model_len=summary["max_model_len"], max_num_batched_tokens=summary["max_num_batched_tokens"],
+            max_num_seqs=summary["max_num_seqs"], vocab_size=min(summary["vocab_size"], len(self.tokenizer)),
+            multimodal=summary["multimodal"], notice=_model_notice(summary["model_dir"]),
         )
         return self.info
 
@@ -67,10 +65,10 @@ class AsyncLLMConsoleClient:
             await asyncio.to_thread(llm.shutdown)
 
     # -- streams --------------------------------------------------------------------------
-    async def stats_stream(self) -> AsyncIterator[StatsSample]:
+    async def stats_stream(self) -> AsyncIterator[SchedulerStats]:
         with _dead_as_unavailable(self):
             async for stats in self._engine().stats_stream():
-                yield stats_sample_of(stats)
+                yield stats
 
     async def kv_events_stream(self) -> AsyncIterator[list[KVEventRecord]]:
         with _dead_as_unavailable(self):
@@ -159,37 +157,7 @@ class _dead_as_unavailable:
         return False
 
 
-# -- conversions (pure functions, tested with stand-in objects) -----------------------------
-def stats_sample_of(stats: Any) -> StatsSample:
-    """Convert the engine's SchedulerStats (duck-typed) into a StatsSample."""
-    prefix = getattr(stats, "prefix_cache", None)
-    get = lambda name, default=0: getattr(stats, name, default)  # noqa: E731
-    return StatsSample(
-        ts=time.time(),  # arrival here: the rate windows measure what the console has seen
-        num_running_reqs=get("num_running_reqs"), num_waiting_reqs=get("num_waiting_reqs"),
-        num_preempted_reqs=get("num_preempted_reqs"), num_preemptions_total=get("num_preemptions_total", None),
-        num_scheduled_tokens=get("num_scheduled_tokens"),
-        token_budget=get("token_budget"), kv_cache_usage=float(get("kv_cache_usage", 0.0)),
-        num_free_blocks=get("num_free_blocks"), num_total_blocks=get("num_total_blocks"),
-        prefix_requests=getattr(prefix, "requests", 0), prefix_queries=getattr(prefix, "queries", 0),
-        prefix_hits=getattr(prefix, "hits", 0), step_time_s=float(get("step_time_s", 0.0)),
-        num_steps=get("num_steps"), num_prompt_tokens=get("num_prompt_tokens", None),
-        num_generation_tokens=get("num_generation_tokens", None),
-        block_states=_as_bytes(get("block_states", None)),
-        block_ref_counts=_as_bytes(get("block_ref_counts", None)),
-        encoder_cache=encoder_cache_sample_of(get("encoder_cache", None)),
-        kv_tiers=kv_tiers_of(get("kv_tiers", None)),
-    )
-
-
-def encoder_cache_sample_of(stats: Any) -> EncoderCacheSample | None:
-    """Convert the engine's EncoderCacheStats (duck-typed); None for a text-only engine."""
-    if stats is None:
-        return None
-    return EncoderCacheSample(**{name: int(getattr(stats, name, 0) or 0)
-                                 for name in EncoderCacheSample.__dataclass_fields__})
-
-
+# -- helpers and conversions -----------------------------------------------------------------
 def _model_notice(model_dir: Any) -> str | None:
     """The demo VLM's caveat, read from the marker file its builder writes."""
     import json
@@ -204,59 +172,23 @@ def _model_notice(model_dir: Any) -> str | None:
         return None
 
 
-def kv_tiers_of(tiers: Any) -> list[KVTierSample] | None:
-    """Convert the engine's KVTierStats list (duck-typed); None when there is none."""
-    if not tiers:
-        return None
-    names = ("capacity_bytes", "used_bytes", "num_chunks", "hits", "misses", "bytes_in", "bytes_out",
-             "evictions", "errors")
-    return [KVTierSample(str(getattr(t, "medium", "?")), *(int(getattr(t, n, 0) or 0) for n in names))
-            for t in tiers]
+def kv_records_of(batch: KVEventBatch, seq: int = 0) -> list[KVEventRecord]:
+    """The rows of one engine KVEventBatch."""
+    return [KVEventRecord(batch.ts, event, seq) for event in batch.events]
 
 
-def kv_records_of(batch: Any) -> list[KVEventRecord]:
-    """Convert one KVEventBatch (ts, events) into KVEventRecords."""
-    ts = float(getattr(batch, "ts", None) or time.time())
-    records = []
-    for event in getattr(batch, "events", batch):
-        hashes = [hash_hex(h) for h in getattr(event, "block_hashes", None) or []]
-        parent = getattr(event, "parent_block_hash", None)
-        records.append(KVEventRecord(
-            ts=ts, kind=type(event).__name__, block_hashes=hashes,
-            parent_block_hash=None if parent is None else hash_hex(parent),
-            num_tokens=len(getattr(event, "token_ids", None) or []),
-            block_size=int(getattr(event, "block_size", 0) or 0), medium=getattr(event, "medium", None),
-        ))
-    return records
-
-
-def chunk_of(output: Any) -> StreamChunk:
+def chunk_of(output: RequestOutput) -> StreamChunk:
     """Convert one DELTA RequestOutput into a StreamChunk."""
     completion = output.outputs[0] if output.outputs else None
-    metrics = getattr(output, "metrics", None)
+    metrics = output.metrics
     return StreamChunk(
         request_id=output.request_id, text=completion.text if completion else "",
         num_new_tokens=len(completion.token_ids) if completion else 0,
         num_prompt_tokens=len(output.prompt_token_ids or []),
-        num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
-        finished=bool(output.finished),
+        num_cached_tokens=output.num_cached_tokens,
+        finished=output.finished,
         finish_reason=str(completion.finish_reason) if completion and completion.finish_reason else None,
-        ttft_s=getattr(metrics, "time_to_first_token", None),
-        tpot_s=getattr(metrics, "time_per_output_token", None),
-        e2e_s=getattr(metrics, "e2e_latency", None),
+        ttft_s=metrics.time_to_first_token if metrics is not None else None,
+        tpot_s=metrics.time_per_output_token if metrics is not None else None,
+        e2e_s=metrics.e2e_latency if metrics is not None else None,
     )
-
-
-def hash_hex(block_hash: Any) -> str:
-    """A block hash (bytes or int) as hex."""
-    if isinstance(block_hash, (bytes, bytearray, memoryview)):
-        return bytes(block_hash).hex()
-    if isinstance(block_hash, int):
-        return format(block_hash & (2**64 - 1), "016x")
-    return str(block_hash)
-
-
-def _as_bytes(value: Any) -> bytes | None:
-    if value is None:
-        return None
-    return value if isinstance(value, bytes) else bytes(value)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from lm_console.client.types import EngineInfo, GenParams, KVEventRecord, StatsSample, StreamChunk
+from engine.metrics.stats import SchedulerStats
+from lm_console.client.types import EngineInfo, GenParams, KVEventRecord, StreamChunk
 
 ChatMessages = list[dict[str, Any]]
 
@@ -23,8 +24,12 @@ class ConsoleClient(Protocol):
         """Start (or attach to) the engine; raise EngineUnavailable if it cannot start."""
         ...
 
-    def stats_stream(self) -> AsyncIterator[StatsSample]:
-        """One sample per engine step (the block map at most a few times a second)."""
+    def stats_stream(self) -> AsyncIterator[SchedulerStats]:
+        """The engine's SchedulerStats, one per step (the block map at most a few times a second).
+
+        Their `timestamp` is the time axis of the dashboard's rates: the engine's time.time(),
+        or the client's clock where it has one of its own (the fake's hand-moved clock).
+        """
         ...
 
     def kv_events_stream(self) -> AsyncIterator[list[KVEventRecord]]:

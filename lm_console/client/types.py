@@ -1,19 +1,16 @@
-"""Plain data the console gets from an engine client: engine info, stats, KV events, stream chunks.
+"""The console's own data: engine info for the header, KV event rows, sampling settings, stream chunks.
 
-The console owns these types (and not the engine's) so the TUI imports no torch and keeps working
-while the engine's own structures evolve: the adapter converts, the fake builds them directly.
+Stats and KV events are the engine's own torch-free types (engine/metrics/stats.py: SchedulerStats,
+engine/metrics/kv_events.py: the event Structs), so a renamed engine field breaks the console's
+tests instead of showing as a zero; the types here only add what is the console's concern.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-# One byte a block in StatsSample.block_states.
-BLOCK_FREE = 0
-BLOCK_IN_USE = 1
-BLOCK_CACHED = 2  # in the prefix cache, no request holds it: evictable
-BLOCK_NULL = 3
+from engine.metrics.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 
 
 class EngineUnavailable(Exception):
@@ -43,84 +40,55 @@ class EngineInfo:
 
 
 @dataclass(slots=True)
-class KVTierSample:
-    """One KV offload tier (CPU or DISK) as the engine reports it: occupancy, cumulative counters."""
-
-    medium: str
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    num_chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_in: int = 0  # stored into the tier
-    bytes_out: int = 0  # loaded from the tier
-    evictions: int = 0
-    errors: int = 0
-
-
-@dataclass(slots=True)
-class StatsSample:
-    """One SchedulerStats snapshot (one engine step), plus the block map when it was sent."""
-
-    ts: float
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_preempted_reqs: int = 0  # preemptions during this step
-    num_preemptions_total: int | None = None  # since start, when the engine counts them
-    num_scheduled_tokens: int = 0
-    token_budget: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    prefix_requests: int = 0
-    prefix_queries: int = 0  # tokens looked up in the prefix cache during this step
-    prefix_hits: int = 0  # of which found
-    step_time_s: float = 0.0
-    num_steps: int = 0
-    num_prompt_tokens: int | None = None  # when the engine reports the split itself
-    num_generation_tokens: int | None = None
-    block_states: bytes | None = None  # one byte a block: BLOCK_FREE .. BLOCK_NULL
-    block_ref_counts: bytes | None = None  # one byte a block, saturating at 255
-    encoder_cache: EncoderCacheSample | None = None  # multimodal engines only
-    kv_tiers: list[KVTierSample] | None = None  # KV offload tiers, when a connector offloads
-
-
-@dataclass(slots=True)
-class EncoderCacheSample:
-    """The encoder cache after one step: occupancy in embedding slots, cumulative counters."""
-
-    num_entries: int = 0
-    num_slots: int = 0
-    num_used_slots: int = 0
-    num_freeable_slots: int = 0
-    num_free_slots: int = 0
-    num_lookups: int = 0
-    num_hits: int = 0
-    num_encoder_runs: int = 0
-    num_external_loads: int = 0
-    num_evictions: int = 0
-
-
-@dataclass(slots=True)
 class KVEventRecord:
-    """One KV cache event, flattened for display and for `lmc events`."""
+    """One of the engine's KV cache events with its batch's time: a row of the event log and of `lmc events`.
+
+    seq: the number of the engine batch the event came in, where the source numbers its batches
+    (the fake engine from 1, the PUB socket from 0); the events of one batch share it.
+    """
 
     ts: float
-    kind: str  # "BlockStored" | "BlockRemoved" | "AllBlocksCleared"
-    block_hashes: list[str] = field(default_factory=list)  # hex digests
-    parent_block_hash: str | None = None
-    num_tokens: int = 0
-    block_size: int = 0
-    medium: str | None = "GPU"
+    event: KVCacheEvent  # BlockStored | BlockRemoved | AllBlocksCleared
     seq: int = 0
+
+    @property
+    def kind(self) -> str:
+        return type(self.event).__name__
+
+    @property
+    def block_hashes(self) -> list[str]:
+        """The event's block hashes as hex (none for AllBlocksCleared)."""
+        event = self.event
+        return [] if isinstance(event, AllBlocksCleared) else [hash_hex(h) for h in event.block_hashes]
+
+    @property
+    def parent_block_hash(self) -> str | None:
+        event = self.event
+        if isinstance(event, BlockStored) and event.parent_block_hash is not None:
+            return hash_hex(event.parent_block_hash)
+        return None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.event.token_ids) if isinstance(self.event, BlockStored) else 0
 
     def to_json_dict(self) -> dict[str, Any]:
         """The record as `lmc events` prints it."""
+        event = self.event
         return {
             "ts": self.ts, "seq": self.seq, "type": self.kind, "block_hashes": self.block_hashes,
             "parent_block_hash": self.parent_block_hash, "num_tokens": self.num_tokens,
-            "block_size": self.block_size, "medium": self.medium,
+            "block_size": event.block_size if isinstance(event, BlockStored) else 0, "medium": event.medium,
         }
+
+
+def hash_hex(block_hash: Any) -> str:
+    """A block hash (bytes or int) as hex."""
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        return bytes(block_hash).hex()
+    if isinstance(block_hash, int):
+        return format(block_hash & (2**64 - 1), "016x")
+    return str(block_hash)
 
 
 @dataclass(slots=True)

@@ -71,7 +71,7 @@ async def drive_chat(app: ConsoleApp, client: FakeConsoleClient, clock: ManualCl
     await _settle()
     for _ in range(200):
         await _settle()
-        if not client.sim.has_unfinished_requests() and app.session.current_request_id is None:
+        if not client.has_unfinished_requests() and app.session.current_request_id is None:
             break
         client.step()
         clock.advance(0.04)

@@ -2,7 +2,8 @@
 
 Stream readers only append to deques (`add_stats`, `add_events`); the app's timer calls
 `flush(now)` a few times a second, which folds the backlog into rolling windows and returns
-the view every panel renders from.
+the view every panel renders from. The stats are the engine's own SchedulerStats; their
+`timestamp` places them in the rolling windows.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lm_console.client.types import (
-    BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, EncoderCacheSample, KVEventRecord, KVTierSample, StatsSample,
+from engine.metrics.stats import (
+    BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
 )
+from lm_console.client.types import KVEventRecord
 from lm_console.request_book import RequestBook, percentile
 
 
@@ -53,8 +55,8 @@ class DashboardView:
     tpot_p95: float | None = None
     num_events: int = 0
     num_stats: int = 0
-    encoder_cache: EncoderCacheSample | None = None  # latest; None for a text-only engine
-    kv_tiers: list[KVTierSample] = field(default_factory=list)  # latest, cumulative counters
+    encoder_cache: EncoderCacheStats | None = None  # latest; None for a text-only engine
+    kv_tiers: list[KVTierStats] = field(default_factory=list)  # latest, cumulative counters
     kv_tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # medium -> (in, out) B/s
 
 
@@ -66,11 +68,10 @@ class Telemetry:
         self.book = book
         self.window_s = window_s
         self.recent_requests = recent_requests
-        self.pending_stats: deque[StatsSample] = deque(maxlen=10_000)
+        self.pending_stats: deque[SchedulerStats] = deque(maxlen=10_000)
         self.pending_events: deque[KVEventRecord] = deque(maxlen=10_000)
         self.view = DashboardView()
         self._steps: deque[tuple[float, int, int, int, int]] = deque()  # ts, scheduled, prompt, gen, preempted
-        self._gen_ticks: deque[tuple[float, int]] = deque()  # console-counted generated tokens
         self._tokens_per_step: deque[float] = deque(maxlen=history)
         self._prompt_hist: deque[float] = deque(maxlen=history)
         self._gen_hist: deque[float] = deque(maxlen=history)
@@ -79,10 +80,9 @@ class Telemetry:
         self._prefix_recent: deque[tuple[int, int, int]] = deque()  # (requests, queries, hits)
         self._prefix_sums = [0, 0, 0]
         self._prefix_all = [0, 0]
-        self._engine_split = False  # the engine reports prompt/generation tokens itself
         self._tier_points: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()  # ts, medium -> (in, out)
 
-    def add_stats(self, sample: StatsSample) -> None:
+    def add_stats(self, sample: SchedulerStats) -> None:
         self.pending_stats.append(sample)
 
     def add_events(self, records: list[KVEventRecord]) -> None:
@@ -100,21 +100,12 @@ class Telemetry:
         view = self.view
         while self.pending_stats:
             self._fold(self.pending_stats.popleft(), view)
-        self._gen_ticks.append((now, self.book.take_generated()))
         horizon = now - self.window_s
         while self._steps and self._steps[0][0] < horizon:
             self._steps.popleft()
-        while self._gen_ticks and self._gen_ticks[0][0] < horizon:
-            self._gen_ticks.popleft()
         span = self.window_s
-        scheduled = sum(s[1] for s in self._steps)
-        if self._engine_split:
-            view.prompt_tps = sum(s[2] for s in self._steps) / span
-            view.gen_tps = sum(s[3] for s in self._steps) / span
-        else:
-            generated = sum(g for _, g in self._gen_ticks)
-            view.gen_tps = generated / span
-            view.prompt_tps = max(scheduled - generated, 0) / span
+        view.prompt_tps = sum(s[2] for s in self._steps) / span
+        view.gen_tps = sum(s[3] for s in self._steps) / span
         view.steps_per_s = len(self._steps) / span
         view.num_preempted_recent = sum(s[4] for s in self._steps)
         if not self._steps:
@@ -135,13 +126,11 @@ class Telemetry:
         view.tpot_p50, view.tpot_p95 = percentile(tpots, 50), percentile(tpots, 95)
         return view
 
-    def _fold(self, sample: StatsSample, view: DashboardView) -> None:
+    def _fold(self, sample: SchedulerStats, view: DashboardView) -> None:
         view.num_stats += 1
         view.num_running = sample.num_running_reqs
         view.num_waiting = sample.num_waiting_reqs
-        view.num_preempted_total += sample.num_preempted_reqs
-        if sample.num_preemptions_total is not None:  # exact even when samples were dropped
-            view.num_preempted_total = sample.num_preemptions_total
+        view.num_preempted_total = sample.num_preemptions_total  # exact even when samples were dropped
         view.scheduled_tokens = sample.num_scheduled_tokens
         view.token_budget = sample.token_budget or view.token_budget
         view.step_ms = sample.step_time_s * 1000
@@ -151,41 +140,41 @@ class Telemetry:
         view.num_free_blocks = sample.num_free_blocks
         view.num_used_blocks = max(sample.num_total_blocks - sample.num_free_blocks, 0)
         self._tokens_per_step.append(float(sample.num_scheduled_tokens))
-        if sample.num_prompt_tokens is not None and sample.num_generation_tokens is not None:
-            self._engine_split = True
-        self._steps.append((sample.ts, sample.num_scheduled_tokens, sample.num_prompt_tokens or 0,
-                            sample.num_generation_tokens or 0, sample.num_preempted_reqs))
+        self._steps.append((sample.timestamp, sample.num_scheduled_tokens, sample.num_prompt_tokens,
+                            sample.num_generation_tokens, sample.num_preempted_reqs))
         if sample.block_states is not None:
             view.block_states = sample.block_states
             view.block_ref_counts = sample.block_ref_counts
             states = sample.block_states
-            view.num_cached_blocks = states.count(BLOCK_CACHED)
-            view.num_used_blocks = states.count(BLOCK_IN_USE)
-            view.num_free_blocks = states.count(BLOCK_FREE) + view.num_cached_blocks
-        if sample.prefix_queries:
+            view.num_cached_blocks = states.count(BLOCK_STATE_CACHED)
+            view.num_used_blocks = states.count(BLOCK_STATE_IN_USE)
+            view.num_free_blocks = states.count(BLOCK_STATE_FREE) + view.num_cached_blocks
+        if sample.prefix_cache.queries:
             self._fold_prefix(sample, view)
         if sample.encoder_cache is not None:
             view.encoder_cache = sample.encoder_cache
         if sample.kv_tiers:
             self._fold_tiers(sample, view)
 
-    def _fold_tiers(self, sample: StatsSample, view: DashboardView) -> None:
+    def _fold_tiers(self, sample: SchedulerStats, view: DashboardView) -> None:
         tiers = sample.kv_tiers or []
         view.kv_tiers = list(tiers)
         point = {t.medium: (t.bytes_in, t.bytes_out) for t in tiers}
-        self._tier_points.append((sample.ts, point))
-        while len(self._tier_points) > 2 and self._tier_points[0][0] < sample.ts - self.window_s:
+        ts = sample.timestamp
+        self._tier_points.append((ts, point))
+        while len(self._tier_points) > 2 and self._tier_points[0][0] < ts - self.window_s:
             self._tier_points.popleft()
         first_ts, first = self._tier_points[0]
-        span = max(sample.ts - first_ts, 1e-3)
+        span = max(ts - first_ts, 1e-3)
         view.kv_tier_rates = {
             medium: ((now_in - first.get(medium, (now_in, now_out))[0]) / span,
                      (now_out - first.get(medium, (now_in, now_out))[1]) / span)
             for medium, (now_in, now_out) in point.items()
         }
 
-    def _fold_prefix(self, sample: StatsSample, view: DashboardView) -> None:
-        entry = (max(sample.prefix_requests, 1), sample.prefix_queries, sample.prefix_hits)
+    def _fold_prefix(self, sample: SchedulerStats, view: DashboardView) -> None:
+        prefix = sample.prefix_cache
+        entry = (max(prefix.requests, 1), prefix.queries, prefix.hits)
         self._prefix_recent.append(entry)
         for i in range(3):
             self._prefix_sums[i] += entry[i]
@@ -193,7 +182,7 @@ class Telemetry:
             old = self._prefix_recent.popleft()
             for i in range(3):
                 self._prefix_sums[i] -= old[i]
-        self._prefix_all[0] += sample.prefix_queries
-        self._prefix_all[1] += sample.prefix_hits
+        self._prefix_all[0] += prefix.queries
+        self._prefix_all[1] += prefix.hits
         view.hit_rate_recent = self._prefix_sums[2] / self._prefix_sums[1] if self._prefix_sums[1] else None
         view.hit_rate_all = self._prefix_all[1] / self._prefix_all[0] if self._prefix_all[0] else None

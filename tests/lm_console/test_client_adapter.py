@@ -2,44 +2,62 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
-from lm_console.client.asyncllm import chunk_of, hash_hex, kv_records_of, stats_sample_of
-from lm_console.events import records_of_message, records_of_wire_batch
+import pytest
+
+from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_kv_event_batch
+from engine.metrics.stats import SchedulerStats
+from lm_console.client.asyncllm import AsyncLLMConsoleClient, chunk_of, kv_records_of
+from lm_console.client.types import hash_hex
+from lm_console.events import records_of_message
+
+SUMMARY = {"model": "m", "model_dir": "/nowhere", "device": "cpu", "dtype": "float32", "block_size": 16,
+           "num_blocks": 65, "max_model_len": 512, "max_num_batched_tokens": 256, "max_num_seqs": 8,
+           "enable_prefix_caching": True, "vocab_size": 900, "kv_events_endpoint": None, "multimodal": False}
 
 
-def test_stats_sample_of_scheduler_stats() -> None:
-    from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
+def test_info_from_the_engines_summary_and_stats_pass_through(fake_async_llm, monkeypatch) -> None:  # noqa: ANN001
+    stats = SchedulerStats(num_running_reqs=2, num_steps=5)
 
-    stats = SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, num_scheduled_tokens=64, token_budget=128,
-                           kv_cache_usage=0.25, num_free_blocks=30, num_total_blocks=40,
-                           prefix_cache=PrefixCacheStatsSnapshot(requests=1, queries=32, hits=16),
-                           step_time_s=0.02, num_steps=5)
-    sample = stats_sample_of(stats)
-    assert (sample.num_running_reqs, sample.num_waiting_reqs, sample.token_budget) == (2, 1, 128)
-    assert (sample.prefix_queries, sample.prefix_hits, sample.num_steps) == (32, 16, 5)
-    assert sample.ts > 0
+    async def stats_stream(self):  # noqa: ANN001, ANN202
+        yield stats
+
+    monkeypatch.setattr(fake_async_llm, "model_config_summary", dict(SUMMARY), raising=False)
+    monkeypatch.setattr(fake_async_llm, "stats_stream", stats_stream, raising=False)
+
+    async def scenario() -> tuple:
+        client = AsyncLLMConsoleClient("m")
+        info = await client.start()
+        received = [s async for s in client.stats_stream()]
+        await client.shutdown()
+        return info, received
+
+    info, received = asyncio.run(scenario())
+    assert (info.model, info.num_blocks, info.max_num_seqs, info.vocab_size) == ("m", 65, 8, 900)  # 900 < len(tok)
+    assert received == [stats] and received[0] is stats  # the engine's own SchedulerStats
+    # A field the engine stops reporting is an error, not a silent default.
+    monkeypatch.setattr(fake_async_llm, "model_config_summary", {k: v for k, v in SUMMARY.items() if k != "num_blocks"})
+    with pytest.raises(KeyError, match="num_blocks"):
+        asyncio.run(AsyncLLMConsoleClient("m").start())
 
 
-def test_kv_records_of_engine_events_and_wire_messages() -> None:
-    import msgspec
-
-    from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-    from engine.metrics.kv_events import KVEventBatch, encode_kv_event_batch
-
+def test_kv_records_hold_the_engines_events() -> None:
     batch = KVEventBatch(ts=12.5, events=[
         BlockStored([b"\x01" * 4, b"\x02" * 4], None, list(range(8)), 4),
         BlockRemoved([b"\x03" * 4]), AllBlocksCleared()])
     records = kv_records_of(batch)
     assert [r.kind for r in records] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert records[0].event is batch.events[0]
     assert records[0].block_hashes == ["01010101", "02020202"] and records[0].num_tokens == 8
-    assert records[0].ts == 12.5 and records[1].block_hashes == ["03030303"]
+    assert records[0].ts == 12.5 and records[1].block_hashes == ["03030303"] and records[2].block_hashes == []
     frames = [b"kv-events", (7).to_bytes(8, "big"), encode_kv_event_batch(batch)]
-    decoded = records_of_message(frames, msgspec)
-    assert [r.seq for r in decoded] == [7, 7, 7] and decoded[0].block_size == 4
-    generic = records_of_wire_batch(msgspec.msgpack.decode(frames[2]), 7)
-    assert [r.kind for r in generic] == [r.kind for r in records]
-    assert generic[0].block_hashes == records[0].block_hashes
+    decoded = records_of_message(frames)
+    assert [r.seq for r in decoded] == [7, 7, 7]
+    row = decoded[0].to_json_dict()
+    assert row["block_size"] == 4 and row["type"] == "BlockStored" and row["parent_block_hash"] is None
+    assert decoded[2].to_json_dict()["medium"] == "GPU"
 
 
 def test_chunk_of_request_output() -> None:
@@ -54,4 +72,4 @@ def test_chunk_of_request_output() -> None:
     chunk = chunk_of(output)
     assert (chunk.text, chunk.num_new_tokens, chunk.num_prompt_tokens, chunk.num_cached_tokens) == ("hi", 1, 4, 2)
     assert chunk.finished and chunk.finish_reason == "stop" and chunk.ttft_s == 0.5 and chunk.tpot_s == 0.5
-    assert hash_hex(255) == "00000000000000ff" and hash_hex(SimpleNamespace) .startswith("<class")
+    assert hash_hex(255) == "00000000000000ff" and hash_hex(SimpleNamespace).startswith("<class")

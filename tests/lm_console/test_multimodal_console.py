@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from lm_console.chat_session import ChatSession
-from lm_console.client import FakeConsoleClient, StatsSample
-from lm_console.client.types import EncoderCacheSample, GenParams
+from engine.metrics.stats import EncoderCacheStats, SchedulerStats
+from lm_console.client import FakeConsoleClient
+from lm_console.client.types import GenParams
 from lm_console.tui.app import ConsoleApp
 from lm_console.tui.widgets.chat_message import ChatMessage
 from lm_console.tui.widgets.encoder_cache_panel import EncoderCachePanel
@@ -60,18 +61,6 @@ def test_half_block_preview_keeps_the_aspect_within_bounds() -> None:
     assert set(text.plain) <= {"▀", "\n"}
 
 
-def test_stats_adapter_converts_encoder_cache() -> None:
-    from engine.metrics.stats import EncoderCacheStats, SchedulerStats
-    from lm_console.client.asyncllm import stats_sample_of
-
-    stats = SchedulerStats(encoder_cache=EncoderCacheStats(num_entries=2, num_slots=100, num_used_slots=20,
-                                                           num_freeable_slots=30, num_free_slots=50,
-                                                           num_lookups=4, num_hits=3, num_encoder_runs=1))
-    sample = stats_sample_of(stats)
-    assert sample.encoder_cache == EncoderCacheSample(2, 100, 20, 30, 50, 4, 3, 1, 0, 0)
-    assert stats_sample_of(SchedulerStats()).encoder_cache is None
-
-
 def test_tui_image_preview_capabilities_and_encoder_panel(png) -> None:
     async def scenario() -> None:
         client = multimodal_fake(auto_step=False)
@@ -82,7 +71,7 @@ def test_tui_image_preview_capabilities_and_encoder_panel(png) -> None:
             await pilot.pause()
             panel = app.query_one(EncoderCachePanel)
             assert not panel.display  # nothing reported yet
-            client.push_stats(StatsSample(ts=1.0, encoder_cache=EncoderCacheSample(
+            client.push_stats(SchedulerStats(timestamp=1.0, encoder_cache=EncoderCacheStats(
                 num_entries=3, num_slots=400, num_used_slots=100, num_freeable_slots=60, num_free_slots=240,
                 num_lookups=10, num_hits=7, num_encoder_runs=3, num_evictions=1)))
             for _ in range(20):
@@ -108,7 +97,7 @@ def test_tui_image_preview_capabilities_and_encoder_panel(png) -> None:
 def test_chat_with_an_image_through_asyncllm(tiny_idefics3_dir, png) -> None:
     from lm_console.client.asyncllm import AsyncLLMConsoleClient
 
-    async def scenario() -> tuple[int, int, EncoderCacheSample | None]:
+    async def scenario() -> tuple[int, int, EncoderCacheStats | None]:
         client = AsyncLLMConsoleClient(str(tiny_idefics3_dir), max_model_len=512, kv_cache_memory=1 << 24)
         info = await client.start()
         try:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from lm_console.client.types import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, StatsSample, StreamChunk
+from engine.metrics.stats import (
+    BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, PrefixCacheStatsSnapshot, SchedulerStats,
+)
+from lm_console.client.types import StreamChunk
 from lm_console.request_book import FINISHED, RUNNING, WAITING, RequestBook, percentile
 from lm_console.tui.render import bar, sparkline
 from lm_console.tui.telemetry import Telemetry
@@ -12,10 +15,11 @@ def test_rates_and_block_counts() -> None:
     book = RequestBook()
     telemetry = Telemetry(book, window_s=2.0, recent_requests=4)
     for i in range(20):  # 10 steps a second for 2 s
-        telemetry.add_stats(StatsSample(ts=100.0 + i * 0.1, num_scheduled_tokens=50, token_budget=64,
-                                        num_prompt_tokens=40, num_generation_tokens=10, num_steps=i + 1,
-                                        prefix_requests=1, prefix_queries=100, prefix_hits=50 if i < 16 else 100,
-                                        block_states=bytes([3, BLOCK_IN_USE, BLOCK_CACHED, BLOCK_FREE])))
+        prefix = PrefixCacheStatsSnapshot(requests=1, queries=100, hits=50 if i < 16 else 100)
+        telemetry.add_stats(SchedulerStats(
+            timestamp=100.0 + i * 0.1, num_scheduled_tokens=50, token_budget=64, num_prompt_tokens=40,
+            num_generation_tokens=10, num_steps=i + 1, prefix_cache=prefix,
+            block_states=bytes([3, BLOCK_STATE_IN_USE, BLOCK_STATE_CACHED, BLOCK_STATE_FREE])))
     view = telemetry.flush(101.95)
     assert view.steps_per_s == 10.0
     assert view.prompt_tps == 400.0 and view.gen_tps == 100.0
@@ -34,7 +38,7 @@ def test_request_book_states_and_latency() -> None:
     book.on_chunk(StreamChunk("a", "y", 2, 32, 16, finished=True, finish_reason="length"), 11.5)
     assert "a" not in book.active and book.done[-1].state == FINISHED
     assert book.ttft_samples[-1] == 0.5 and abs(book.tpot_samples[-1] - 0.5) < 1e-9
-    assert book.take_generated() == 3 and book.take_generated() == 0
+    assert book.num_finished == 1 and book.done[-1].num_generated == 3
     assert book.rows(20.0) == []  # lingered out
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from lm_console.client import FakeConsoleClient, KVEventRecord, StatsSample
-from lm_console.client.types import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_NULL
+from engine.metrics.kv_events import BlockRemoved, BlockStored
+from engine.metrics.stats import (
+    BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, PrefixCacheStatsSnapshot,
+    SchedulerStats,
+)
+from lm_console.client import FakeConsoleClient, KVEventRecord
 from lm_console.tui.app import ConsoleApp
 from lm_console.tui.screens.engine_dead import EngineDeadScreen
 from lm_console.tui.screens.help import HelpScreen
@@ -26,15 +30,17 @@ def text_of(widget) -> str:  # noqa: ANN001
     return str(widget.render())
 
 
-def sample(clock, **fields) -> StatsSample:  # noqa: ANN001
-    states = bytes([BLOCK_NULL] + [BLOCK_IN_USE] * 10 + [BLOCK_CACHED] * 5 + [BLOCK_FREE] * 48)
+def sample(clock, **fields) -> SchedulerStats:  # noqa: ANN001
+    states = bytes([BLOCK_STATE_NULL] + [BLOCK_STATE_IN_USE] * 10 + [BLOCK_STATE_CACHED] * 5
+                   + [BLOCK_STATE_FREE] * 48)
     refs = bytes([0] + [1] * 8 + [3] * 2 + [0] * 53)
-    base = dict(ts=clock(), num_running_reqs=3, num_waiting_reqs=2, num_preempted_reqs=1,
-                num_scheduled_tokens=96, token_budget=256, kv_cache_usage=10 / 63, num_free_blocks=53,
-                num_total_blocks=63, prefix_requests=2, prefix_queries=200, prefix_hits=150,
+    base = dict(timestamp=clock(), num_running_reqs=3, num_waiting_reqs=2, num_preempted_reqs=1,
+                num_preemptions_total=1, num_scheduled_tokens=96, token_budget=256, kv_cache_usage=10 / 63,
+                num_free_blocks=53, num_total_blocks=63,
+                prefix_cache=PrefixCacheStatsSnapshot(requests=2, queries=200, hits=150),
                 step_time_s=0.05, num_steps=7, block_states=states, block_ref_counts=refs)
     base.update(fields)
-    return StatsSample(**base)
+    return SchedulerStats(**base)
 
 
 def test_panels_show_the_fake_stream(clock) -> None:  # noqa: ANN001
@@ -44,8 +50,8 @@ def test_panels_show_the_fake_stream(clock) -> None:  # noqa: ANN001
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause()
             client.push_stats(sample(clock))
-            client.push_events([KVEventRecord(clock(), "BlockStored", ["ab" * 8], None, 16, 16, seq=1),
-                                KVEventRecord(clock(), "BlockRemoved", ["cd" * 8], seq=2)])
+            client.push_events([KVEventRecord(clock(), BlockStored([b"\xab" * 8], None, list(range(16)), 16), seq=1),
+                                KVEventRecord(clock(), BlockRemoved([b"\xcd" * 8]), seq=2)])
             await pilot.pause()
             app.tick()
             await pilot.pause()
@@ -53,7 +59,7 @@ def test_panels_show_the_fake_stream(clock) -> None:  # noqa: ANN001
             assert "running 3" in scheduler and "waiting 2" in scheduler and "preempt 1 (+1)" in scheduler
             assert "96/256" in scheduler
             block_map = app.query_one(BlockMap)
-            assert len(block_map.states) == 64 and block_map.states[0] == BLOCK_NULL
+            assert len(block_map.states) == 64 and block_map.states[0] == BLOCK_STATE_NULL
             pool_title = str(app.query_one("#block-pool").border_title)
             assert "in use 10" in pool_title and "cached 5" in pool_title
             assert "75%" in text_of(app.query_one("#prefix"))  # 150 of 200 tokens hit
@@ -91,7 +97,7 @@ def test_bindings_help_load_pause_and_filter(clock) -> None:  # noqa: ANN001
             await pilot.press("p")
             await pilot.press("space")
             assert app.query_one(KVEventLog).paused
-            client.push_events([KVEventRecord(clock(), "BlockRemoved", ["ef" * 8], seq=1)])
+            client.push_events([KVEventRecord(clock(), BlockRemoved([b"\xef" * 8]), seq=1)])
             await pilot.pause()
             app.tick()
             assert len(app.query_one(KVEventLog).held) == 1

@@ -13,7 +13,9 @@ SIZE = (120, 36)
 
 @pytest.fixture(autouse=True)
 def utc(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """Event timestamps print in local time: pin it."""
+    """Event timestamps print in local time: pin it. Block hashes start from a random root
+    unless PYTHONHASHSEED is set (engine/core/kv_cache/hashing.py): pin that too."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
     yield

@@ -15,17 +15,12 @@ from engine.kv_cache_hashing import (
     make_block_hash_with_group_id,
 )
 from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.metrics.stats import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
 
 if TYPE_CHECKING:
     from engine.request import Request
 
 logger = logging.getLogger(__name__)
-
-# Values of get_block_states(): one byte per block, read by the console's block map.
-BLOCK_STATE_FREE = 0  # ref_cnt == 0, no hash: plain free block
-BLOCK_STATE_IN_USE = 1  # ref_cnt > 0
-BLOCK_STATE_CACHED = 2  # ref_cnt == 0 with a hash: free but still a prefix-cache hit (evictable)
-BLOCK_STATE_NULL = 3  # the null block
 
 
 class BlockHashToBlockMap:

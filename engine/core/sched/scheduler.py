@@ -336,7 +336,9 @@ class Scheduler:
         outputs: dict[int, list[EngineCoreOutput]] = {}
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
-        stopped: set[Request] = set()
+        # Insertion-ordered (not a set of objects hashed by address): finished requests free
+        # their blocks in step order, so block placement is reproducible from run to run.
+        stopped: dict[Request, None] = {}
         num_generation_tokens = 0
         failed_loads = self.kv_transfer.update_from_output(model_runner_output.kv_connector_output)
         for request_id in failed_loads:
@@ -355,7 +357,7 @@ class Scheduler:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
-                    stopped.add(request)
+                    stopped[request] = None
                     break
             if not new_token_ids:
                 continue

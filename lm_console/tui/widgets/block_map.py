@@ -8,14 +8,14 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from lm_console.client.types import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_NULL
+from engine.metrics.stats import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
 
 # In use: darker to brighter green as more requests share the block.
 IN_USE_STYLES = [Style(color=c) for c in ("#3fa34d", "#5fd35f", "#a8f060", "#f0f060")]
 CELL = {
-    BLOCK_FREE: ("·", Style(color="#5c6370")),
-    BLOCK_CACHED: ("▒", Style(color="#4fa3e0")),
-    BLOCK_NULL: ("×", Style(color="#e06c75")),
+    BLOCK_STATE_FREE: ("·", Style(color="#5c6370")),
+    BLOCK_STATE_CACHED: ("▒", Style(color="#4fa3e0")),
+    BLOCK_STATE_NULL: ("×", Style(color="#e06c75")),
 }
 IN_USE_CHAR = "█"
 
@@ -87,6 +87,6 @@ class BlockMap(ScrollView, can_focus=False):
 
     @staticmethod
     def _cell(state: int, ref_count: int) -> tuple[str, Style]:
-        if state == BLOCK_IN_USE:
+        if state == BLOCK_STATE_IN_USE:
             return IN_USE_CHAR, IN_USE_STYLES[min(max(ref_count, 1), len(IN_USE_STYLES)) - 1]
-        return CELL.get(state, CELL[BLOCK_FREE])
+        return CELL.get(state, CELL[BLOCK_STATE_FREE])

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from lm_console.client.types import EncoderCacheSample
+from engine.metrics.stats import EncoderCacheStats
 from lm_console.tui.render import fmt_count, fmt_pct
 
 
-def usage_bar(sample: EncoderCacheSample, width: int) -> str:
+def usage_bar(sample: EncoderCacheStats, width: int) -> str:
     """█ used, ▒ freeable, · free, proportional to the slots."""
     total = max(sample.num_slots, 1)
     used = round(width * sample.num_used_slots / total)
@@ -27,7 +27,7 @@ class EncoderCachePanel(Static):
         self.border_title = "Encoder cache"
         self.display = False
 
-    def show(self, sample: EncoderCacheSample | None) -> None:
+    def show(self, sample: EncoderCacheStats | None) -> None:
         if sample is None:
             return
         self.display = True

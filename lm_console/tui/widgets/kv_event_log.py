@@ -51,8 +51,8 @@ class KVEventLog(Widget):
         """Take a batch of new events (refreshes once, not per event)."""
         if not events:
             return
-        for event in events:
-            if event.seq and self.last_seq and event.seq != self.last_seq + 1:
+        for event in events:  # the events of one batch share its seq
+            if event.seq and self.last_seq and event.seq > self.last_seq + 1:
                 self.num_gaps += 1
             self.last_seq = event.seq or self.last_seq
         self.num_received += len(events)
