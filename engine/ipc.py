@@ -126,9 +126,13 @@ class MsgpackDecoder:
 
     def decode(self, frames: list[Any]) -> Any:
         """Decode one message (a list of frames; bytes, memoryview or zmq.Frame)."""
+        return self.decode_part(None, frames)
+
+    def decode_part(self, data: Any, frames: list[Any]) -> Any:
+        """Decode `data` (a msgspec.Raw cut from frames[0]; None: all of it) with frames' buffers."""
         self._frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in frames]
         try:
-            return self._decoder.decode(self._frames[0])
+            return self._decoder.decode(self._frames[0] if data is None else data)
         finally:
             self._frames = None
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidEngineArgsError, fresh_error
+from engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.mp_client import AsyncMPClient
 from engine.frontend.output_collector import Broadcast, RequestOutputCollector
@@ -48,7 +48,8 @@ class AsyncLLM:
         eos_token_id, extra_stop_ids = stop_token_ids_of(self.config.model_dir, self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.max_model_len, self.config.text_config.vocab_size,
-            eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config))
+            eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
+            max_logprobs=self.engine_args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         if stat_loggers is None:
             stat_loggers = [LoggingStatLogger()] if self.engine_args.log_stats else []
@@ -99,9 +100,8 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_output_handler()
         children = self.input_processor.process_request(request_id, prompt, params)
-        collector = RequestOutputCollector(params.output_kind)
-        for text, request, parent, index in children:
-            self.output_processor.add_request(request, text, parent, index, queue=collector)
+        collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
+        self.output_processor.add_requests(children, queue=collector)  # all or none
         try:
             requests = [request for _, request, _, _ in children]
             self.input_processor.finalize_for_send(requests)
@@ -134,7 +134,9 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; a running generate() ends with finish_reason "abort"."""
         self._check_alive()
-        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        request_ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(request_ids, (list, tuple)) or not all(isinstance(i, str) for i in request_ids):
+            raise InvalidRequestIdError(f"abort() takes a request id (str) or a list of them, got {request_id!r:.80}.")
         core_ids = self.output_processor.abort_requests(request_ids, emit_outputs=True)
         self.engine_core.abort_requests(core_ids)
 
@@ -177,6 +179,10 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError (EngineUnresponsiveError for a missed heartbeat) if the engine is gone."""
+        self._check_alive()
 
     async def _call(self, method: str, *args: Any) -> Any:
         self._check_alive()

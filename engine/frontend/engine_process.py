@@ -55,6 +55,7 @@ class EngineProcess:
     """Everything the client owns outside Python objects: process, sockets, temp dir, pipes."""
 
     def __init__(self, engine_args: EngineArgs, num_clients: int = 1) -> None:
+        engine_args._verify()  # a bad argument fails here, before any socket or process exists
         self.engine_args = engine_args
         self.addresses = make_engine_addresses(
             engine_args.zmq_transport, num_clients, engine_args.enable_kv_cache_events,
