@@ -154,6 +154,7 @@ class EngineCoreReadyInfo(msgspec.Struct, array_like=True, gc=False):
     enable_prefix_caching: bool
     kv_events_endpoint: str | None = None
     pid: int = 0
+    kv_events_server_key: str | None = None  # z85 CURVE public key of a tcp KV-events PUB
 
 
 class EngineCoreStartupFailure(msgspec.Struct, array_like=True, gc=False):

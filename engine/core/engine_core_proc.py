@@ -26,7 +26,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import (
     EngineError, InvalidPromptError, InvalidSamplingParamsError, RequestRejectedError,
 )
-from engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_socket
+from engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, is_tcp, make_socket
 from engine.metrics.kv_events import KVEventPublisher
 from engine.protocol import (
     EngineCoreOutput, EngineCoreOutputs, EngineCoreReadyInfo, EngineCoreRequest,
@@ -275,8 +275,8 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
     signal.signal(signal.SIGTERM, _raise_system_exit)
     context = zmq.Context()
     input_socket, _ = make_socket(context, zmq.DEALER, addresses.input_address, bind=False,
-                                  identity=identity)
-    output_sockets = [make_socket(context, zmq.PUSH, address, bind=False)[0]
+                                  identity=identity, curve=addresses.curve)
+    output_sockets = [make_socket(context, zmq.PUSH, address, bind=False, curve=addresses.curve)[0]
                       for address in addresses.output_addresses]
     encoder = MsgpackEncoder()
     proc: EngineCoreProc | None = None
@@ -287,7 +287,9 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             config = engine_args.create_engine_config()
             engine_core = EngineCore(config)
             if config.enable_kv_cache_events and addresses.kv_events_endpoint:
-                publisher = KVEventPublisher(context, addresses.kv_events_endpoint)
+                curve = addresses.curve if is_tcp(addresses.kv_events_endpoint) else None
+                publisher = KVEventPublisher(context, addresses.kv_events_endpoint,
+                                             curve_secret_key=curve.kv_events_secret if curve else None)
         except BaseException as error:  # noqa: BLE001 - every start-up failure goes to the frontend
             failure = EngineCoreStartupFailure(
                 exc_type=type(error).__name__, exc_module=type(error).__module__,
@@ -302,7 +304,9 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             vocab_size=int(config.text_config.vocab_size), block_size=config.block_size,
             num_blocks=config.num_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
-            kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid())
+            kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid(),
+            kv_events_server_key=(addresses.curve.kv_events_public.decode()
+                                  if publisher is not None and publisher.curve else None))
         input_socket.send_multipart([EngineCoreRequestType.READY.frame(), *encoder.encode(info)])
         death_fd = death_reader.fileno() if death_reader is not None else None
         proc = EngineCoreProc(engine_core, context, input_socket, output_sockets, death_fd, publisher,

@@ -73,6 +73,7 @@ class AsyncLLM:
             "max_model_len": info.max_model_len, "max_num_batched_tokens": info.max_num_batched_tokens,
             "max_num_seqs": info.max_num_seqs, "enable_prefix_caching": info.enable_prefix_caching,
             "vocab_size": info.vocab_size, "kv_events_endpoint": info.kv_events_endpoint,
+            "kv_events_server_key": info.kv_events_server_key,
             "multimodal": self.input_processor.mm_processor is not None,
         }
 
@@ -80,6 +81,11 @@ class AsyncLLM:
     def kv_events_endpoint(self) -> str | None:
         """The engine core's KV events PUB address (None unless enable_kv_cache_events)."""
         return self.engine_core.ready_info.kv_events_endpoint
+
+    @property
+    def kv_events_server_key(self) -> str | None:
+        """The CURVE public key a subscriber needs for a tcp KV events endpoint (None for ipc)."""
+        return self.engine_core.ready_info.kv_events_server_key
 
     @property
     def errored(self) -> bool:

@@ -61,10 +61,11 @@ class EngineProcess:
             engine_args.zmq_transport, num_clients, engine_args.enable_kv_cache_events,
             engine_args.kv_events_endpoint)
         self.context = zmq.Context()
+        curve = self.addresses.curve
         self.input_socket, self.addresses.input_address = make_socket(
-            self.context, zmq.ROUTER, self.addresses.input_address, bind=True)
+            self.context, zmq.ROUTER, self.addresses.input_address, bind=True, curve=curve)
         self.output_socket, self.addresses.output_addresses[0] = make_socket(
-            self.context, zmq.PULL, self.addresses.output_addresses[0], bind=True)
+            self.context, zmq.PULL, self.addresses.output_addresses[0], bind=True, curve=curve)
         self.send_lock = threading.Lock()
         self.core_identity = b"engine-core-0"
         self.wake_r, self.wake_w = os.pipe()

@@ -55,6 +55,12 @@ class LLM:
         ready_info = getattr(self.engine_core, "ready_info", None)
         return ready_info.kv_events_endpoint if ready_info is not None else None
 
+    @property
+    def kv_events_server_key(self) -> str | None:
+        """The CURVE public key a subscriber needs for a tcp KV events endpoint (None for ipc)."""
+        ready_info = getattr(self.engine_core, "ready_info", None)
+        return ready_info.kv_events_server_key if ready_info is not None else None
+
     # -- generation -----------------------------------------------------------------------
     def generate(
         self,
