@@ -4,7 +4,8 @@ Sockets: a DEALER connected to the frontend's ROUTER (requests, aborts, utility 
 start-up handshake out), one PUSH per client connected to that client's PULL (outputs), and
 an optional PUB for KV cache events. The busy loop blocks on its inputs while idle, and while
 there is work alternates: drain every pending input without blocking, step(), send.
-The core exits on SHUTDOWN, on SIGTERM, and when its parent dies (the death pipe closes).
+The core exits on SHUTDOWN, on SIGTERM, and when its parent dies (the death pipe closes),
+and removes the ipc socket dir whichever it was.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class EngineCoreProc:
     Every request gets an answer: a request that cannot be decoded or fails the core's own
     checks (token ids, client index, logprobs, placeholder ranges) is answered with an error
     output for its id, alone; the rest of its message is admitted. A heartbeat thread sends an
-    empty EngineCoreOutputs to every client every heartbeat_interval_s, idle or busy, so the
-    frontend can tell a stopped or hung core from a quiet one.
+    empty EngineCoreOutputs to every client every heartbeat_interval_s, idle or busy (a long
+    step included), so the frontend can tell a stopped core (SIGSTOP, a frozen machine) from a
+    quiet one. A thread, not the loop: a slow first step (a kernel compile) is no false alarm,
+    at the price of not noticing a loop that hangs while the process runs.
     """
 
     def __init__(self, engine_core: EngineCore, context: zmq.Context, input_socket: zmq.Socket,

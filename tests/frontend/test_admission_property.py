@@ -145,7 +145,8 @@ BODY = st.dictionaries(st.sampled_from(["prompt", "messages", "max_tokens", "tem
                                         "stop", "ignore_eos", "min_tokens", "top_k"]),
                        st.one_of(VALUES, PROMPTS), max_size=5)
 LINES = st.one_of(
-    st.builds(lambda cid, url, body: json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body}),
+    st.builds(lambda cid, url, body: json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body},
+                                                default=lambda o: o.decode("latin-1")),  # bytes -> str
               st.one_of(TEXT, VALUES), st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/x"]),
               st.one_of(BODY, st.fixed_dictionaries({"prompt": TEXT, "max_tokens": st.integers(-2, 10**20)}))),
     st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
