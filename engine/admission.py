@@ -76,6 +76,8 @@ def error_for_path(message: str, where: str = "cannot be sent to the engine core
     index = int(match.group(1)) if match else -1
     cls = _FIELD_ERRORS.get(index, InvalidRequestError)
     name = _FIELD_NAMES[index] if 0 <= index < len(_FIELD_NAMES) else "request"
+    if index == 1:
+        name = "prompt_token_ids must be a list of ints (not bools or floats); it"
     return cls(f"{name} {where}: {message}")
 
 

@@ -157,7 +157,15 @@ class SamplingParams:
         import copy
 
         try:
-            return copy.deepcopy(self)
+            clone = copy.copy(self)
+            # Fresh containers (the only mutable fields); extra_args may nest, so it is copied deeply.
+            for name in ("stop", "stop_token_ids", "all_stop_token_ids"):
+                value = getattr(self, name)
+                if isinstance(value, (list, set)):
+                    setattr(clone, name, type(value)(value))
+            if self.extra_args is not None:
+                clone.extra_args = copy.deepcopy(self.extra_args)
+            return clone
         except Exception as error:  # noqa: BLE001 - e.g. an uncopyable object in extra_args
             raise InvalidSamplingParamsError(
                 f"SamplingParams cannot be copied ({type(error).__name__}: {error}): every field must "

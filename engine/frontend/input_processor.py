@@ -112,7 +112,13 @@ class InputProcessor:
                 f"The prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 f"a prompt may have at most {self.max_model_len - 1} tokens so that one can be generated."
             )
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
+        # The range here (min/max run in C); that each id is an int, not a bool or a float, is
+        # checked by the engine core's own decode in check_decodable().
+        try:
+            in_range = 0 <= min(token_ids) and max(token_ids) < self.vocab_size
+        except TypeError:  # ids that do not even compare with ints
+            in_range = False
+        if not in_range:
             raise InvalidPromptError(
                 f"prompt_token_ids must be integers in [0, {self.vocab_size}) for this model."
             )
@@ -147,7 +153,12 @@ class InputProcessor:
                        ) -> tuple[str | None, EngineCoreRequest]:
         """Validate, tokenize and normalise one request (n is treated as 1)."""
         check_request_id(request_id)
-        params = self._verified_copy(params)
+        return self._process_verified(request_id, prompt, self._verified_copy(params), arrival_time, cache_salt)
+
+    def _process_verified(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: float | None = None, cache_salt: str | None = None
+                          ) -> tuple[str | None, EngineCoreRequest]:
+        """process_inputs() with params already a verified private copy (it is modified)."""
         if isinstance(prompt, dict):
             unknown = sorted(str(key) for key in prompt if key not in PROMPT_KEYS)
             if unknown:
@@ -214,17 +225,17 @@ class InputProcessor:
         check_request_id(request_id)
         params = self._verified_copy(params)
         if params.n == 1:
-            text, request = self.process_inputs(request_id, prompt, params)
+            text, request = self._process_verified(request_id, prompt, params)
             return [(text, request, None, 0)]
         from engine.frontend.output_processor import ParentRequest
 
-        first_params = params.clone()
-        first_params.n = 1
-        text, first = self.process_inputs(request_id, prompt, first_params)
-        parent = ParentRequest(request_id=request_id, n=params.n)
+        num_children = params.n
+        params.n = 1
+        text, first = self._process_verified(request_id, prompt, params)
+        parent = ParentRequest(request_id=request_id, n=num_children)
         nonce = secrets.token_hex(4)
         children: list[ChildRequest] = []
-        for index in range(params.n):
+        for index in range(num_children):
             child_params = first.sampling_params.clone()
             if params.seed is not None:
                 child_params.seed = _wrap_int64(params.seed + index)
