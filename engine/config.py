@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,11 @@ class EngineArgs:
     distributed_executor_backend: str = "uni"  # uni | fake (mp and ray: not supported yet)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Reliability (issue 18): logprobs per token a request may ask for (vLLM's max_logprobs;
+    # -1: no limit), and how long the frontend waits for the engine core's heartbeat before it
+    # declares the core unresponsive (EngineUnresponsiveError; None: never).
+    max_logprobs: int = 20
+    liveness_timeout_s: float | None = 30.0
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model (converting or building it on first use) and the device.
@@ -148,20 +154,54 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def _verify(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InvalidEngineArgsError(f"{name}={value!r} is invalid: it must be an integer >= 1.")
+        """Check every argument's type and range (bool is not an int; InvalidEngineArgsError)."""
+        def fail(name: str, allowed: str) -> None:
+            value = repr(getattr(self, name))
+            raise InvalidEngineArgsError(f"{name}={value[:80]} is invalid: {allowed}.")
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+
+        def is_number(value: object) -> bool:
+            return (is_int(value) or isinstance(value, float)) and not isinstance(value, bool) \
+                and math.isfinite(value)
 
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                     "kv_cache_memory", "num_gpu_blocks_override", "num_threads"):
-            positive(name)
+                     "kv_cache_memory", "num_gpu_blocks_override", "num_threads", "max_num_encoder_input_tokens",
+                     "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                fail(name, "it must be an integer in [1, 2**63)")
+        for name in ("model", "tokenizer", "kv_events_endpoint"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                fail(name, "it must be a str or None")
+        for name in ("dtype", "device", "attention_backend", "zmq_transport", "prefix_caching_hash_algo",
+                     "mm_hasher_algorithm", "distributed_executor_backend"):
+            if hasattr(self, name) and not isinstance(getattr(self, name), str):
+                fail(name, "it must be a str")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_kv_cache_events",
+                     "log_stats", "multiprocess", "disable_chunked_mm_input"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "it must be True or False")
+        if not is_int(self.seed):
+            fail("seed", "it must be an integer in the signed 64-bit range")
+        if not is_int(self.max_logprobs) or self.max_logprobs < -1:
+            fail("max_logprobs", "it must be an integer >= 0, or -1 for no limit")
+        if self.liveness_timeout_s is not None and (not is_number(self.liveness_timeout_s)
+                                                    or self.liveness_timeout_s <= 0):
+            fail("liveness_timeout_s", "it must be a finite number of seconds > 0, or None to never time out")
+        if not is_number(self.mm_processor_cache_gb) or self.mm_processor_cache_gb < 0:
+            fail("mm_processor_cache_gb", "it must be a finite number >= 0")
         if self.block_size & (self.block_size - 1):
             raise InvalidEngineArgsError(f"block_size={self.block_size} must be a power of two.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if not is_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidEngineArgsError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be a number in (0, 1]."
             )
+        if self.kv_cache_memory is not None:
+            total = _physical_memory_bytes()
+            if total is not None and self.kv_cache_memory > total:
+                fail("kv_cache_memory", f"it exceeds this machine's memory ({total} bytes)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidEngineArgsError(f"device={self.device!r} must be one of auto, cpu, cuda.")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -318,6 +358,13 @@ class EngineConfig:
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, num_blocks=num_blocks))
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @functools.lru_cache(maxsize=8)

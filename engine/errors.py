@@ -7,12 +7,23 @@ class EngineError(Exception):
     """Base class of every error the engine raises on purpose."""
 
 
-class InvalidSamplingParamsError(EngineError, ValueError):
+class InvalidRequestError(EngineError, ValueError):
+    """One request is invalid and was refused; other requests and the engine are unaffected.
+
+    The base of every per-request refusal (an HTTP server answers it with a 400).
+    """
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
     """A SamplingParams field is out of range or of the wrong type."""
 
 
-class InvalidPromptError(EngineError, ValueError):
+class InvalidPromptError(InvalidRequestError):
     """A prompt is empty, malformed, or too long for max_model_len."""
+
+
+class InvalidRequestIdError(InvalidRequestError):
+    """A request id is not a non-empty str of at most MAX_REQUEST_ID_CHARS characters."""
 
 
 class ModelNotFoundError(EngineError, FileNotFoundError):
@@ -35,11 +46,15 @@ class EngineDeadError(EngineError, RuntimeError):
     """The engine core stopped; no further requests can be served."""
 
 
+class EngineUnresponsiveError(EngineDeadError):
+    """The engine core sent no heartbeat for engine_liveness_timeout_s (e.g. it is stopped or hung)."""
+
+
 class EngineStartupError(EngineError, RuntimeError):
     """The engine core process failed to start for a reason not covered by a specific error."""
 
 
-class DuplicateRequestError(EngineError, ValueError):
+class DuplicateRequestError(InvalidRequestError):
     """A request id is already in flight; request ids must be unique among live requests."""
 
 
@@ -54,7 +69,7 @@ def fresh_error(error: BaseException) -> BaseException:
     return copy
 
 
-class MultiModalInputError(EngineError, ValueError):
+class MultiModalInputError(InvalidRequestError):
     """A multimodal input (image) of a request could not be used; the request is rejected."""
 
 
@@ -76,3 +91,19 @@ class TooManyMultiModalItemsError(MultiModalInputError, InvalidPromptError):
 
 class MultiModalCacheMissError(MultiModalInputError):
     """The engine core's processor cache lacks an item the frontend sent without data."""
+
+
+class RequestRejectedError(InvalidRequestError):
+    """The engine core refused a request the frontend had accepted (its message says why).
+
+    Defence in depth: the frontend validates every request against what the core decodes, so
+    this means a frontend bug or a message that did not come from this frontend.
+    """
+
+
+def error_type_named(name: str) -> type[EngineError]:
+    """The engine.errors class called `name` (an error sent over the wire); EngineError if unknown."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, EngineError):
+        return cls
+    return EngineError

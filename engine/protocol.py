@@ -83,8 +83,15 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     sampled_token_ranks: list[int]  # [num_tokens]
 
 
+class RequestError(msgspec.Struct, array_like=True, gc=False):
+    """Why the engine core refused a request: an engine.errors class name and its message."""
+
+    exc_type: str
+    message: str
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What one request produced in one step."""
+    """What one request produced in one step (error: the core refused it; it is finished)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -94,6 +101,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     events: list[EngineCoreEvent] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, on the final output
+    error: RequestError | None = None  # the core refused the request (finish_reason ABORT)
 
     @property
     def finished(self) -> bool:
@@ -140,6 +148,7 @@ class EngineCoreReadyInfo(msgspec.Struct, array_like=True, gc=False):
     device_config: DeviceConfig
     kv_events_endpoint: str | None = None
     pid: int = 0
+    kv_events_server_key: str | None = None  # z85 CURVE public key of a tcp KV-events PUB
 
 
 class EngineCoreStartupFailure(msgspec.Struct, array_like=True, gc=False):

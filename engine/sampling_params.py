@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidSamplingParamsError
 
 _GREEDY_EPSILON = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 256  # completions per request: each is a request in the engine
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -21,7 +25,11 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings, validated in __post_init__ (vLLM-compatible fields)."""
+    """Per-request sampling settings, validated in __post_init__ (vLLM-compatible fields).
+
+    Mutable like vLLM's, but a field changed after construction is validated again when the
+    request is submitted (the InputProcessor verifies its own copy).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -49,57 +57,94 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Normalise and validate every field (InvalidSamplingParamsError names the first bad one).
+
+        Runs at construction, again on the copy the InputProcessor takes at submission (so a
+        field changed after construction is caught), and in the engine core when msgspec
+        decodes the request. The types are exactly those the core's typed decode accepts.
+        """
+        self._normalize()
+        self._verify()
+
+    def _normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop) if self.stop else []
-        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
-        if self.top_k == 0:
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
-        self._verify()
-        # A union, not a reset: msgspec calls __post_init__ when a request is decoded in the
-        # engine core, and the InputProcessor's EOS ids must survive the trip.
-        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
+        if isinstance(self.all_stop_token_ids, (set, frozenset, list, tuple)) and isinstance(self.stop_token_ids, list):
+            # A union, not a reset: msgspec calls __post_init__ when a request is decoded in the
+            # engine core, and the InputProcessor's EOS ids must survive the trip.
+            try:
+                self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
+            except TypeError:
+                pass  # an unhashable id: _verify names it
 
     def _verify(self) -> None:
         def fail(name: str, value: object, allowed: str) -> None:
-            raise InvalidSamplingParamsError(f"SamplingParams.{name}={value!r} is invalid: {allowed}.")
+            raise InvalidSamplingParamsError(
+                f"SamplingParams.{name}={_short_repr(value)} is invalid: {allowed}.")
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            fail("n", self.n, "n must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            fail("temperature", self.temperature, "temperature must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            fail("top_p", self.top_p, "top_p must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            fail("top_k", self.top_k, "top_k must be an integer >= -1 (-1 or 0 disables it)")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", self.min_p, "min_p must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            fail("repetition_penalty", self.repetition_penalty, "repetition_penalty must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
+        def check_int(name: str, low: int, allowed: str, optional: bool = False) -> None:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
-                fail(name, value, f"{name} must be in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            fail("seed", self.seed, "seed must be an integer or None")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
-        ):
-            fail("max_tokens", self.max_tokens, "max_tokens must be an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", self.min_tokens, "min_tokens must be an integer >= 0")
+            if optional and value is None:
+                return
+            if not _is_int(value) or value < low:
+                fail(name, value, allowed)
+
+        def check_float(name: str, ok: Callable[[float], bool], allowed: str) -> None:
+            value = getattr(self, name)
+            if not _is_number(value) or not ok(value):
+                fail(name, value, allowed)
+
+        check_int("n", 1, f"n must be an integer in [1, {MAX_N}]")
+        if self.n > MAX_N:
+            fail("n", self.n, f"n must be an integer in [1, {MAX_N}]")
+        check_float("temperature", lambda v: v >= 0, "temperature must be a finite number >= 0 (0 means greedy)")
+        check_float("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be a number in (0, 1]")
+        check_int("top_k", -1, "top_k must be an integer >= -1 (-1 or 0 disables it)")
+        check_float("min_p", lambda v: 0.0 <= v <= 1.0, "min_p must be a number in [0, 1]")
+        check_float("repetition_penalty", lambda v: v > 0, "repetition_penalty must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_float(name, lambda v: -2.0 <= v <= 2.0, f"{name} must be a number in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", self.seed, f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}] or None")
+        check_int("max_tokens", 1, "max_tokens must be an integer >= 1 or None", optional=True)
+        check_int("min_tokens", 0, "min_tokens must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", self.min_tokens, f"min_tokens must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                fail(name, value, f"{name} must be an integer >= 0 or None")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+            check_int(name, 0, f"{name} must be an integer >= 0 or None", optional=True)
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s or not _is_utf8(s)
+                                                  for s in self.stop):
             fail("stop", self.stop, "stop must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", self.stop_token_ids, "stop_token_ids must be non-negative integers")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            fail("extra_args", self.extra_args, "extra_args must be a dict or None")
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", self.stop_token_ids, "stop_token_ids must be a list of integers >= 0")
+        if (not isinstance(self.all_stop_token_ids, set)
+                or any(not _is_int(t) or t < 0 for t in self.all_stop_token_ids)):
+            fail("all_stop_token_ids", self.all_stop_token_ids, "all_stop_token_ids must be a set of integers >= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, getattr(self, name), f"{name} must be True or False")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict) or any(not isinstance(k, str) or not _is_utf8(k)
+                                                            for k in self.extra_args):
+                fail("extra_args", self.extra_args, "extra_args must be None or a dict with str keys")
+            kv_params = self.extra_args.get("kv_transfer_params")
+            if kv_params is not None and not (isinstance(kv_params, dict)
+                                              and all(isinstance(k, str) for k in kv_params)):
+                fail("extra_args", self.extra_args, "extra_args['kv_transfer_params'] must be a dict with str keys")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", self.output_kind, "output_kind must be a RequestOutputKind")
 
@@ -111,4 +156,48 @@ class SamplingParams:
         """A copy with its own lists (n > 1 children get one each)."""
         import copy
 
-        return copy.deepcopy(self)
+        try:
+            clone = copy.copy(self)
+            # Fresh containers (the only mutable fields); extra_args may nest, so it is copied deeply.
+            for name in ("stop", "stop_token_ids", "all_stop_token_ids"):
+                value = getattr(self, name)
+                if isinstance(value, (list, set)):
+                    setattr(clone, name, type(value)(value))
+            if self.extra_args is not None:
+                clone.extra_args = copy.deepcopy(self.extra_args)
+            return clone
+        except Exception as error:  # noqa: BLE001 - e.g. an uncopyable object in extra_args
+            raise InvalidSamplingParamsError(
+                f"SamplingParams cannot be copied ({type(error).__name__}: {error}): every field must "
+                "hold plain values (numbers, strings, lists, dicts).") from None
+
+
+def _is_int(value: object) -> bool:
+    """An int the engine core decodes as one: not a bool, within the signed 64-bit range."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (bool is not a number here)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return INT64_MIN <= value <= INT64_MAX
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _is_utf8(text: str) -> bool:
+    """False for strings with lone surrogates (e.g. undecodable bytes from argv), which msgpack cannot carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."

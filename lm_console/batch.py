@@ -3,17 +3,27 @@
 Input lines: {custom_id, method: POST, url: /v1/chat/completions | /v1/completions, body}.
 Output lines, in input order: {id, custom_id, response: {status_code, request_id, body}, error}.
 A line that cannot be parsed or validated becomes an error record (status 400); the job goes on.
+
+Memory is bounded: stream_batch() reads a line only when a request slot is free (at most
+max_in_flight requests run or wait to be written), refuses a line longer than max_line_bytes
+without keeping it, and writes each record as soon as it and every earlier one are done, so a
+job that fails half-way keeps what it finished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
+
+DEFAULT_MAX_LINE_BYTES = 8 << 20  # 8 MiB: far beyond any prompt that fits a context window
+DEFAULT_MAX_IN_FLIGHT = 512
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -110,13 +120,20 @@ def completion_prompt(body: dict[str, Any]) -> Any:
     raise BatchLineError("body.prompt must be a non-empty string, [string] or a list of token ids")
 
 
-def check_context(prompt: Any, max_tokens: int | None, max_model_len: int, tokenizer: Any) -> None:
-    """Refuse prompt + max_tokens beyond max_model_len, as vLLM's OpenAI server does."""
+def check_context(prompt: Any, max_tokens: int | None, max_model_len: int, tokenizer: Any,
+                  check_text: Callable[[str], Any] | None = None) -> None:
+    """Refuse prompt + max_tokens beyond max_model_len, as vLLM's OpenAI server does.
+
+    check_text (the engine's InputProcessor.check_prompt_text) refuses a text too long to fit
+    before it is tokenised.
+    """
     if not max_model_len:
         return
     if isinstance(prompt, dict):
         num_prompt = len(prompt["prompt_token_ids"])
     else:
+        if check_text is not None:
+            check_text(prompt)
         num_prompt = len(tokenizer.encode(prompt))
     if num_prompt + (max_tokens or 0) > max_model_len:
         raise BatchLineError(
@@ -158,46 +175,142 @@ def error_record(custom_id: str | None, message: str, status_code: int = 400) ->
 async def run_batch(llm: Any, lines: list[str], model: str, default_max_tokens: int = 256,
                     progress: bool = True) -> list[dict[str, Any]]:
     """One record per non-blank input line, in input order; requests run concurrently."""
-    from engine.sampling_params import RequestOutputKind, SamplingParams
+    records: list[dict[str, Any]] = []
+    numbered = ((i + 1, text) for i, text in enumerate(lines) if text.strip())
+    await stream_batch(llm, _aiter(numbered), records.append, model, default_max_tokens, progress)
+    return records
+
+
+async def stream_batch(llm: Any, lines: AsyncIterator[tuple[int, str | BatchLineError]],
+                       write: Callable[[dict[str, Any]], Any], model: str, default_max_tokens: int = 256,
+                       progress: bool = True, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> tuple[int, int]:
+    """Run (line number, text or the line's error) pairs; write each record in input order.
+
+    Returns (records written, records with an error). An EngineDeadError ends the job (what
+    was written stays written); every other failure is its line's error record.
+    """
     from tqdm.auto import tqdm
 
     tokenizer = llm.get_tokenizer()
     max_model_len = int((getattr(llm, "model_config_summary", None) or {}).get("max_model_len") or 0)
-    bar = tqdm(total=len(lines), file=sys.stderr, disable=not progress, desc="Batch requests")
+    input_processor = getattr(llm, "input_processor", None)
+    check_text = getattr(input_processor, "check_prompt_text", None)
+    bar = tqdm(file=sys.stderr, disable=not progress, desc="Batch requests")
+    pending: collections.deque[asyncio.Task] = collections.deque()
+    num_written = num_failed = 0
 
-    async def one(index: int, text: str) -> dict[str, Any]:
+    def flush(task: asyncio.Task) -> None:
+        nonlocal num_written, num_failed
+        record = task.result()
+        write(record)
+        num_written += 1
+        num_failed += record["error"] is not None
+        bar.update(1)
+
+    async def one(line_no: int, text: str | BatchLineError) -> dict[str, Any]:
+        if isinstance(text, BatchLineError):
+            return error_record(None, str(text))
         custom_id = custom_id_of(text)
         try:
-            item = parse_line(text)
-            params = SamplingParams(**sampling_kwargs(item.body, default_max_tokens),
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
-            if item.url == CHAT_URL:
-                rendered = tokenizer.apply_chat_template(chat_messages(item.body), tokenize=False,
-                                                         add_generation_prompt=True)
-                prompt: Any = {"prompt": rendered,
-                               "prompt_token_ids": tokenizer.encode(rendered, add_special_tokens=False)}
-            else:
-                prompt = completion_prompt(item.body)
-            check_context(prompt, params.max_tokens, max_model_len, tokenizer)
-            final = None
-            async for output in llm.generate(prompt, params, request_id=f"batch-{index}-{_uid()[:8]}"):
-                final = output
-            if final is None:
-                return error_record(custom_id, "the engine returned no output", 500)
-            return ok_record(item.custom_id, response_body(item, final, item.body.get("model") or model))
-        except (BatchLineError, ValueError, TypeError) as error:
-            return error_record(custom_id, f"{type(error).__name__}: {error}" if not isinstance(error, BatchLineError) else str(error))
+            return await _run_line(llm, line_no, text, model, default_max_tokens, tokenizer, max_model_len,
+                                   check_text)
+        except BatchLineError as error:
+            return error_record(custom_id, str(error))
         except Exception as error:  # noqa: BLE001 - one request's failure is its own record
-            if type(error).__name__ == "EngineDeadError":
+            if _is_engine_dead(error):
                 raise
-            return error_record(custom_id, f"{type(error).__name__}: {error}", 500)
-        finally:
-            bar.update(1)
+            status = 400 if isinstance(error, (ValueError, TypeError)) else 500
+            return error_record(custom_id, f"{type(error).__name__}: {error}", status)
 
     try:
-        return list(await asyncio.gather(*(one(i, text) for i, text in enumerate(lines))))
+        async for line_no, text in lines:
+            pending.append(asyncio.ensure_future(one(line_no, text)))
+            while pending and (pending[0].done() or len(pending) >= max_in_flight):
+                await pending[0]
+                flush(pending.popleft())
+        while pending:
+            await pending[0]
+            flush(pending.popleft())
     finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         bar.close()
+    return num_written, num_failed
+
+
+async def _run_line(llm: Any, line_no: int, text: str, model: str, default_max_tokens: int, tokenizer: Any,
+                    max_model_len: int, check_text: Callable[[str], Any] | None) -> dict[str, Any]:
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    item = parse_line(text)
+    params = SamplingParams(**sampling_kwargs(item.body, default_max_tokens), output_kind=RequestOutputKind.FINAL_ONLY)
+    if item.url == CHAT_URL:
+        rendered = tokenizer.apply_chat_template(chat_messages(item.body), tokenize=False, add_generation_prompt=True)
+        if check_text is not None:
+            check_text(rendered)
+        prompt: Any = {"prompt": rendered, "prompt_token_ids": tokenizer.encode(rendered, add_special_tokens=False)}
+    else:
+        prompt = completion_prompt(item.body)
+    check_context(prompt, params.max_tokens, max_model_len, tokenizer, check_text)
+    final = None
+    async for output in llm.generate(prompt, params, request_id=f"batch-{line_no}-{_uid()[:8]}"):
+        final = output
+    if final is None:
+        return error_record(item.custom_id, "the engine returned no output", 500)
+    return ok_record(item.custom_id, response_body(item, final, item.body.get("model") or model))
+
+
+def _is_engine_dead(error: BaseException) -> bool:
+    return any(cls.__name__ == "EngineDeadError" for cls in type(error).__mro__)
+
+
+async def _aiter(items: Any) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+def iter_input_lines(stream: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+                     ) -> Iterator[tuple[int, str | BatchLineError]]:
+    """(line number, text) of each non-blank line; a BatchLineError for a line too long or not UTF-8.
+
+    A line longer than max_line_bytes is skipped in pieces, never held whole.
+    """
+    line_no = 0
+    while True:
+        raw = stream.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            while True:
+                rest = stream.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield line_no, BatchLineError(
+                f"line {line_no} is longer than {max_line_bytes} bytes (raise --max-line-bytes to allow it)")
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            yield line_no, BatchLineError(f"line {line_no} is not valid UTF-8 (byte {error.start}): a batch "
+                                          "file is JSON lines text")
+            continue
+        if text.strip():
+            yield line_no, text
+
+
+async def read_input_lines(stream: BinaryIO, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+                           ) -> AsyncIterator[tuple[int, str | BatchLineError]]:
+    """iter_input_lines() without blocking the event loop (stdin may wait for input)."""
+    lines = iter_input_lines(stream, max_line_bytes)
+    done = object()
+    while True:
+        item = await asyncio.to_thread(next, lines, done)
+        if item is done:
+            return
+        yield item
 
 
 def read_lines(text: str) -> list[str]:

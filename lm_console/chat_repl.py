@@ -28,14 +28,22 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | 
         return 1
     for path in images or ():  # `lmc chat --image PATH`: goes with the first message
         stderr.write(session.attach_image(path) + "\n")
+    # Lines are read as bytes and decoded one at a time: a binary line is an error, not the end.
+    raw_stdin = getattr(stdin, "buffer", None)
     try:
         while True:
             if interactive:
                 stderr.write("> ")
                 stderr.flush()
-            line = stdin.readline()
+            line = raw_stdin.readline() if raw_stdin is not None else stdin.readline()
             if not line:
                 return 0
+            if isinstance(line, bytes):
+                try:
+                    line = line.decode("utf-8")
+                except UnicodeDecodeError:
+                    stderr.write("error: that line is not UTF-8 text; it was skipped\n")
+                    continue
             text = line.strip()
             if not text:
                 continue
@@ -50,6 +58,9 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | 
             except EngineUnavailable as error:
                 stderr.write(f"\nerror: the engine stopped: {error}\n")
                 return 1
+            except ValueError as error:  # the engine refused this message (engine.errors types)
+                stderr.write(f"\nerror: {type(error).__name__}: {error}\n")
+                continue
             stdout.write("\n")
             stdout.flush()
             if show_stats and session.last_stats is not None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
-from typing import Annotated
+from typing import Annotated, BinaryIO, TextIO
 
 import typer
 
+from lm_console.batch import DEFAULT_MAX_LINE_BYTES
 from lm_console.engine_options import (
     DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
 )
@@ -20,38 +22,67 @@ def batch(
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, max_num_seqs: MaxNumSeqsOpt = 128, num_threads: NumThreadsOpt = None,
     max_tokens: Annotated[int, typer.Option(help="max_tokens for requests that do not set it.")] = 256,
+    max_line_bytes: Annotated[int, typer.Option(
+        min=1, help="Longest input line; a longer one becomes an error record, unread.")] = DEFAULT_MAX_LINE_BYTES,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
-    """Run an OpenAI batch file (/v1/chat/completions, /v1/completions) like `vllm run-batch`."""
-    from lm_console.batch import read_lines, run_batch
+    """Run an OpenAI batch file (/v1/chat/completions, /v1/completions) like `vllm run-batch`.
 
-    try:
-        text = sys.stdin.read() if input_file == "-" else open(input_file, encoding="utf-8").read()
-    except OSError as error:
-        typer.echo(f"error: cannot read {input_file}: {error}", err=True)
-        raise typer.Exit(2) from error
-    lines = read_lines(text)
+    The input is streamed and each record is written (in input order) as soon as it is done,
+    so memory stays bounded and a failed job keeps the records it finished.
+    """
+    from lm_console.batch import read_input_lines, stream_batch
+
+    source = _open_input(input_file)
+    target = _open_output(output_file, input_file)
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)
 
-    async def main() -> list[dict]:
+    def write(record: dict) -> None:
+        target.write(json.dumps(record) + "\n")
+        target.flush()
+
+    async def main() -> tuple[int, int]:
         from engine.frontend.async_llm import AsyncLLM
 
         llm = AsyncLLM(model, **args)
         try:
-            return await run_batch(llm, lines, model or "SmolLM2-135M-Instruct", max_tokens, progress)
+            return await stream_batch(llm, read_input_lines(source, max_line_bytes),
+                                      write, model or "SmolLM2-135M-Instruct", max_tokens, progress)
         finally:
             llm.shutdown()
 
     try:
-        records = asyncio.run(main())
+        num_written, num_failed = asyncio.run(main())
     except Exception as error:  # noqa: BLE001 - engine start failures and a dead engine
         typer.echo(f"error: {type(error).__name__}: {error}", err=True)
-        raise typer.Exit(2) from error
-    out = "\n".join(json.dumps(r) for r in records) + ("\n" if records else "")
-    if output_file == "-":
-        sys.stdout.write(out)
-    else:
-        with open(output_file, "w", encoding="utf-8") as f:
-            f.write(out)
-    num_failed = sum(1 for r in records if r["error"] is not None)
-    typer.echo(f"{len(records) - num_failed} succeeded, {num_failed} failed -> {output_file}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        if target is not sys.stdout:
+            target.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+    typer.echo(f"{num_written - num_failed} succeeded, {num_failed} failed -> {output_file}", err=True)
+
+
+def _open_input(path: str) -> BinaryIO:
+    if path == "-":
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")
+    except OSError as error:
+        typer.echo(f"error: cannot read {path}: {error.strerror or error}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _open_output(path: str, input_path: str) -> TextIO:
+    """The output, opened before the engine starts: an unwritable path fails at once."""
+    if path == "-":
+        return sys.stdout
+    if input_path != "-" and os.path.exists(path) and os.path.samefile(path, input_path):
+        typer.echo(f"error: the output file {path} is the input file; write the results elsewhere.", err=True)
+        raise typer.Exit(2)
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as error:
+        typer.echo(f"error: cannot write {path}: {error.strerror or error}", err=True)
+        raise typer.Exit(2) from None

@@ -131,6 +131,8 @@ def events(
     max_model_len: MaxModelLenOpt = None, num_threads: NumThreadsOpt = None,
     endpoint: Annotated[Optional[str], typer.Option(
         help="Attach to a running engine's KV-event PUB socket (e.g. ipc:///tmp/x) instead of starting one.")] = None,
+    server_key: Annotated[Optional[str], typer.Option(
+        help="The PUB's CURVE public key (llm.kv_events_server_key), needed for a tcp endpoint.")] = None,
     count: Annotated[Optional[int], typer.Option(help="Stop after this many events.")] = None,
     duration: Annotated[Optional[float], typer.Option(help="Stop after this many seconds.")] = None,
     load: Annotated[bool, typer.Option("--load/--no-load", help="Drive the built-in load so blocks move.")] = True,
@@ -141,7 +143,15 @@ def events(
 
     try:
         if endpoint:
-            asyncio.run(events_mod.print_endpoint_events(endpoint, sys.stdout, count=count, duration=duration))
+            import zmq
+
+            try:
+                asyncio.run(events_mod.print_endpoint_events(endpoint, sys.stdout, count=count, duration=duration,
+                                                             server_key=server_key))
+            except (zmq.ZMQError, ValueError) as error:
+                typer.echo(f"error: cannot subscribe to {endpoint!r}: {error} (an endpoint looks like "
+                           "ipc:///path or tcp://127.0.0.1:5557; a tcp one needs --server-key)", err=True)
+                raise typer.Exit(2) from None
             return
         args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
         client = make_client(fake, model, args)

@@ -55,14 +55,30 @@ async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int 
 
 
 async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None = None,
-                                duration: float | None = None, topic: str = "") -> int:
-    """Subscribe to an engine's KV-event PUB socket (multipart: topic, seq, msgpack batch)."""
+                                duration: float | None = None, topic: str = "",
+                                server_key: str | None = None) -> int:
+    """Subscribe to an engine's KV-event PUB socket (multipart: topic, seq, msgpack batch).
+
+    server_key: the PUB's CURVE public key (z85), which a tcp endpoint of the engine needs.
+    zmq.ZMQError when the endpoint or the key is malformed.
+    """
+    import msgspec
     import zmq
     import zmq.asyncio
 
     context = zmq.asyncio.Context()
     socket = context.socket(zmq.SUB)
-    socket.connect(endpoint)
+    try:
+        if server_key:
+            public_key, secret_key = zmq.curve_keypair()
+            socket.curve_serverkey = server_key.encode()
+            socket.curve_publickey = public_key
+            socket.curve_secretkey = secret_key
+        socket.connect(endpoint)
+    except zmq.ZMQError:
+        socket.close(linger=0)
+        context.term()
+        raise
     socket.setsockopt_string(zmq.SUBSCRIBE, topic)
     printed = 0
     deadline = None if duration is None else time.monotonic() + duration

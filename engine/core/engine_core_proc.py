@@ -4,7 +4,8 @@ Sockets: a DEALER connected to the frontend's ROUTER (requests, aborts, utility 
 start-up handshake out), one PUSH per client connected to that client's PULL (outputs), and
 an optional PUB for KV cache events. The busy loop blocks on its inputs while idle, and while
 there is work alternates: drain every pending input without blocking, step(), send.
-The core exits on SHUTDOWN, on SIGTERM, and when its parent dies (the death pipe closes).
+The core exits on SHUTDOWN, on SIGTERM, and when its parent dies (the death pipe closes),
+and removes the ipc socket dir whichever it was.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -19,13 +21,17 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine.admission import error_for_path, read_request_ids
 from engine.config import EngineArgs
 from engine.core.engine_core import EngineCore
-from engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_socket
+from engine.errors import (
+    EngineError, InvalidPromptError, InvalidSamplingParamsError, RequestRejectedError,
+)
+from engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, is_tcp, make_socket
 from engine.metrics.kv_events import KVEventPublisher
 from engine.protocol import (
     EngineCoreOutput, EngineCoreOutputs, EngineCoreReadyInfo, EngineCoreRequest,
-    EngineCoreRequestType, EngineCoreStartupFailure, FinishReason, UtilityCall, UtilityOutput,
+    EngineCoreRequestType, EngineCoreStartupFailure, FinishReason, RequestError, UtilityCall, UtilityOutput,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,18 +46,32 @@ UTILITY_METHODS = frozenset({
 
 
 class EngineCoreProc:
-    """The busy loop around one EngineCore: poll inputs, step(), send outputs per client."""
+    """The busy loop around one EngineCore: poll inputs, step(), send outputs per client.
+
+    Every request gets an answer: a request that cannot be decoded or fails the core's own
+    checks (token ids, client index, logprobs, placeholder ranges) is answered with an error
+    output for its id, alone; the rest of its message is admitted. A heartbeat thread sends an
+    empty EngineCoreOutputs to every client every heartbeat_interval_s, idle or busy (a long
+    step included), so the frontend can tell a stopped core (SIGSTOP, a frozen machine) from a
+    quiet one. A thread, not the loop: a slow first step (a kernel compile) is no false alarm,
+    at the price of not noticing a loop that hangs while the process runs.
+    """
 
     def __init__(self, engine_core: EngineCore, context: zmq.Context, input_socket: zmq.Socket,
                  output_sockets: list[zmq.Socket], death_fd: int | None = None,
-                 publisher: KVEventPublisher | None = None) -> None:
+                 publisher: KVEventPublisher | None = None, max_logprobs: int = -1,
+                 heartbeat_interval_s: float | None = None) -> None:
         self.engine_core = engine_core
         self.context = context
         self.input_socket = input_socket
         self.output_sockets = output_sockets
         self.publisher = publisher
+        self.max_logprobs = max_logprobs
+        self.vocab_size = engine_core.config.model_config.vocab_size
         self.encoder = MsgpackEncoder()
-        self.request_decoder = MsgpackDecoder(list[EngineCoreRequest])
+        # ADD payloads decode one request at a time, so a bad request fails alone.
+        self.add_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+        self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.abort_decoder = MsgpackDecoder(list[str])
         self.utility_decoder = MsgpackDecoder(UtilityCall)
         self.poller = zmq.Poller()
@@ -60,7 +80,36 @@ class EngineCoreProc:
         if death_fd is not None:
             self.poller.register(death_fd, zmq.POLLIN)
         self.num_rejected_messages = 0
+        self.num_rejected_requests = 0
         self.parent_died = False
+        # The output sockets are shared with the heartbeat thread: every send holds this lock.
+        self.send_lock = threading.Lock()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    # -- heartbeat --------------------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """Send an empty EngineCoreOutputs to every client every heartbeat_interval_s."""
+        if self.heartbeat_interval_s is None or self._heartbeat_thread is not None:
+            return
+        self._heartbeat_thread = threading.Thread(target=self._run_heartbeat, name="EngineCoreHeartbeat",
+                                                  daemon=True)
+        self._heartbeat_thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(5.0)
+
+    def _run_heartbeat(self) -> None:
+        assert self.heartbeat_interval_s is not None
+        while not self._heartbeat_stop.wait(self.heartbeat_interval_s):
+            for client_index in range(len(self.output_sockets)):
+                try:
+                    self._send(client_index, EngineCoreOutputs())
+                except zmq.ZMQError:
+                    return  # the sockets are closing
 
     # -- the loop ---------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
@@ -100,8 +149,7 @@ class EngineCoreProc:
             request_type = EngineCoreRequestType(frames[0].bytes[0])
             payload = frames[1:]
             if request_type == EngineCoreRequestType.ADD:
-                for request in self.request_decoder.decode(payload):
-                    self._add_request(request)
+                self._add_requests(payload)
             elif request_type == EngineCoreRequestType.ABORT:
                 self.engine_core.abort_requests(self.abort_decoder.decode(payload))
             elif request_type == EngineCoreRequestType.UTILITY:
@@ -116,14 +164,71 @@ class EngineCoreProc:
                          len(frames), type(error).__name__, error)
         return True
 
+    def _add_requests(self, payload: list[Any]) -> None:
+        """Admit each request of an ADD message on its own; answer every one that fails."""
+        items = self.add_list_decoder.decode(payload[0].buffer if isinstance(payload[0], zmq.Frame) else payload[0])
+        for raw in items:
+            try:
+                request = self.request_decoder.decode_part(raw, payload)
+            except Exception as error:  # noqa: BLE001 - undecodable: answer what can be read
+                request_id, client_index = read_request_ids(raw)
+                self._reject(request_id, client_index, _decode_error(error))
+                continue
+            self._add_request(request)
+
     def _add_request(self, request: EngineCoreRequest) -> None:
-        try:
-            self.engine_core.add_request(request)
-        except Exception as error:  # noqa: BLE001 - the caller must not wait forever
-            logger.error("Rejected request %r: %s", request.request_id, error)
-            self._send(request.client_index, EngineCoreOutputs(outputs=[EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                stop_reason=f"rejected by the engine core: {error}")]))
+        error = self._check_request(request)
+        if error is None:
+            try:
+                self.engine_core.add_request(request)
+            except EngineError as engine_error:
+                error = engine_error
+            except Exception as other:  # noqa: BLE001 - the caller must not wait forever
+                error = RequestRejectedError(f"the engine core refused the request: {type(other).__name__}: {other}")
+        if error is not None:
+            self._reject(request.request_id, request.client_index, error)
+
+    def _check_request(self, request: EngineCoreRequest) -> EngineError | None:
+        """The core's own checks: what would crash the model or the scheduler if it got in."""
+        if not 0 <= request.client_index < len(self.output_sockets):
+            return RequestRejectedError(
+                f"client_index={request.client_index} is not one of this engine's {len(self.output_sockets)} clients.")
+        token_ids = request.prompt_token_ids
+        max_model_len = self.engine_core.config.model_config.max_model_len
+        if not token_ids or len(token_ids) >= max_model_len:
+            return InvalidPromptError(
+                f"the prompt has {len(token_ids)} tokens; it must have 1 to {max_model_len - 1} (max_model_len).")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            return InvalidPromptError(f"prompt_token_ids must be in [0, {self.vocab_size}) for this model.")
+        params = request.sampling_params
+        if params.logprobs is not None and 0 <= self.max_logprobs < params.logprobs:
+            return InvalidSamplingParamsError(
+                f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}.")
+        for feature in request.mm_features or ():
+            if feature.offset < 0 or feature.length < 1 or feature.offset + feature.length > len(token_ids):
+                return InvalidPromptError(
+                    f"a multimodal placeholder at [{feature.offset}, {feature.offset + feature.length}) lies "
+                    f"outside the {len(token_ids)}-token prompt.")
+        remaining = max_model_len - len(token_ids)
+        if params.max_tokens is None or params.max_tokens > remaining:
+            params.max_tokens = remaining  # as the frontend does: the request must end
+            params.min_tokens = min(params.min_tokens, remaining)
+        return None
+
+    def _reject(self, request_id: str | None, client_index: int | None, error: EngineError) -> None:
+        """Answer a refused request with its error (on client 0 if its client index is unusable)."""
+        self.num_rejected_requests += 1
+        if request_id is None:
+            self.num_rejected_messages += 1
+            logger.error("Rejected a request whose id cannot be read: %s: %s", type(error).__name__, error)
+            return
+        logger.error("Rejected request %r: %s: %s", request_id, type(error).__name__, error)
+        if client_index is None or not 0 <= client_index < len(self.output_sockets):
+            client_index = 0
+        self._send(client_index, EngineCoreOutputs(outputs=[EngineCoreOutput(
+            request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+            stop_reason=f"rejected by the engine core: {error}",
+            error=RequestError(type(error).__name__, str(error)))]))
 
     def _run_utility(self, call: UtilityCall) -> None:
         output = UtilityOutput(call_id=call.call_id)
@@ -146,7 +251,9 @@ class EngineCoreProc:
             self._send(client_index, client_outputs)
 
     def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
-        self.output_sockets[client_index].send_multipart(self.encoder.encode(outputs), copy=False)
+        with self.send_lock:
+            frames = self.encoder.encode(outputs)
+            self.output_sockets[client_index].send_multipart(frames, copy=False)
 
     def _send_idle_stats(self) -> None:
         if not self.engine_core.config.scheduler_config.log_stats:
@@ -171,8 +278,8 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
     signal.signal(signal.SIGTERM, _raise_system_exit)
     context = zmq.Context()
     input_socket, _ = make_socket(context, zmq.DEALER, addresses.input_address, bind=False,
-                                  identity=identity)
-    output_sockets = [make_socket(context, zmq.PUSH, address, bind=False)[0]
+                                  identity=identity, curve=addresses.curve)
+    output_sockets = [make_socket(context, zmq.PUSH, address, bind=False, curve=addresses.curve)[0]
                       for address in addresses.output_addresses]
     encoder = MsgpackEncoder()
     proc: EngineCoreProc | None = None
@@ -183,7 +290,9 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             config = engine_args.create_engine_config()
             engine_core = EngineCore(config)
             if config.cache_config.enable_kv_cache_events and addresses.kv_events_endpoint:
-                publisher = KVEventPublisher(context, addresses.kv_events_endpoint)
+                curve = addresses.curve if is_tcp(addresses.kv_events_endpoint) else None
+                publisher = KVEventPublisher(context, addresses.kv_events_endpoint,
+                                             curve_secret_key=curve.kv_events_secret if curve else None)
         except BaseException as error:  # noqa: BLE001 - every start-up failure goes to the frontend
             failure = EngineCoreStartupFailure(
                 exc_type=type(error).__name__, exc_module=type(error).__module__,
@@ -195,10 +304,15 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
         info = EngineCoreReadyInfo(
             model_config=config.model_config, cache_config=config.cache_config,
             scheduler_config=config.scheduler_config, device_config=config.device_config,
-            kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid())
+            kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid(),
+            kv_events_server_key=(addresses.curve.kv_events_public.decode()
+                                  if publisher is not None and publisher.curve else None))
         input_socket.send_multipart([EngineCoreRequestType.READY.frame(), *encoder.encode(info)])
         death_fd = death_reader.fileno() if death_reader is not None else None
-        proc = EngineCoreProc(engine_core, context, input_socket, output_sockets, death_fd, publisher)
+        proc = EngineCoreProc(engine_core, context, input_socket, output_sockets, death_fd, publisher,
+                              max_logprobs=engine_args.max_logprobs,
+                              heartbeat_interval_s=heartbeat_interval(engine_args.liveness_timeout_s))
+        proc.start_heartbeat()
         try:
             proc.run_busy_loop()
         except SystemExit:
@@ -208,6 +322,8 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             proc.send_dead(f"{type(error).__name__}: {error}")
             raise SystemExit(1) from error
     finally:
+        if proc is not None:
+            proc.stop_heartbeat()
         if engine_core is not None:
             engine_core.shutdown()
         if publisher is not None:
@@ -215,8 +331,25 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
         for socket in (input_socket, *output_sockets):
             socket.close(linger=_CLOSE_LINGER_MS)  # let a start-up failure or death reason out
         context.term()
-        if proc is not None and proc.parent_died:
-            addresses.cleanup()  # the frontend cannot remove its socket dir any more
+        # Whatever ended the core (SHUTDOWN, SIGTERM to the process group, the parent's death),
+        # the engine is over: remove the socket dir here too, for a frontend that cannot
+        # (killed by the same SIGTERM). The frontend's own removal tolerates it being gone.
+        addresses.cleanup()
+
+
+def _decode_error(error: BaseException) -> EngineError:
+    if isinstance(error, EngineError):
+        return error
+    if isinstance(error, msgspec.ValidationError):
+        return error_for_path(str(error), where="was refused by the engine core's decode")
+    return RequestRejectedError(f"the engine core cannot decode the request: {type(error).__name__}: {error}")
+
+
+def heartbeat_interval(liveness_timeout_s: float | None) -> float | None:
+    """How often the core sends a heartbeat: several per liveness timeout, at most every 2 s."""
+    if liveness_timeout_s is None:
+        return None
+    return min(max(liveness_timeout_s / 5, 0.01), 2.0)
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

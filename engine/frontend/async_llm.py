@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidEngineArgsError, fresh_error
+from engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.mp_client import AsyncMPClient
 from engine.frontend.output_collector import Broadcast, RequestOutputCollector
@@ -49,7 +49,8 @@ class AsyncLLM:
         eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
-            eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config))
+            eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
+            max_logprobs=self.engine_args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         if stat_loggers is None:
             stat_loggers = [LoggingStatLogger()] if self.engine_args.log_stats else []
@@ -73,6 +74,7 @@ class AsyncLLM:
             "max_model_len": model.max_model_len, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "max_num_seqs": sched.max_num_seqs, "enable_prefix_caching": cache.enable_prefix_caching,
             "vocab_size": model.vocab_size, "kv_events_endpoint": self.kv_events_endpoint,
+            "kv_events_server_key": self.engine_core.ready_info.kv_events_server_key,
             "multimodal": self.input_processor.mm_processor is not None,
         }
 
@@ -80,6 +82,11 @@ class AsyncLLM:
     def kv_events_endpoint(self) -> str | None:
         """The engine core's KV events PUB address (None unless enable_kv_cache_events)."""
         return self.engine_core.ready_info.kv_events_endpoint
+
+    @property
+    def kv_events_server_key(self) -> str | None:
+        """The CURVE public key a subscriber needs for a tcp KV events endpoint (None for ipc)."""
+        return self.engine_core.ready_info.kv_events_server_key
 
     @property
     def errored(self) -> bool:
@@ -100,9 +107,8 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_output_handler()
         children = self.input_processor.process_request(request_id, prompt, params)
-        collector = RequestOutputCollector(params.output_kind)
-        for text, request, parent, index in children:
-            self.output_processor.add_request(request, text, parent, index, queue=collector)
+        collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
+        self.output_processor.add_requests(children, queue=collector)  # all or none
         try:
             requests = [request for _, request, _, _ in children]
             self.input_processor.finalize_for_send(requests)
@@ -135,7 +141,9 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; a running generate() ends with finish_reason "abort"."""
         self._check_alive()
-        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        request_ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(request_ids, (list, tuple)) or not all(isinstance(i, str) for i in request_ids):
+            raise InvalidRequestIdError(f"abort() takes a request id (str) or a list of them, got {request_id!r:.80}.")
         core_ids = self.output_processor.abort_requests(request_ids, emit_outputs=True)
         self.engine_core.abort_requests(core_ids)
 
@@ -178,6 +186,10 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError (EngineUnresponsiveError for a missed heartbeat) if the engine is gone."""
+        self._check_alive()
 
     async def _call(self, method: str, *args: Any) -> Any:
         self._check_alive()

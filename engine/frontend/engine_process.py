@@ -55,15 +55,17 @@ class EngineProcess:
     """Everything the client owns outside Python objects: process, sockets, temp dir, pipes."""
 
     def __init__(self, engine_args: EngineArgs, num_clients: int = 1) -> None:
+        engine_args._verify()  # a bad argument fails here, before any socket or process exists
         self.engine_args = engine_args
         self.addresses = make_engine_addresses(
             engine_args.zmq_transport, num_clients, engine_args.enable_kv_cache_events,
             engine_args.kv_events_endpoint)
         self.context = zmq.Context()
+        curve = self.addresses.curve
         self.input_socket, self.addresses.input_address = make_socket(
-            self.context, zmq.ROUTER, self.addresses.input_address, bind=True)
+            self.context, zmq.ROUTER, self.addresses.input_address, bind=True, curve=curve)
         self.output_socket, self.addresses.output_addresses[0] = make_socket(
-            self.context, zmq.PULL, self.addresses.output_addresses[0], bind=True)
+            self.context, zmq.PULL, self.addresses.output_addresses[0], bind=True, curve=curve)
         self.send_lock = threading.Lock()
         self.core_identity = b"engine-core-0"
         self.wake_r, self.wake_w = os.pipe()

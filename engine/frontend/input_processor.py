@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import TYPE_CHECKING, Any, Union
 
+import msgspec
+
+from engine.admission import check_decodable, check_request_id
 from engine.errors import (
     InvalidPromptError, InvalidSamplingParamsError, MultiModalNotSupportedError, TooManyMultiModalItemsError,
 )
+from engine.frontend.prompt_length import max_prompt_chars
 from engine.protocol import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
@@ -22,28 +27,61 @@ if TYPE_CHECKING:
 ChildRequest = tuple[Union[str, None], EngineCoreRequest, "ParentRequest | None", int]
 
 
+# The keys a prompt dict may have (vLLM's TextPrompt / TokensPrompt); anything else is refused.
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "mm_uuids",
+                         "mm_processor_kwargs", "cache_salt"})
+
+
 class InputProcessor:
-    """Turns user prompts into EngineCoreRequests; every check runs before the engine sees it."""
+    """Turns user prompts into EngineCoreRequests; every check runs before the engine sees it.
+
+    Admission is type-safe: each request is checked against exactly what the engine core's
+    typed decode accepts (engine/admission.py), so a request the core would refuse fails here
+    with its own error and never reaches the core.
+    """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, extra_stop_token_ids: set[int] | None = None,
-                 mm_processor: MultiModalProcessor | None = None) -> None:
+                 mm_processor: MultiModalProcessor | None = None, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.extra_stop_token_ids = extra_stop_token_ids or set()
         self.mm_processor = mm_processor  # None: a text-only model
+        self.max_logprobs = max_logprobs  # -1: no limit
+        # Texts longer than this cannot fit max_model_len tokens: refused untokenised.
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len) if tokenizer is not None else None
+
+    # -- prompts ----------------------------------------------------------------------------
+    def check_prompt_text(self, text: object, what: str = "prompt") -> str:
+        """The text if it can be tokenised and might fit max_model_len; InvalidPromptError otherwise."""
+        if not isinstance(text, str):
+            raise InvalidPromptError(f"{what} must be a str, got {type(text).__name__}.")
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise InvalidPromptError(
+                f"The {what} has {len(text)} characters: more than max_model_len={self.max_model_len} tokens "
+                f"can hold with this tokenizer (at most {self.max_prompt_chars} characters); shorten it.")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidPromptError(
+                f"The {what} is not valid Unicode text: {error.reason} at position {error.start} "
+                "(undecodable bytes?).") from None
+        return text
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids) for any accepted prompt form."""
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            text, token_ids = prompt, self._encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt.get("prompt")
+            if text is not None:
+                self.check_prompt_text(text)
+            token_ids = self._token_id_list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
             text = prompt["prompt"]
-            token_ids = self.tokenizer.encode(text, add_special_tokens=True)
+            token_ids = self._encode(text)
         else:
             raise InvalidPromptError(
                 f"Unsupported prompt {type(prompt).__name__}: pass a str, {{'prompt': str}} or "
@@ -52,13 +90,19 @@ class InputProcessor:
         self._check_token_ids(token_ids)
         return text, token_ids
 
+    def _encode(self, text: object) -> list[int]:
+        text = self.check_prompt_text(text)
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _token_id_list(self, token_ids: object) -> list[int]:
+        if not isinstance(token_ids, (list, tuple)):
+            raise InvalidPromptError(
+                f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}.")
+        return list(token_ids)
+
     def _check_token_ids(self, token_ids: list[int], num_images: int = 0) -> None:
         if not token_ids:
             raise InvalidPromptError("The prompt is empty: it must contain at least one token.")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
-            raise InvalidPromptError(
-                f"prompt_token_ids must be integers in [0, {self.vocab_size}) for this model."
-            )
         if num_images and len(token_ids) >= self.max_model_len:
             raise TooManyMultiModalItemsError(
                 f"With its {num_images} image(s) expanded the prompt has {len(token_ids)} tokens, but "
@@ -68,6 +112,16 @@ class InputProcessor:
                 f"The prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 f"a prompt may have at most {self.max_model_len - 1} tokens so that one can be generated."
             )
+        # The range here (min/max run in C); that each id is an int, not a bool or a float, is
+        # checked by the engine core's own decode in check_decodable().
+        try:
+            in_range = 0 <= min(token_ids) and max(token_ids) < self.vocab_size
+        except TypeError:  # ids that do not even compare with ints
+            in_range = False
+        if not in_range:
+            raise InvalidPromptError(
+                f"prompt_token_ids must be integers in [0, {self.vocab_size}) for this model."
+            )
 
     def process_multimodal(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], list[MultiModalFeatureSpec]]:
         """Images + prompt -> expanded token ids and one MultiModalFeatureSpec per image."""
@@ -75,6 +129,12 @@ class InputProcessor:
             raise MultiModalNotSupportedError(
                 "this model is text-only: it cannot take multi_modal_data; use a vision-language model "
                 "(e.g. --model demo-vlm).")
+        if "prompt_token_ids" in prompt:
+            prompt = {**prompt, "prompt_token_ids": self._token_id_list(prompt["prompt_token_ids"])}
+            if prompt.get("prompt") is not None:
+                self.check_prompt_text(prompt["prompt"])
+        else:
+            self.check_prompt_text(prompt.get("prompt"))
         processed = self.mm_processor.process(prompt, self.tokenizer)
         self._check_token_ids(processed.token_ids, len(processed.features))
         return prompt.get("prompt"), processed.token_ids, processed.features
@@ -87,20 +147,31 @@ class InputProcessor:
             if request.mm_features:
                 request.mm_features = self.mm_processor.finalize(request.mm_features)
 
+    # -- requests ---------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None, cache_salt: str | None = None
                        ) -> tuple[str | None, EngineCoreRequest]:
-        """Validate, tokenize and normalise one request."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParamsError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}."
-            )
+        """Validate, tokenize and normalise one request (n is treated as 1)."""
+        check_request_id(request_id)
+        return self._process_verified(request_id, prompt, self._verified_copy(params), arrival_time, cache_salt)
+
+    def _process_verified(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: float | None = None, cache_salt: str | None = None
+                          ) -> tuple[str | None, EngineCoreRequest]:
+        """process_inputs() with params already a verified private copy (it is modified)."""
+        if isinstance(prompt, dict):
+            unknown = sorted(str(key) for key in prompt if key not in PROMPT_KEYS)
+            if unknown:
+                raise InvalidPromptError(f"Unknown prompt key(s) {unknown}; allowed: {sorted(PROMPT_KEYS)}.")
+            if cache_salt is None:
+                cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidPromptError(f"cache_salt must be a non-empty str or None, got {type(cache_salt).__name__}.")
         mm_features = None
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             text, token_ids, mm_features = self.process_multimodal(prompt)
         else:
             text, token_ids = self.tokenize_prompt(prompt)
-        params = params.clone()
         remaining = self.max_model_len - len(token_ids)
         if params.max_tokens is None or params.max_tokens > remaining:
             params.max_tokens = remaining
@@ -120,26 +191,60 @@ class InputProcessor:
             cache_salt=cache_salt,
             mm_features=mm_features or None,
         )
+        check_decodable(request)
         return text, request
+
+    def _verified_copy(self, params: object) -> SamplingParams:
+        """A private copy of the params, validated again (the caller may have changed a field)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}."
+            )
+        params = params.clone()
+        params.verify()
+        if params.logprobs is not None and 0 <= self.max_logprobs < params.logprobs:
+            raise InvalidSamplingParamsError(
+                f"SamplingParams.logprobs={params.logprobs} is invalid: at most max_logprobs="
+                f"{self.max_logprobs} (an engine argument) logprobs per token may be requested.")
+        if params.prompt_logprobs is not None:
+            raise InvalidSamplingParamsError(
+                "SamplingParams.prompt_logprobs is not supported by this engine yet: leave it None.")
+        if any(t >= self.vocab_size for t in params.stop_token_ids or ()):
+            raise InvalidSamplingParamsError(
+                f"SamplingParams.stop_token_ids={params.stop_token_ids} is invalid: token ids must be "
+                f"< vocab_size ({self.vocab_size}).")
+        return params
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams
                         ) -> list[ChildRequest]:
         """One request for n == 1; else n child requests under one ParentRequest.
 
-        Children get ids "{index}_{request_id}" and seeds seed + index, so they differ.
+        The prompt is processed once. Children get ids "{index}_{request_id}-{nonce}" (the
+        nonce: a live id cannot be guessed into a collision) and seeds seed + index, so they differ.
         """
-        if not isinstance(params, SamplingParams) or params.n == 1:
-            text, request = self.process_inputs(request_id, prompt, params)
+        check_request_id(request_id)
+        params = self._verified_copy(params)
+        if params.n == 1:
+            text, request = self._process_verified(request_id, prompt, params)
             return [(text, request, None, 0)]
         from engine.frontend.output_processor import ParentRequest
 
-        parent = ParentRequest(request_id=request_id, n=params.n)
+        num_children = params.n
+        params.n = 1
+        text, first = self._process_verified(request_id, prompt, params)
+        parent = ParentRequest(request_id=request_id, n=num_children)
+        nonce = secrets.token_hex(4)
         children: list[ChildRequest] = []
-        for index in range(params.n):
-            child_params = params.clone()
-            child_params.n = 1
+        for index in range(num_children):
+            child_params = first.sampling_params.clone()
             if params.seed is not None:
-                child_params.seed = params.seed + index
-            text, request = self.process_inputs(f"{index}_{request_id}", prompt, child_params)
-            children.append((text, request, parent, index))
+                child_params.seed = _wrap_int64(params.seed + index)
+            child = msgspec.structs.replace(first, request_id=f"{index}_{request_id}-{nonce}",
+                                            sampling_params=child_params)
+            children.append((text, child, parent, index))
         return children
+
+
+def _wrap_int64(value: int) -> int:
+    """value in the signed 64-bit range, wrapping around (child seeds seed + index)."""
+    return (value + 2**63) % 2**64 - 2**63

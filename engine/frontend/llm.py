@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError
+from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.mp_client import make_client
 from engine.frontend.input_processor import InputProcessor, PromptType
@@ -43,6 +43,7 @@ class LLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
+            max_logprobs=self.engine_args.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -56,6 +57,12 @@ class LLM:
         ready_info = getattr(self.engine_core, "ready_info", None)
         return ready_info.kv_events_endpoint if ready_info is not None else None
 
+    @property
+    def kv_events_server_key(self) -> str | None:
+        """The CURVE public key a subscriber needs for a tcp KV events endpoint (None for ipc)."""
+        ready_info = getattr(self.engine_core, "ready_info", None)
+        return ready_info.kv_events_server_key if ready_info is not None else None
+
     # -- generation -----------------------------------------------------------------------
     def generate(
         self,
@@ -63,15 +70,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt is validated before any runs: a bad one raises its engine.errors exception
+        (InvalidPromptError, InvalidSamplingParamsError, ...) and nothing is generated.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise InvalidPromptError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}.")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
+                raise InvalidSamplingParamsError(
+                    "sampling_params must be a SamplingParams, a list with one per prompt, or None; got "
+                    f"{type(sampling_params).__name__}.")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidSamplingParamsError(
@@ -82,14 +100,13 @@ class LLM:
         processed = [self._process(prompt, params) for prompt, params in zip(prompts, params_list)]
         request_ids: list[str] = []
         engine_requests = []
-        for request_id, children in processed:
-            request_ids.append(request_id)
-            for text, child_request, parent, index in children:
-                self.output_processor.add_request(child_request, text, parent, index)
-                engine_requests.append(child_request)
-        self.input_processor.finalize_for_send(engine_requests)
-        # One message: the core admits the whole batch before its first step, as in-process.
         try:
+            for request_id, children in processed:
+                self.output_processor.add_requests(children)
+                request_ids.append(request_id)
+                engine_requests.extend(request for _, request, _, _ in children)
+            self.input_processor.finalize_for_send(engine_requests)
+            # One message: the core admits the whole batch before its first step, as in-process.
             self.engine_core.add_requests(engine_requests)
         except BaseException:  # e.g. the in-process core rejected one: forget the whole batch
             self._abort_all()
@@ -105,14 +122,16 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one or more OpenAI-style conversations via the chat template."""
-        if not messages:
-            raise InvalidPromptError("messages is empty: pass a list of {'role', 'content'} dicts.")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidPromptError("messages must be a non-empty list of {'role', 'content'} dicts "
+                                     "(or a list of such lists).")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         from engine.multimodal.chat import build_chat_prompt
 
         prompts: list[PromptType] = [
             build_chat_prompt(self.tokenizer, self.input_processor.mm_processor, conversation,
-                              add_generation_prompt, chat_template_kwargs)
+                              add_generation_prompt, chat_template_kwargs,
+                              check_text=self.input_processor.check_prompt_text)
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -128,6 +147,12 @@ class LLM:
         """Block counts and the per-block state map of the KV cache."""
         return self.engine_core.get_block_pool_state()
 
+    def check_health(self) -> None:
+        """Raise the engine's EngineDeadError (or EngineUnresponsiveError) if it is gone."""
+        dead_error = getattr(self.engine_core, "dead_error", None)
+        if dead_error is not None:
+            raise fresh_error(dead_error)
+
     def shutdown(self) -> None:
         """Stop the engine core (idempotent)."""
         self.engine_core.shutdown()
@@ -135,6 +160,9 @@ class LLM:
     # -- internals ------------------------------------------------------------------------
     def _process(self, prompt: PromptType, params: SamplingParams):  # type: ignore[no-untyped-def]
         request_id = str(next(self._request_counter))
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}.")
         # The offline API returns only finished outputs.
         params = params.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY

@@ -16,6 +16,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,12 +25,12 @@ import msgspec
 import zmq
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, EngineError, fresh_error
+from engine.errors import EngineDeadError, EngineError, EngineUnresponsiveError, fresh_error
 from engine.frontend.core_client import EngineCoreClient, InprocClient
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import MsgpackDecoder, MsgpackEncoder
 from engine.metrics.stats import BlockPoolState, SchedulerStats
-from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
+from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall, UtilityOutput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -56,22 +57,30 @@ class OutputSink:
         raise NotImplementedError
 
     def on_message(self, outputs: EngineCoreOutputs) -> None:
-        """Route one decoded message (reader thread)."""
+        """Route one decoded message (reader thread); a heartbeat (nothing in it) stops here."""
         if outputs.engine_dead_reason is not None:
             self.on_dead(EngineDeadError(f"The engine core failed: {outputs.engine_dead_reason}"))
             return
-        utility = outputs.utility_output
-        if utility is not None:
-            with self.lock:
-                future, result_type = self.pending_calls.pop(utility.call_id, (None, None))
-            if future is not None:
-                if utility.failure_message is not None:
-                    future.set_exception(EngineError(f"utility call failed: {utility.failure_message}"))
-                else:
-                    future.set_result(msgspec.msgpack.decode(utility.result, type=result_type))
-            if not (outputs.outputs or outputs.scheduler_stats or outputs.kv_events):
-                return
-        self.deliver(outputs)
+        if outputs.utility_output is not None:
+            self._resolve_call(outputs.utility_output)
+        if outputs.outputs or outputs.scheduler_stats or outputs.kv_events or outputs.finished_requests:
+            self.deliver(outputs)
+
+    def _resolve_call(self, utility: UtilityOutput) -> None:
+        """Answer a pending utility call; a late answer (the caller gave up) is dropped quietly."""
+        with self.lock:
+            future, result_type = self.pending_calls.pop(utility.call_id, (None, None))
+        if future is None or future.done():
+            return
+        try:
+            if utility.failure_message is not None:
+                future.set_exception(EngineError(f"utility call failed: {utility.failure_message}"))
+            else:
+                future.set_result(msgspec.msgpack.decode(utility.result, type=result_type))
+        except msgspec.DecodeError as error:  # a result of the wrong shape: the caller learns why
+            future.set_exception(EngineError(f"utility call answered with an undecodable result: {error}"))
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled between the check and the answer
 
     def on_dead(self, error: EngineDeadError, unexpected: bool = True) -> None:
         """Fail every pending call and wake every waiter (idempotent)."""
@@ -104,7 +113,8 @@ class MPClient(EngineCoreClient):
             self._finalizer()
             raise
         self.proc = self.resources.proc
-        self._reader = threading.Thread(target=_read_outputs, args=(self.resources, sink),
+        self._reader = threading.Thread(target=_read_outputs,
+                                        args=(self.resources, sink, engine_args.liveness_timeout_s),
                                         name="EngineCoreOutputReader", daemon=True)
         self.resources.reader_thread = self._reader
         self._reader.start()
@@ -237,21 +247,28 @@ class AsyncMPClient(MPClient):
         raise NotImplementedError("AsyncMPClient: use get_output_async()")
 
 
-def _read_outputs(resources: EngineProcess, sink: OutputSink) -> None:
-    """Reader thread: decode outputs until the core exits or the client shuts down."""
+def _read_outputs(resources: EngineProcess, sink: OutputSink, liveness_timeout_s: float | None = None) -> None:
+    """Reader thread: decode outputs until the core exits, goes silent, or the client shuts down.
+
+    Every message counts as a sign of life (the core sends heartbeats while idle or busy); none
+    for liveness_timeout_s marks the engine dead with EngineUnresponsiveError.
+    """
     decoder = MsgpackDecoder(EngineCoreOutputs)
     socket = resources.output_socket
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
     poller.register(resources.proc.sentinel, zmq.POLLIN)
     poller.register(resources.wake_r, zmq.POLLIN)
+    last_heard = time.monotonic()
 
     def drain() -> None:
+        nonlocal last_heard
         while True:
             try:
                 frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            last_heard = time.monotonic()
             try:
                 sink.on_message(decoder.decode(frames))
             except Exception:  # noqa: BLE001 - a bad message must not kill the reader
@@ -259,7 +276,10 @@ def _read_outputs(resources: EngineProcess, sink: OutputSink) -> None:
 
     try:
         while True:
-            events = dict(poller.poll())
+            timeout_ms = None
+            if liveness_timeout_s is not None:
+                timeout_ms = max((last_heard + liveness_timeout_s - time.monotonic()) * 1000, 0)
+            events = dict(poller.poll(timeout_ms))
             if socket in events:
                 drain()
             if resources.wake_r in events:
@@ -271,6 +291,15 @@ def _read_outputs(resources: EngineProcess, sink: OutputSink) -> None:
                     code = resources.proc.exitcode
                     sink.on_dead(EngineDeadError(
                         f"The engine core process (pid {resources.proc.pid}) died with exit code {code}."))
+                return
+            if liveness_timeout_s is not None and time.monotonic() - last_heard >= liveness_timeout_s:
+                if socket.poll(0):
+                    continue  # it spoke just now
+                if not resources.closing:
+                    sink.on_dead(EngineUnresponsiveError(
+                        f"The engine core process (pid {resources.proc.pid}) has been unresponsive for "
+                        f"{time.monotonic() - last_heard:.1f} s (no heartbeat; liveness_timeout_s="
+                        f"{liveness_timeout_s:g}): it is stopped or hung. Shut the engine down and start a new one."))
                 return
     finally:
         if resources.closing:

@@ -6,13 +6,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.errors import DuplicateRequestError, fresh_error
+from engine.errors import DuplicateRequestError, error_type_named, fresh_error
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.logprobs import LogprobsProcessor
 from engine.metrics.stats import IterationStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.protocol import (
-    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestError,
 )
 from engine.sampling_params import RequestOutputKind
 
@@ -72,9 +72,29 @@ class OutputProcessor:
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
                     parent: ParentRequest | None = None, child_index: int = 0,
                     queue: OutputQueue | None = None) -> None:
+        """Track one request (DuplicateRequestError if its id, or its parent's, is live)."""
+        self.add_requests([(prompt, request, parent, child_index)], queue)
+
+    def add_requests(self, children: list[tuple[str | None, EngineCoreRequest, ParentRequest | None, int]],
+                     queue: OutputQueue | None = None) -> None:
+        """Track a user request's children, all or none: every id is checked before any is added."""
+        new_ids = [request.request_id for _, request, _, _ in children]
+        new_parents = {id(parent): parent for _, _, parent, _ in children if parent is not None}
+        for request_id in new_ids:
+            if request_id in self.request_states or request_id in self.parent_requests:
+                raise DuplicateRequestError(f"Request id {request_id!r} is already running; use a new id.")
+        if len(set(new_ids)) != len(new_ids):
+            raise DuplicateRequestError(f"Request ids {new_ids} repeat; each must be unique.")
+        for parent in new_parents.values():
+            live = self.parent_requests.get(parent.request_id)
+            if (live is not None and live is not parent) or parent.request_id in self.request_states:
+                raise DuplicateRequestError(f"Request id {parent.request_id!r} is already running; use a new id.")
+        for prompt, request, parent, child_index in children:
+            self._add(request, prompt, parent, child_index, queue)
+
+    def _add(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
+             child_index: int, queue: OutputQueue | None) -> None:
         request_id = request.request_id
-        if request_id in self.request_states or request_id in self.parent_requests:
-            raise DuplicateRequestError(f"Request id {request_id!r} is already running; use a new id.")
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
             parent.child_request_ids.append(request_id)
@@ -131,14 +151,24 @@ class OutputProcessor:
     def process_outputs(self, engine_core_outputs: EngineCoreOutputs,
                         iteration_stats: IterationStats | None = None
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Return (RequestOutputs of queue-less requests, request ids to abort in the core)."""
+        """Return (RequestOutputs of queue-less requests, request ids to abort in the core).
+
+        A request the core refused (output.error) ends with that error: put in its queue, or,
+        for a queue-less request, raised once the whole batch is processed.
+        """
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        unqueued_error: BaseException | None = None
         now = time.time()
         for output in engine_core_outputs.outputs:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted by the user meanwhile
+            if output.error is not None:
+                error = self._fail(state, output.error, reqs_to_abort)
+                if error is not None and unqueued_error is None:
+                    unqueued_error = error
+                continue
             self._update_stats(state, output, now, iteration_stats)
             finish_reason, stop_reason = self._update_state(state, output)
             if finish_reason is not None and output.finish_reason is None:
@@ -158,7 +188,20 @@ class OutputProcessor:
             parent = state.parent
             if parent is not None and parent.is_finished():
                 self.parent_requests.pop(parent.request_id, None)
+        if unqueued_error is not None:
+            raise unqueued_error
         return request_outputs, reqs_to_abort
+
+    def _fail(self, state: RequestState, wire_error: RequestError, reqs_to_abort: list[str]) -> BaseException | None:
+        """End a refused request (with its siblings when n > 1); the error if it has no queue."""
+        error = error_type_named(wire_error.exc_type)(wire_error.message)
+        user_id = state.parent.request_id if state.parent is not None else state.request_id
+        # The siblings still run in the core: abort them there.
+        reqs_to_abort.extend(i for i in self.abort_requests([user_id]) if i != state.request_id)
+        if state.queue is None:
+            return error
+        state.queue.put(error)
+        return None
 
     @staticmethod
     def _update_stats(state: RequestState, output: EngineCoreOutput, now: float,

@@ -88,11 +88,17 @@ def decode_kv_event_message(frames: list[Any]) -> tuple[bytes, int, KVEventBatch
 class KVEventPublisher:
     """Binds a PUB socket and publishes one KVEventBatch per call, numbering them from 0."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, topic: bytes = DEFAULT_TOPIC) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, topic: bytes = DEFAULT_TOPIC,
+                 curve_secret_key: bytes | None = None) -> None:
         self.topic = topic
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)  # a slow subscriber loses batches, not the engine
+        # CURVE (tcp): only subscribers given the server's public key can connect and read.
+        self.curve = curve_secret_key is not None
+        if curve_secret_key is not None:
+            self.socket.curve_secretkey = curve_secret_key
+            self.socket.curve_server = True
         self.socket.bind(endpoint)
         # With a wildcard port (tcp://127.0.0.1:*) the actual endpoint is known only now.
         self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -119,15 +125,29 @@ class KVEventPublisher:
         self.socket.close(linger=0)
 
 
-class KVEventSubscriber:
-    """A blocking SUB client of a KVEventPublisher (tests, `lmc events`)."""
+def set_curve_subscriber(socket: zmq.Socket, server_key: str | bytes) -> None:
+    """Make a SUB socket a CURVE client of the PUB with that z85 public key (before connect)."""
+    public_key, secret_key = zmq.curve_keypair()
+    socket.curve_serverkey = server_key.encode() if isinstance(server_key, str) else server_key
+    socket.curve_publickey = public_key
+    socket.curve_secretkey = secret_key
 
-    def __init__(self, endpoint: str, topic: bytes = b"", context: zmq.Context | None = None) -> None:
+
+class KVEventSubscriber:
+    """A blocking SUB client of a KVEventPublisher (tests, `lmc events`).
+
+    server_key: the publisher's CURVE public key (z85), needed for a tcp endpoint.
+    """
+
+    def __init__(self, endpoint: str, topic: bytes = b"", context: zmq.Context | None = None,
+                 server_key: str | bytes | None = None) -> None:
         self._own_context = context is None
         self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, topic)
+        if server_key is not None:
+            set_curve_subscriber(self.socket, server_key)
         self.socket.connect(endpoint)
 
     def receive(self, timeout_s: float | None = None) -> tuple[int, KVEventBatch] | None:

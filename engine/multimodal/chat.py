@@ -7,6 +7,7 @@ Accepted parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url"
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.errors import InvalidPromptError, MultiModalNotSupportedError
@@ -67,9 +68,12 @@ def _image_source(part: dict[str, Any]) -> Any:
 
 
 def build_chat_prompt(tokenizer: Any, mm_processor: Any, conversation: list[dict[str, Any]],
-                      add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
-                      ) -> dict[str, Any]:
-    """A prompt dict for InputProcessor: text, token ids and (if any) multi_modal_data."""
+                      add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+                      check_text: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """A prompt dict for InputProcessor: text, token ids and (if any) multi_modal_data.
+
+    check_text sees the rendered text before it is tokenised (InputProcessor.check_prompt_text).
+    """
     messages, images = split_chat_messages(conversation, multimodal=mm_processor is not None)
     kwargs = dict(chat_template_kwargs or {})
     template_owner = tokenizer
@@ -77,6 +81,8 @@ def build_chat_prompt(tokenizer: Any, mm_processor: Any, conversation: list[dict
         template_owner = mm_processor.info.processor
     text = template_owner.apply_chat_template(messages, tokenize=False,
                                               add_generation_prompt=add_generation_prompt, **kwargs)
+    if check_text is not None:
+        check_text(text)
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     if images:
         prompt["multi_modal_data"] = {"image": images}

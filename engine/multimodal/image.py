@@ -95,6 +95,9 @@ def _decode(raw: bytes, source: str) -> ImageItem:
             image = _to_rgb(opened, source)
     except InvalidImageError:
         raise
+    except Image.DecompressionBombError as error:  # PIL's pixel limit (Image.MAX_IMAGE_PIXELS)
+        raise InvalidImageError(
+            f"{source}: the image has too many pixels to decode safely ({error}); send a smaller image.") from None
     except UnidentifiedImageError as error:
         raise InvalidImageError(
             f"{source}: not a recognised image ({len(raw)} bytes); supported formats: "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidImageError, InvalidPromptError, MultiModalNotSupportedError
+from engine.errors import InvalidImageError, InvalidPromptError, MultiModalInputError, MultiModalNotSupportedError
 from engine.multimodal.hasher import MultiModalHasher
 from engine.multimodal.image import ImageItem, load_image
 from engine.multimodal.inputs import MultiModalFeatureSpec
@@ -199,7 +199,7 @@ class MultiModalProcessor:
         """Expand the prompt's placeholders and build one MultiModalFeatureSpec per image."""
         images = parse_mm_data(prompt.get("multi_modal_data"))
         uuids = _parse_uuids(prompt.get("multi_modal_uuids", prompt.get("mm_uuids")), len(images))
-        kwargs = dict(prompt.get("mm_processor_kwargs") or {})
+        kwargs = _parse_processor_kwargs(prompt.get("mm_processor_kwargs"))
         info = self.info
         token_ids = self._tokenize(prompt, tokenizer, len(images))
         positions = [i for i, t in enumerate(token_ids) if t == info.placeholder_token_id]
@@ -240,7 +240,11 @@ class MultiModalProcessor:
         if uuid is not None and not kwargs:
             return uuid
         item: Any = uuid if uuid is not None else image
-        return self.hasher.hash_kwargs(model_id=self.model_id, image=item, **kwargs)
+        try:
+            return self.hasher.hash_kwargs(model_id=self.model_id, image=item, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a kwarg value the hasher cannot serialise
+            raise MultiModalInputError(
+                f"mm_processor_kwargs {sorted(kwargs)} cannot be hashed: {type(error).__name__}: {error}") from None
 
     def _process_item(self, identifier: str, image: ImageItem, kwargs: dict[str, Any]
                       ) -> tuple[list[int], dict[str, Any] | None, bytes | None]:
@@ -250,8 +254,13 @@ class MultiModalProcessor:
         self.num_hf_calls += 1
         try:
             item_ids, data = self.info.process_item(image.image, kwargs)
-        except (ValueError, TypeError, OSError) as error:
-            raise InvalidImageError(f"{image.source}: the model's image processor rejected it: {error}") from error
+        except Exception as error:  # noqa: BLE001 - any processor failure is this request's, not the engine's
+            if kwargs:
+                raise MultiModalInputError(
+                    f"mm_processor_kwargs {kwargs!r:.200} were rejected by the model's image processor: "
+                    f"{type(error).__name__}: {error}") from None
+            raise InvalidImageError(
+                f"{image.source}: the model's image processor rejected it: {type(error).__name__}: {error}") from None
         embed_id = self.info.embed_token_id
         is_embed = bytes(int(t == embed_id) for t in item_ids)
         if all(is_embed):
@@ -296,10 +305,24 @@ def _parse_uuids(uuids: Any, num_images: int) -> list[str | None]:
         uuids = uuids.get("image")
     if isinstance(uuids, str):
         uuids = [uuids]
-    uuids = list(uuids or [])
+    if uuids is None:
+        uuids = []
+    if not isinstance(uuids, (list, tuple)) or any(u is not None and (not isinstance(u, str) or not u)
+                                                   for u in uuids):
+        raise InvalidPromptError(
+            "multi_modal_uuids must be a str, a list of str (or None) per image, or {'image': that}; got "
+            f"{uuids!r:.80}.")
     if len(uuids) != num_images:
         raise InvalidPromptError(f"mm_uuids has {len(uuids)} entries for {num_images} images.")
-    return [None if u is None else str(u) for u in uuids]
+    return list(uuids)
+
+
+def _parse_processor_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or any(not isinstance(key, str) for key in kwargs):
+        raise InvalidPromptError(f"mm_processor_kwargs must be a dict with str keys, got {kwargs!r:.80}.")
+    return dict(kwargs)
 
 
 

@@ -54,17 +54,22 @@ class EncoderRunner:
                            requests: dict[str, CachedRequestState]) -> None:
         """Load (consumer) or compute the scheduled items into encoder_cache (seed: _execute_mm_encoder)."""
         connector = self.ec_connector
+        failed_loads: set[str] = set()
         if connector is not None and scheduler_output.ec_connector_metadata is not None:
             connector.bind_connector_metadata(scheduler_output.ec_connector_metadata)
             if connector.is_consumer:
                 connector.start_load_caches(self.encoder_cache, device=self.device)
+                failed_loads = connector.take_failed_loads()
         try:
             by_modality: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
             seen: set[str] = set()
-            for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
-                features = requests[req_id].mm_features
-                for input_id in input_ids:
-                    feature = features[input_id]
+            scheduled = [(req_id, [requests[req_id].mm_features[i] for i in input_ids])
+                         for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items()]
+            if failed_loads:  # a stored output that could not be loaded is computed here instead
+                scheduled += [(req_id, [f for f in state.mm_features if f.identifier in failed_loads])
+                              for req_id, state in requests.items()]
+            for _, features in scheduled:
+                for feature in features:
                     if feature.identifier in self.encoder_cache or feature.identifier in seen:
                         continue
                     if feature.data is None:

@@ -152,7 +152,8 @@ class _dead_as_unavailable:
         return None
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is not None and type(exc).__name__ == "EngineDeadError":
+        # Any EngineDeadError, EngineUnresponsiveError (a missed heartbeat) included.
+        if exc is not None and any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__):
             raise EngineUnavailable(str(exc) or "The engine core died.", _DEAD_HINT) from exc
         return False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,5 +94,31 @@ def test_the_core_exits_when_its_parent_dies(tiny_llama_dir) -> None:
             time.sleep(0.05)
         assert _is_gone(core_pid), "the engine core outlived its parent"
         assert not os.path.exists(ipc_dir), "the core removes the dead frontend's socket dir"
+    finally:
+        parent.kill()
+
+
+def test_sigterm_to_the_process_group_removes_the_socket_dir(tiny_llama_dir) -> None:
+    """Issue 18 item 8: `timeout` SIGTERMs the whole group; on main the ipc dir was left behind."""
+    script = (
+        "import time\n"
+        "from engine import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_llama_dir)!r}, dtype='float32', max_model_len=128, num_gpu_blocks_override=64)\n"
+        "    print(llm.engine_core.proc.pid, llm.engine_core.resources.addresses.ipc_dir, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              start_new_session=True, env={**os.environ, "LMC_ENGINE_START_METHOD": "spawn"})
+    try:
+        pid_text, ipc_dir = parent.stdout.readline().split()
+        core_pid = int(pid_text)
+        assert os.path.isdir(ipc_dir) and os.getpgid(core_pid) == parent.pid
+        os.killpg(parent.pid, signal.SIGTERM)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not (_is_gone(core_pid) and not os.path.exists(ipc_dir)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _is_gone(core_pid) and not os.path.exists(ipc_dir), "the socket dir outlived the engine"
     finally:
         parent.kill()

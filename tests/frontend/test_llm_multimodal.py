@@ -214,3 +214,29 @@ def test_image_sent_to_a_text_only_model(tiny_llama_dir, make_llm) -> None:
     with pytest.raises(MultiModalNotSupportedError):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], GREEDY)
     assert tokens(llm.generate("Hello", GREEDY, use_tqdm=False))
+
+
+def test_issue_18_multimodal_inputs_get_specific_errors(shared_llm, monkeypatch) -> None:
+    """Item 7: on main these raised DecompressionBombError, ZeroDivisionError, a raw validation
+    error and TypeError instead of engine.errors types."""
+    from PIL import Image
+
+    from engine.errors import MultiModalInputError
+
+    llm = shared_llm
+    cases = [
+        ({"mm_processor_kwargs": {"max_image_size": {"longest_edge": 0}}}, MultiModalInputError),  # ZeroDivisionError
+        ({"mm_processor_kwargs": {"do_resize": "x"}}, MultiModalInputError),  # a raw validation error
+        ({"mm_processor_kwargs": {1: 2}}, InvalidPromptError),
+        ({"multi_modal_uuids": 123}, InvalidPromptError),  # TypeError
+        ({"multi_modal_uuids": [5]}, InvalidPromptError),
+    ]
+    for extra, error in cases:
+        with pytest.raises(error):
+            llm.generate({**image_prompt(make_image(1)), **extra}, GREEDY, use_tqdm=False)
+    # A decompression bomb: PIL's pixel limit, lowered so a small PNG trips it.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidImageError, match="too many pixels"):
+        llm.generate(image_prompt(png_bytes(make_image(1))), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert len(tokens(llm.generate(image_prompt(make_image(1)), GREEDY, use_tqdm=False))[0]) == 6

@@ -50,10 +50,12 @@ def test_n_children_stream_delta_and_abort_with_final_outputs() -> None:
     processor = _processor("p", params, queue)
     with pytest.raises(DuplicateRequestError):
         processor.add_request(*_first_child(params))
-    processor.process_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("0_p", [3]), EngineCoreOutput("1_p", [4])]))
+    child_ids = processor.parent_requests["p"].child_request_ids
+    processor.process_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput(child_ids[0], [3]),
+                                                         EngineCoreOutput(child_ids[1], [4])]))
     assert [[c.index for c in o.outputs] for o in queue] == [[0], [1]]  # DELTA: only the news
     assert [o.outputs[0].token_ids for o in queue] == [[3], [4]] and not queue[-1].finished
-    assert sorted(processor.abort_requests(["p"], emit_outputs=True)) == ["0_p", "1_p"]
+    assert sorted(processor.abort_requests(["p"], emit_outputs=True)) == sorted(child_ids)
     assert queue[-1].finished and queue[-1].outputs[0].finish_reason == "abort"
     assert not processor.request_states and not processor.parent_requests
 

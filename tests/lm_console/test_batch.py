@@ -54,3 +54,65 @@ def test_run_batch_keeps_order_and_isolates_bad_lines(fake_async_llm) -> None:  
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     assert body["usage"]["completion_tokens"] == 4
     assert records[1]["response"]["body"]["object"] == "text_completion"
+
+
+# -- issue 18: bounded memory, streamed results, no tracebacks ---------------------------------
+def _completion(custom_id: str, prompt: str) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": prompt, "max_tokens": 2}})
+
+
+def test_input_lines_are_capped_and_decoded_one_at_a_time() -> None:
+    import io
+
+    from lm_console.batch import iter_input_lines
+
+    data = (_completion("a", "x").encode() + b"\n" + b"\xff\xfe\x00binary\n" + b"\n"
+            + b"{" + b"x" * 3_000_000 + b"}\n" + _completion("b", "y").encode())
+    lines = list(iter_input_lines(io.BytesIO(data), max_line_bytes=1 << 20))
+    assert [n for n, _ in lines] == [1, 2, 4, 5]
+    assert isinstance(lines[0][1], str) and isinstance(lines[3][1], str)
+    assert "not valid UTF-8" in str(lines[1][1]) and "longer than 1048576 bytes" in str(lines[2][1])
+
+
+def test_records_are_written_as_they_finish(fake_async_llm) -> None:  # noqa: ANN001
+    from lm_console.batch import stream_batch
+
+    written: list[dict] = []
+
+    async def lines():
+        for i in range(4):
+            # One request in flight: line i is read only after record i - 1 is out.
+            assert len(written) == i
+            yield i + 1, _completion(f"c{i}", f"prompt {i}")
+
+    result = asyncio.run(asyncio.wait_for(
+        stream_batch(fake_async_llm(), lines(), written.append, "m", progress=False, max_in_flight=1), 30))
+    assert result == (4, 0) and [r["custom_id"] for r in written] == ["c0", "c1", "c2", "c3"]
+
+
+def test_a_dead_engine_ends_the_job_but_keeps_the_written_records(fake_async_llm) -> None:  # noqa: ANN001
+    from engine.errors import EngineUnresponsiveError
+    from lm_console.batch import stream_batch
+
+    llm = fake_async_llm()
+    original = llm.generate
+
+    async def generate(prompt, params=None, request_id=None):
+        if isinstance(prompt, str) and "DIE" in prompt:
+            raise EngineUnresponsiveError("unresponsive for 30.0 s")
+        async for output in original(prompt, params, request_id):
+            yield output
+
+    llm.generate = generate
+    written: list[dict] = []
+
+    async def lines():
+        yield 1, _completion("ok", "fine")
+        yield 2, _completion("bad", "x" * 10)
+        yield 3, _completion("dies", "DIE now")
+
+    with pytest.raises(EngineUnresponsiveError):
+        asyncio.run(asyncio.wait_for(stream_batch(llm, lines(), written.append, "m", progress=False,
+                                                  max_in_flight=1), 30))
+    assert [r["custom_id"] for r in written] == ["ok", "bad"]

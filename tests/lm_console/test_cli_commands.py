@@ -190,3 +190,37 @@ def test_events_from_a_zmq_endpoint(tmp_path: Path) -> None:
 def test_bench_reports_a_bad_model_cleanly(tmp_path: Path) -> None:
     result = runner.invoke(app, ["bench", "throughput", "--model", str(tmp_path / "nope"), "--num-prompts", "2"])
     assert result.exit_code == 2 and "ModelNotFoundError" in result.stderr
+
+
+def test_batch_checks_the_output_path_first_and_never_shows_a_traceback(tmp_path: Path, fake_async_llm) -> None:  # noqa: ANN001
+    """Issue 18 items 5 and 6: binary input, unwritable output, output over input."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00binary\xff\n" + b'{"custom_id": "a"}\n')
+    unwritable = runner.invoke(app, ["batch", "-i", str(source), "-o", str(tmp_path / "no" / "dir" / "out.jsonl")])
+    assert unwritable.exit_code == 2 and "cannot write" in unwritable.stderr
+    assert not fake_async_llm.instances, "the engine must not start when the output cannot be written"
+    same = runner.invoke(app, ["batch", "-i", str(source), "-o", str(source)])
+    assert same.exit_code == 2 and "is the input file" in same.stderr
+    target = tmp_path / "out.jsonl"
+    binary = runner.invoke(app, ["batch", "-i", str(source), "-o", str(target), "--no-progress"])
+    assert binary.exit_code == 0, binary.output
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(records) == 4 and all(r["response"]["status_code"] == 400 for r in records)
+    assert "not valid UTF-8" in records[0]["error"] and "Traceback" not in binary.output
+
+
+def test_cli_errors_are_messages_not_tracebacks(tiny_llama_dir) -> None:  # noqa: ANN001
+    """Issue 18 item 6: each of these printed a Python traceback on main."""
+    for args in (["generate", "hi", "--seed", str(10**30)], ["generate", "hi", "--top-k", str(10**30)],
+                 ["generate", "bad \udcff bytes from argv", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                  "--max-model-len", "64"],
+                 ["events", "--endpoint", "notanendpoint"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.stderr.startswith("error: ") and result.exception is None or isinstance(
+            result.exception, SystemExit), (args, result.output)
+        assert "Traceback" not in result.output
+    binary = runner.invoke(app, ["chat", "--plain", "--fake", "--max-tokens", "8"],
+                           input=b"hello\n\xff\xfe binary \x00\nagain\n")
+    assert binary.exit_code == 0, binary.output
+    assert "not UTF-8" in binary.stderr and len([line for line in binary.stdout.splitlines() if line]) == 2

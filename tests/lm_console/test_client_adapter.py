@@ -73,3 +73,17 @@ def test_chunk_of_request_output() -> None:
     assert (chunk.text, chunk.num_new_tokens, chunk.num_prompt_tokens, chunk.num_cached_tokens) == ("hi", 1, 4, 2)
     assert chunk.finished and chunk.finish_reason == "stop" and chunk.ttft_s == 0.5 and chunk.tpot_s == 0.5
     assert hash_hex(255) == "00000000000000ff" and hash_hex(SimpleNamespace).startswith("<class")
+
+
+def test_an_unresponsive_engine_shows_as_unavailable() -> None:
+    """Issue 18 item 4: the console's engine-dead panel also covers a missed heartbeat."""
+    import pytest
+
+    from engine.errors import EngineDeadError, EngineUnresponsiveError
+    from lm_console.client.asyncllm import _dead_as_unavailable
+    from lm_console.client.types import EngineUnavailable
+
+    for error in (EngineDeadError("gone"), EngineUnresponsiveError("unresponsive for 30.0 s")):
+        with pytest.raises(EngineUnavailable, match=str(error)):
+            with _dead_as_unavailable(None):
+                raise error

@@ -58,6 +58,10 @@ class ECConnectorBase(ABC):
     def start_load_caches(self, encoder_cache: dict[str, Any], **kwargs: Any) -> None:
         """Put the outputs the metadata names into encoder_cache (consumer)."""
 
+    def take_failed_loads(self) -> set[str]:
+        """Identifiers start_load_caches could not load this step (the worker computes them)."""
+        return set()
+
     @abstractmethod
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         """Store encoder_cache[mm_hash] where consumers can find it (producer)."""

@@ -78,3 +78,39 @@ def test_producer_writes_and_consumer_loads_instead_of_encoding(tiny_idefics3_di
     # An image no producer has seen is computed locally.
     consumer.generate({"prompt": "<image>", "multi_modal_data": {"image": make_image(3)}}, GREEDY, use_tqdm=False)
     assert encoder.num_encoder_runs == 1
+
+
+def test_names_are_not_paths_and_a_bad_stored_file_means_recompute(tiny_idefics3_dir, tmp_path, make_llm) -> None:
+    """Issue 18 item 3: on main "../../escaped" wrote outside the storage, and a corrupt or
+    wrong-size file killed the engine core."""
+    from engine.distributed.ec_transfer.example_connector import storage_name
+
+    assert storage_name("abc_DEF-123") == "abc_DEF-123"
+    assert all(storage_name(n).startswith("h.") and "/" not in storage_name(n)
+               for n in ("../../escaped", "/etc/passwd", "..", ".", "a" * 129, "x\udcff"))
+    storage = tmp_path / "deep" / "ec"
+    uuids = ["../../escaped", str(tmp_path / "absolute")]
+    prompts = [{"prompt": "<image>What is it?", "multi_modal_data": {"image": make_image(1)},
+                "multi_modal_uuids": [uuids[0]]},
+               {"prompt": "<image>And this?", "multi_modal_data": {"image": make_image(2)},
+                "multi_modal_uuids": [uuids[1]]}]
+    baseline = make_llm(str(tiny_idefics3_dir), **ENGINE)
+    expected = [o.outputs[0].token_ids for o in baseline.generate(prompts, GREEDY, use_tqdm=False)]
+    producer = make_llm(str(tiny_idefics3_dir), **ENGINE, ec_transfer_config={
+        "ec_role": "ec_producer", "ec_connector_extra_config": {"shared_storage_path": str(storage)}})
+    producer.generate(prompts, GREEDY, use_tqdm=False)
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.safetensors"))
+    assert len(written) == 2 and all(p.parts[:2] == ("deep", "ec") for p in written), written
+    files = sorted(storage.glob("*/encoder_cache.safetensors"))
+    files[0].write_bytes(b"not a safetensors file")  # corrupt
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"ec_cache": torch.zeros(3, 8)}, str(files[1]))  # the wrong number of embeddings
+    consumer = make_llm(str(tiny_idefics3_dir), **ENGINE, ec_transfer_config={
+        "ec_role": "ec_consumer", "ec_connector_extra_config": {"shared_storage_path": str(storage)}})
+    outputs = consumer.generate(prompts, GREEDY, use_tqdm=False)
+    encoder = _runner(consumer).encoder_runner
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert encoder.ec_connector.num_load_failures == 2 and encoder.num_encoder_runs == 2
+    assert not any(f.exists() for f in files), "the bad files are deleted"

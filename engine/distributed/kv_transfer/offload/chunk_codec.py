@@ -7,6 +7,7 @@ dtype and shape catch a layout that changed.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 
@@ -45,14 +46,18 @@ def decode(data: bytes | bytearray | memoryview, key: bytes, dtype: torch.dtype,
         header = json.loads(bytes(view[len(MAGIC) + _LEN.size:start]))
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptChunkError(f"unreadable header: {exc}") from None
+    if not isinstance(header, dict):  # valid JSON, but not the header's object
+        raise CorruptChunkError(f"the header is a JSON {type(header).__name__}, not an object")
     payload = view[start:]
     expected_dtype = str(dtype).removeprefix("torch.")
     if header.get("key") != key.hex():
         raise CorruptChunkError("the file holds another chunk")
-    if header.get("dtype") != expected_dtype or tuple(header.get("shape", ())) != tuple(shape):
-        raise CorruptChunkError(f"layout {header.get('dtype')}{header.get('shape')} != {expected_dtype}{list(shape)}")
-    if header.get("nbytes") != payload.nbytes:
-        raise CorruptChunkError(f"truncated: {payload.nbytes} of {header.get('nbytes')} bytes")
+    stored_shape = header.get("shape")
+    if header.get("dtype") != expected_dtype or not isinstance(stored_shape, list) or stored_shape != list(shape):
+        raise CorruptChunkError(f"layout {header.get('dtype')}{stored_shape} != {expected_dtype}{list(shape)}")
+    expected_nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if header.get("nbytes") != payload.nbytes or payload.nbytes != expected_nbytes:
+        raise CorruptChunkError(f"truncated: {payload.nbytes} of {header.get('nbytes')} bytes ({expected_nbytes} expected)")
     if zlib.crc32(payload) != header.get("crc32"):
         raise CorruptChunkError("checksum mismatch")
     return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)

@@ -57,6 +57,25 @@ def test_codec_roundtrip_and_every_check() -> None:
         decode(bytearray(b"garbage"), key(1), torch.float32, SHAPE)
 
 
+@pytest.mark.parametrize("header", [b"[1, 2]", b'"text"', b"7", b"null",
+                                    b'{"key": "%s", "dtype": "float32", "shape": 5}',
+                                    b'{"key": "%s", "dtype": "float32", "shape": [1]}'])
+def test_a_header_of_the_wrong_shape_is_a_corrupt_chunk(tmp_path: Path, header: bytes) -> None:
+    """Issue 18 item 11: on main a JSON list header raised AttributeError (not counted, not deleted)."""
+    import struct
+
+    from engine.distributed.kv_transfer.offload.chunk_codec import MAGIC
+
+    header = header.replace(b"%s", key(1).hex().encode()) if b"%s" in header else header
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    tier.write(key(1), chunk(1))
+    file = tmp_path / (key(1).hex() + ".kvchunk")
+    file.write_bytes(MAGIC + struct.pack("<I", len(header)) + header + bytes(chunk(1).numpy().tobytes()))
+    with pytest.raises(CorruptChunkError):
+        tier.read(key(1), torch.float32, SHAPE)
+    assert not file.exists() and tier.counters.errors == 1
+
+
 def test_cpu_tier_lru_byte_limit_and_pins() -> None:
     size = chunk(0).nbytes
     tier = CPUTier(capacity_bytes=2 * size)
