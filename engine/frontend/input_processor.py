@@ -122,14 +122,17 @@ class InputProcessor:
         )
         return text, request
 
-    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams
-                        ) -> list[ChildRequest]:
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                        cache_salt: str | None = None) -> list[ChildRequest]:
         """One request for n == 1; else n child requests under one ParentRequest.
 
         Children get ids "{index}_{request_id}" and seeds seed + index, so they differ.
+        cache_salt joins the first block's hash: only requests with the same salt share it.
         """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidPromptError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}.")
         if not isinstance(params, SamplingParams) or params.n == 1:
-            text, request = self.process_inputs(request_id, prompt, params)
+            text, request = self.process_inputs(request_id, prompt, params, cache_salt=cache_salt)
             return [(text, request, None, 0)]
         from engine.frontend.output_processor import ParentRequest
 
@@ -140,6 +143,7 @@ class InputProcessor:
             child_params.n = 1
             if params.seed is not None:
                 child_params.seed = params.seed + index
-            text, request = self.process_inputs(f"{index}_{request_id}", prompt, child_params)
+            text, request = self.process_inputs(f"{index}_{request_id}", prompt, child_params,
+                                                cache_salt=cache_salt)
             children.append((text, request, parent, index))
         return children
