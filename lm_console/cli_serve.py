@@ -79,8 +79,13 @@ def serve(
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
+    try:
+        from engine.entrypoints.openai.api_server import run_server
+    except ImportError as error:
+        typer.echo(f"error: lmc serve needs the serve extra ({error.name} is missing): "
+                   "pip install 'lm-console[serve]'", err=True)
+        raise typer.Exit(2) from error
     from engine import AsyncLLM
-    from engine.entrypoints.openai.api_server import run_server
 
     try:
         engine = AsyncLLM(model, **args)

@@ -124,6 +124,16 @@ class ServeProcess:
         self._reader.join(5)
         return code
 
+    def stop(self) -> int | None:
+        """SIGTERM (a drain), then SIGKILL if it does not exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
