@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from engine.entrypoints.openai.errors import bad_request
@@ -24,7 +23,7 @@ from engine.entrypoints.openai.protocol_chat import (
     DeltaMessage,
 )
 from engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, ServingContext, fit_prompt, guarded_stream, make_sampling_params, sse,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, fit_prompt, make_sampling_params, sse,
     until_disconnect,
 )
 from engine.errors import EngineError
@@ -87,12 +86,16 @@ class OpenAIServingChat:
         request_id = random_id("chatcmpl")
         engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt)
         await engine_request.start()
-        token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
-        if request.stream:
-            events = self._stream(engine_request, request, request_id, model, token_text)
-            return StreamingResponse(guarded_stream(events), media_type="text/event-stream")
-        response = await until_disconnect(raw_request, self._full(engine_request, request, request_id, model,
-                                                                  token_text))
+        try:
+            token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
+            if request.stream:
+                events = self._stream(engine_request, request, request_id, model, token_text)
+                return EventStreamResponse(events, [engine_request])
+            response = await until_disconnect(raw_request, self._full(engine_request, request, request_id, model,
+                                                                      token_text))
+        finally:
+            if not request.stream:
+                engine_request.close()
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def _full(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,

@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from engine.entrypoints.openai.logprobs_format import TokenText, completion_logprobs
@@ -21,8 +20,8 @@ from engine.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice, CompletionStreamResponse, make_usage, random_id,
 )
 from engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, ServingContext, fit_prompt, guarded_stream, make_sampling_params, merge, sse,
-    start_all, until_disconnect,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, close_all, fit_prompt, make_sampling_params,
+    merge, sse, start_all, until_disconnect,
 )
 from engine.outputs import CompletionOutput, RequestOutput
 
@@ -51,11 +50,16 @@ class OpenAIServingCompletion:
                                                  request.cache_salt))
             prompt_texts.append(echo_text)
         await start_all(engine_requests)
-        view = _ChoiceView(request, prompt_texts, TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids)))
-        if request.stream:
-            events = self._stream(engine_requests, view, request_id, model)
-            return StreamingResponse(guarded_stream(events), media_type="text/event-stream")
-        response = await until_disconnect(raw_request, self._full(engine_requests, view, request_id, model))
+        try:
+            view = _ChoiceView(request, prompt_texts,
+                               TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids)))
+            if request.stream:
+                events = self._stream(engine_requests, view, request_id, model)
+                return EventStreamResponse(events, engine_requests)
+            response = await until_disconnect(raw_request, self._full(engine_requests, view, request_id, model))
+        finally:
+            if not request.stream:
+                close_all(engine_requests)
         return Response(response.model_dump_json(), media_type="application/json")
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> tuple[dict[str, Any], str]:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
 
 from engine.entrypoints.openai.errors import bad_request, from_exception
 from engine.entrypoints.openai.gate import ServerState
@@ -100,8 +101,7 @@ async def start_all(requests: list[EngineRequest]) -> None:
         for request in requests:
             await request.start()
     except BaseException:
-        for request in requests:
-            request.close()
+        close_all(requests)
         raise
 
 
@@ -137,8 +137,7 @@ async def merge(requests: list[EngineRequest]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
-        for request in requests:
-            request.close()
+        close_all(requests)
 
 
 async def until_disconnect(raw_request: Request, work: Awaitable[T]) -> T:
@@ -165,6 +164,30 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
         message = await raw_request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response that closes its engine requests however it ends.
+
+    The events generator closes them too, but a client that disconnects before the first event
+    is sent cancels the response before the generator ever runs.
+    """
+
+    def __init__(self, events: AsyncIterator[str], requests: list[EngineRequest]) -> None:
+        super().__init__(guarded_stream(events), media_type="text/event-stream")
+        self.requests = requests
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self.requests)
+
+
+def close_all(requests: list[EngineRequest]) -> None:
+    """Abort whatever has not finished (idempotent)."""
+    for request in requests:
+        request.close()
 
 
 def sse(payload: BaseModel | dict[str, Any], exclude_unset: bool = True) -> str:

@@ -228,3 +228,24 @@ def test_streaming_chat_n2_indices(server) -> None:
     assert texts[0] == texts[1] and texts[0]
     assert all(chunk["usage"] is not None for chunk in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_client_disconnect_aborts_the_request_at_once(server, stream) -> None:
+    import json
+    import socket
+    import time
+
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                       "temperature": 0.0, "stream": stream}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    steps_before = server.call(server.engine.get_stats()).num_steps
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while server.call(server.engine.get_stats()).num_running_reqs == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    # The socket is closed: the server must abort the request long before its 400 tokens.
+    assert server.wait_idle().all_free
+    assert server.call(server.engine.get_stats()).num_steps - steps_before < 200
