@@ -46,7 +46,8 @@ def serve(
         help="Allow file:// image URLs under this directory (off by default).")] = None,
     max_request_body: Annotated[int, typer.Option(help="Largest request body in bytes (413 beyond).")] = 32 << 20,
     kv_events_endpoint: Annotated[Optional[str], typer.Option(
-        help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557.")] = None,
+        help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557.",
+    )] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",

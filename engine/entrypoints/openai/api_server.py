@@ -58,8 +58,9 @@ def _version() -> str:
         return "0.1.0"
 
 
-async def parse_body(raw_request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body as `model`: 422 when it is not JSON, 400 when a field is wrong."""
+async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+    """The JSON body as `model` (or as the model chosen from the decoded object): 422 when it is
+    not JSON, 400 when a field is wrong."""
     body = await raw_request.body()
     try:
         data = json.loads(body)
@@ -68,8 +69,9 @@ async def parse_body(raw_request: Request, model: type[BaseModel]) -> Any:
                           code="invalid_json") from error
     if not isinstance(data, dict):
         raise errors.bad_request("The request body must be a JSON object.")
+    chosen: type[BaseModel] = model if isinstance(model, type) else model(data)
     try:
-        return model.model_validate(data)
+        return chosen.model_validate(data)
     except ValidationError as error:
         raise errors.from_validation_error(error) from error
 
@@ -150,9 +152,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @api.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
-        body = await raw_request.body()
-        chat_form = b'"messages"' in body  # the form is settled by parse_body's strict check
-        request = await parse_body(raw_request, TokenizeChatRequest if chat_form else TokenizeCompletionRequest)
+        request = await parse_body(
+            raw_request, lambda data: TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         result = await answer(tokenization.tokenize(request))
         return Response(result.model_dump_json(), media_type="application/json")
 

@@ -198,7 +198,8 @@ class LmcCollector(Collector):
             family.add_metric(values, value)
             return family
 
-        yield gauge("lmc:num_free_blocks", "Free KV blocks (cached-and-evictable ones included).", stats.num_free_blocks)
+        yield gauge("lmc:num_free_blocks", "Free KV blocks (cached-and-evictable ones included).",
+                    stats.num_free_blocks)
         yield gauge("lmc:num_total_blocks", "Usable KV blocks (the null block excluded).", stats.num_total_blocks)
         yield counter("lmc:engine_steps", "Engine steps run since start-up.", stats.num_steps)
         encoder = stats.encoder_cache
@@ -223,16 +224,12 @@ def _tier_families(stats: SchedulerStats, names: list[str], values: list[str]) -
     counters = {"hits": "Chunk lookups that hit the tier.", "misses": "Chunk lookups that missed the tier.",
                 "bytes_in": "Bytes stored into the tier.", "bytes_out": "Bytes loaded from the tier.",
                 "evictions": "Chunks evicted from the tier.", "errors": "Corrupt chunks and failed writes."}
-    for field, doc in gauges.items():
-        family = GaugeMetricFamily(f"lmc:kv_tier_{field}", doc, labels=tier_names)
-        for tier in stats.kv_tiers or ():
-            family.add_metric([*values, tier.medium], getattr(tier, field))
-        yield family
-    for field, doc in counters.items():
-        family = CounterMetricFamily(f"lmc:kv_tier_{field}", doc, labels=tier_names)
-        for tier in stats.kv_tiers or ():
-            family.add_metric([*values, tier.medium], getattr(tier, field))
-        yield family
+    for kind, fields in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for field, doc in fields.items():
+            family = kind(f"lmc:kv_tier_{field}", doc, labels=tier_names)
+            for tier in stats.kv_tiers or ():
+                family.add_metric([*values, tier.medium], getattr(tier, field))
+            yield family
 
 
 def cache_config_info(engine: AsyncLLM) -> dict[str, str]:

@@ -180,7 +180,7 @@ class SamplingFields(RequestModel):
         if self.n > max_n:
             raise bad_request(f"n={self.n} is too large: at most {max_n} completions per request.", "n")
         if self.seed is not None and self.n > 1 and self.seed + self.n - 1 > INT64_MAX:
-            raise bad_request(f"seed + n - 1 must fit in int64 (choice i samples with seed + i).", "seed")
+            raise bad_request("seed + n - 1 must fit in int64 (choice i samples with seed + i).", "seed")
 
     @property
     def include_usage(self) -> bool:

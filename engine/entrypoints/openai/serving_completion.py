@@ -85,11 +85,11 @@ class OpenAIServingCompletion:
         async for index, output in merge(requests):
             finals[index] = output
         choices: list[CompletionResponseChoice] = []
-        for index, output in enumerate(finals):
-            assert output is not None
-            view.count_prompt(index, output)
-            for completion in output.outputs:
-                choices.append(view.choice(CompletionResponseChoice, index, output, completion))
+        for index, final in enumerate(finals):
+            assert final is not None
+            view.count_prompt(index, final)
+            for completion in final.outputs:
+                choices.append(view.choice(CompletionResponseChoice, index, final, completion))
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=view.usage())
 
