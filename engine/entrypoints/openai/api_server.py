@@ -94,6 +94,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     ctx = ServingContext(engine, settings, state)
     stat_logger = make_stat_logger(engine, ctx.served_model_names[0])
     engine.add_stat_logger(stat_logger)
+    ctx.on_aborted = stat_logger.record_aborted
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
     tokenization = OpenAIServingTokenization(ctx)
 

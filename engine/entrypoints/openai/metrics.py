@@ -148,6 +148,10 @@ class PrometheusStatLogger(StatLoggerBase):
     def log(self) -> None:
         """Nothing to print: Prometheus scrapes /metrics."""
 
+    def record_aborted(self, num_requests: int) -> None:
+        """Requests the server aborted (their final step never reaches the output processor)."""
+        self.success["abort"].inc(num_requests)
+
     # -- gauges -----------------------------------------------------------------------------
     def observe_gauges(self, stats: SchedulerStats) -> None:
         """Set the gauges (and catch the preemption counter up) from one SchedulerStats."""

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
@@ -52,9 +52,16 @@ class ServingContext:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len: int = engine.config.max_model_len
         self.served_model_names = list(settings.served_model_names) or [engine.config.model_name]
+        # Told how many engine requests ended by abort (client gone, drain timeout): the
+        # frontend never sees their final step, so the metrics learn of them here.
+        self.on_aborted: Callable[[int], None] | None = None
 
     def model_name(self, requested: str | None) -> str:
         return check_model(requested, self.served_model_names)
+
+    def count_aborted(self, num_requests: int) -> None:
+        if self.on_aborted is not None:
+            self.on_aborted(num_requests)
 
 
 class EngineRequest:
@@ -83,6 +90,8 @@ class EngineRequest:
             while not self.finished:
                 output = collector.get_nowait() or await collector.get()
                 self.finished = output.finished
+                if self.finished and any(c.finish_reason == "abort" for c in output.outputs):
+                    self.ctx.count_aborted(self.params.n)  # aborted by the server's drain
                 yield output
         finally:
             self.close()
@@ -93,6 +102,7 @@ class EngineRequest:
         if self._collector is not None and not self.finished:
             self.finished = True
             self.ctx.engine.abort_nowait(self.request_id)
+            self.ctx.count_aborted(self.params.n)
 
 
 async def start_all(requests: list[EngineRequest]) -> None:

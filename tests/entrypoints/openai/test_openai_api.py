@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from openai_server_helpers import ThreadServer, read_sse
+from openai_server_helpers import ThreadServer, parse_metrics, read_sse, sample_value
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=512, num_threads=1,
                    stat_loggers=[])
@@ -230,6 +230,13 @@ def test_streaming_chat_n2_indices(server) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
+def aborted_requests(server) -> float:
+    """vllm:request_success{finished_reason="abort"} from /metrics."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        families = parse_metrics(http.get("/metrics").text)
+    return sample_value(families, "vllm:request_success", "_total", finished_reason="abort")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
 def test_client_disconnect_aborts_the_request_at_once(server, stream) -> None:
     import json
@@ -240,6 +247,7 @@ def test_client_disconnect_aborts_the_request_at_once(server, stream) -> None:
                        "temperature": 0.0, "stream": stream}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     steps_before = server.call(server.engine.get_stats()).num_steps
+    aborted_before = aborted_requests(server)
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -249,3 +257,4 @@ def test_client_disconnect_aborts_the_request_at_once(server, stream) -> None:
     # The socket is closed: the server must abort the request long before its 400 tokens.
     assert server.wait_idle().all_free
     assert server.call(server.engine.get_stats()).num_steps - steps_before < 200
+    assert aborted_requests(server) == aborted_before + 1

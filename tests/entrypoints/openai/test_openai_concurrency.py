@@ -90,6 +90,11 @@ def test_64_streams_with_disconnects_free_every_block_and_keep_rss_flat(tiny_lla
             assert sample_value(families, "lmc:num_free_blocks", **LABELS) == \
                 sample_value(families, "lmc:num_total_blocks", **LABELS)
             assert sample_value(families, "vllm:kv_cache_usage_perc", **LABELS) == 0
+            rounds = round_index + 1
+            assert sample_value(families, "vllm:request_success", "_total", finished_reason="abort", **LABELS) == \
+                NUM_DISCONNECTING * rounds
+            assert sample_value(families, "vllm:request_success", "_total", finished_reason="length", **LABELS) == \
+                (NUM_CLIENTS - NUM_DISCONNECTING) * rounds
             steps = sample_value(families, "lmc:engine_steps", "_total", **LABELS)
             # Without the aborts the core would step ABANDONED_TOKENS times for the abandoned requests.
             assert steps - steps_before < ABANDONED_TOKENS // 2, steps - steps_before
