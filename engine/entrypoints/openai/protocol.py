@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.entrypoints.openai.errors import OpenAIError, bad_request, model_not_found, unsupported
+from engine.entrypoints.openai.errors import bad_request, model_not_found, unsupported
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -102,7 +102,7 @@ class ModelList(ResponseModel):
 
 
 # Shared by /v1/completions and /v1/chat/completions: vLLM's extras this engine lacks.
-_SAMPLING_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+SAMPLING_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logit_bias": (({},), "the sampler has no per-token logit bias"),
     "allowed_token_ids": ((), "the sampler cannot restrict sampling to a token set"),
     "bad_words": (([],), "the sampler has no bad-words filter"),
@@ -145,7 +145,7 @@ class SamplingFields(RequestModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    # Known fields the engine cannot honour (see _SAMPLING_UNSUPPORTED).
+    # Known fields the engine cannot honour (see SAMPLING_UNSUPPORTED).
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -158,7 +158,7 @@ class SamplingFields(RequestModel):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = _SAMPLING_UNSUPPORTED
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = SAMPLING_UNSUPPORTED
 
     @property
     def stop_list(self) -> list[str]:
@@ -204,7 +204,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
-        **_SAMPLING_UNSUPPORTED,
+        **SAMPLING_UNSUPPORTED,
         "suffix": (("",), "the engine has no fill-in-the-middle mode"),
         "best_of": ((1,), "best_of > 1 needs beam-style candidate ranking, which the engine lacks; use n"),
     }
@@ -316,6 +316,7 @@ def check_model(requested: str | None, served: list[str]) -> str:
 __all__ = [
     "CompletionLogProbs", "CompletionRequest", "CompletionResponse", "CompletionResponseChoice",
     "CompletionResponseStreamChoice", "CompletionStreamResponse", "DetokenizeRequest", "DetokenizeResponse",
-    "ModelCard", "ModelList", "OpenAIError", "RequestModel", "ResponseModel", "SamplingFields",
-    "StreamOptions", "TokenizeCompletionRequest", "TokenizeResponse", "UsageInfo", "check_model", "make_usage",
+    "ModelCard", "ModelList", "RequestModel", "ResponseModel", "SamplingFields",
+    "SAMPLING_UNSUPPORTED", "StreamOptions", "TokenizeCompletionRequest", "TokenizeResponse", "UsageInfo",
+    "check_model", "make_usage", "random_id",
 ]

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from engine.entrypoints.openai.errors import bad_request
 from engine.entrypoints.openai.protocol import (
-    _SAMPLING_UNSUPPORTED, RequestModel, ResponseModel, SamplingFields, UsageInfo,
+    SAMPLING_UNSUPPORTED, RequestModel, ResponseModel, SamplingFields, UsageInfo,
 )
 
 
@@ -97,7 +97,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     function_call: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
-        **_SAMPLING_UNSUPPORTED,
+        **SAMPLING_UNSUPPORTED,
         "tools": (([],), "the engine has no tool-call parser"),
         "tool_choice": (("none", "auto"), "the engine has no tool-call parser"),
         "functions": (([],), "the engine has no tool-call parser"),

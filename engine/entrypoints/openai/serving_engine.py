@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,8 +29,6 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from engine.frontend.async_llm import AsyncLLM
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
@@ -128,7 +125,7 @@ async def merge(requests: list[EngineRequest]) -> AsyncIterator[tuple[int, Reque
         try:
             async for output in request:
                 queue.put_nowait((index, output))
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+        except Exception as error:  # noqa: BLE001 - handed to the consumer (cancellation is not)
             queue.put_nowait((index, error))
             return
         queue.put_nowait((index, done))
@@ -263,7 +260,7 @@ def fit_prompt(ctx: ServingContext, token_ids: list[int], truncate: int | None, 
     if truncate is not None:
         if truncate == -1:
             truncate = limit - 1
-        if not 1 <= truncate:
+        if truncate < 1:
             raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {truncate}.", "truncate_prompt_tokens")
         if truncate >= limit:
             raise bad_request(f"truncate_prompt_tokens={truncate} must be below max_model_len={limit}.",
