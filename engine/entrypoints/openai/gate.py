@@ -3,8 +3,8 @@
 ServerGate is a plain ASGI middleware (not BaseHTTPMiddleware, which would buffer streams):
 - while the server drains or after the engine died, a new request gets 503 at once
   (/metrics and /version stay open; /health says 503 too);
-- a body over max_request_body gets 413 before it is read: a Content-Length over the limit is
-  refused unread, and a chunked body is refused as soon as it passes the limit;
+- a body over max_request_body gets 413 before it is read into memory: a Content-Length over
+  the limit is refused unread, and a chunked body is refused as soon as it passes the limit;
 - it counts requests in flight, which the drain waits for.
 The body (at most the limit) is handed to the app in one message; later receive() calls reach
 the server again, so the app still hears a client's disconnect.
@@ -96,14 +96,17 @@ class ServerGate:
         if declared == -1:
             await send_error(send, errors.bad_request("Content-Length is not a number.", code="invalid_header"))
             return
+        # A refused body is not read into memory, but the connection stays open: the HTTP layer
+        # discards the rest as it arrives, so the client can finish sending and read the 413
+        # (closing with unread data would reset the connection under the client's feet).
         if declared is not None and declared > self.max_body:
-            await send_error(send, self._too_large(declared), close=True)
+            await send_error(send, self._too_large(declared))
             return
         body = await self._read_body(receive)
         if body is None:
             return  # the client left before sending its body
         if isinstance(body, OpenAIError):
-            await send_error(send, body, close=True)
+            await send_error(send, body)
             return
         replayed = False
 
@@ -150,11 +153,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def send_error(send: Send, error: OpenAIError, close: bool = False) -> None:
+async def send_error(send: Send, error: OpenAIError) -> None:
     """Send an OpenAI-shaped error response directly on the ASGI channel."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
