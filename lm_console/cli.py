@@ -92,10 +92,12 @@ def _register_commands() -> None:
     from lm_console.cli_batch import batch
     from lm_console.cli_bench import bench_app
     from lm_console.cli_console import register
+    from lm_console.cli_serve import serve
 
     register(app)
     app.add_typer(bench_app, name="bench")
     app.command()(batch)
+    app.command()(serve)
 
 
 _register_commands()

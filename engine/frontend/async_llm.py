@@ -101,12 +101,12 @@ class AsyncLLM:
         return self.tokenizer
 
     # -- requests ---------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams) -> RequestOutputCollector:
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestOutputCollector:
         """Validate and send one request (n children when n > 1); returns its collector."""
         self._check_alive()
         self._ensure_output_handler()
-        children = self.input_processor.process_request(request_id, prompt, params)
+        children = self.input_processor.process_request(request_id, prompt, params, cache_salt)
         collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
         self.output_processor.add_requests(children, queue=collector)  # all or none
         try:
@@ -119,15 +119,16 @@ class AsyncLLM:
         return collector
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str | None = None, cache_salt: str | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's RequestOutputs (kind per sampling_params.output_kind).
 
         Stopping the iteration early (break, aclose, cancellation) aborts the request and
-        frees its KV blocks.
+        frees its KV blocks. cache_salt: only requests with the same salt share prefix blocks.
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = sampling_params if sampling_params is not None else SamplingParams()
-        collector = await self.add_request(request_id, prompt, params)
+        collector = await self.add_request(request_id, prompt, params, cache_salt)
         finished = False
         try:
             while not finished:
@@ -147,14 +148,30 @@ class AsyncLLM:
         core_ids = self.output_processor.abort_requests(request_ids, emit_outputs=True)
         self.engine_core.abort_requests(core_ids)
 
-    def _abort_quietly(self, request_id: str) -> None:
-        core_ids = self.output_processor.abort_requests([request_id])
+    def abort_nowait(self, request_id: str | list[str]) -> None:
+        """Abort requests without a final output; unknown ids and a dead engine are no-ops.
+
+        Synchronous, for finally-blocks (a server whose client went away)."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        core_ids = self.output_processor.abort_requests(request_ids)
         try:
             self.engine_core.abort_requests(core_ids)
         except EngineDeadError:
             pass
 
+    def _abort_quietly(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
     # -- observability ----------------------------------------------------------------------
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
+        """Attach one more stat logger (e.g. a server's Prometheus exporter) after start-up.
+
+        It sees every batch of outputs from now on; its log() is not called on a timer
+        unless it was given at construction.
+        """
+        stat_logger.log_engine_initialized()
+        self.stat_loggers.append(stat_logger)
+
     def stats_stream(self, maxsize: int = 256) -> AsyncIterator[SchedulerStats]:
         """Every SchedulerStats the core sends; a slow subscriber loses the oldest ones."""
         self._check_alive()

@@ -215,23 +215,24 @@ class InputProcessor:
                 f"< vocab_size ({self.vocab_size}).")
         return params
 
-    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams
-                        ) -> list[ChildRequest]:
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                        cache_salt: str | None = None) -> list[ChildRequest]:
         """One request for n == 1; else n child requests under one ParentRequest.
 
         The prompt is processed once. Children get ids "{index}_{request_id}-{nonce}" (the
         nonce: a live id cannot be guessed into a collision) and seeds seed + index, so they differ.
+        cache_salt joins the first block's hash: only requests with the same salt share it.
         """
         check_request_id(request_id)
         params = self._verified_copy(params)
         if params.n == 1:
-            text, request = self._process_verified(request_id, prompt, params)
+            text, request = self._process_verified(request_id, prompt, params, cache_salt=cache_salt)
             return [(text, request, None, 0)]
         from engine.frontend.output_processor import ParentRequest
 
         num_children = params.n
         params.n = 1
-        text, first = self._process_verified(request_id, prompt, params)
+        text, first = self._process_verified(request_id, prompt, params, cache_salt=cache_salt)
         parent = ParentRequest(request_id=request_id, n=num_children)
         nonce = secrets.token_hex(4)
         children: list[ChildRequest] = []

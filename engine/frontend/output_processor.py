@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from engine.errors import DuplicateRequestError, error_type_named, fresh_error
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.logprobs import LogprobsProcessor
-from engine.metrics.stats import IterationStats
+from engine.metrics.stats import FinishedRequestStats, IterationStats
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.protocol import (
     EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestError,
@@ -179,6 +179,8 @@ class OutputProcessor:
                 if iteration_stats is not None:
                     iteration_stats.num_finished_requests += 1
                     iteration_stats.e2e_latencies.append(now - state.metrics.arrival_time)
+                    iteration_stats.finished_requests.append(
+                        _finished_stats(state, finish_reason, now))
             request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 if state.queue is not None:
@@ -215,6 +217,8 @@ class OutputProcessor:
                     metrics.first_scheduled_time = event.timestamp
             elif event.type == EngineCoreEventType.PREEMPTED:
                 metrics.num_preemptions += 1
+                if iteration_stats is not None:
+                    iteration_stats.num_preempted_reqs += 1
         num_new_tokens = len(output.new_token_ids)
         if not num_new_tokens:
             return
@@ -293,3 +297,19 @@ class OutputProcessor:
             finished=parent.is_finished(), num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
         )
+
+
+def _finished_stats(state: RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
+    """The phase durations of a request that just finished (0 for a phase it never reached)."""
+    metrics = state.metrics
+    scheduled = metrics.first_scheduled_time
+    first_token, last_token = metrics.first_token_time, metrics.last_token_time
+
+    def span(start: float | None, end: float | None) -> float:
+        return max(end - start, 0.0) if start is not None and end is not None else 0.0
+
+    return FinishedRequestStats(
+        finish_reason=finish_reason, e2e_latency=now - metrics.arrival_time,
+        num_prompt_tokens=len(state.prompt_token_ids), num_generation_tokens=len(state.token_ids),
+        queued_time=span(metrics.queued_time, scheduled), prefill_time=span(scheduled, first_token),
+        decode_time=span(first_token, last_token), inference_time=span(scheduled, last_token))

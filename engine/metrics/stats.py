@@ -110,6 +110,25 @@ class BlockPoolState(msgspec.Struct, array_like=True, gc=False):
 
 
 @dataclass(slots=True)
+class FinishedRequestStats:
+    """One finished request's phases in seconds (vLLM's per-request histograms).
+
+    queued_time: QUEUED -> first SCHEDULED; prefill_time: first SCHEDULED -> first token;
+    decode_time: first -> last token; inference_time: first SCHEDULED -> last token.
+    A phase the request never reached counts as 0.
+    """
+
+    finish_reason: str  # "stop" | "length" | "abort"
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
+
+
+@dataclass(slots=True)
 class IterationStats:
     """What the frontend saw in one batch of EngineCoreOutputs (feeds the stat loggers)."""
 
@@ -117,6 +136,8 @@ class IterationStats:
     num_prompt_tokens: int = 0  # prompts whose first token arrived in this batch
     num_generation_tokens: int = 0
     num_finished_requests: int = 0
+    num_preempted_reqs: int = 0  # PREEMPTED events seen in this batch
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)

@@ -42,6 +42,13 @@ def test_metrics_from_core_events_and_iteration_stats() -> None:
     assert m.num_generation_tokens == 3 and len(m.inter_token_latencies) == 1 and m.e2e_latency > 0
     assert stats.num_prompt_tokens == 2 and stats.num_generation_tokens == 3 and stats.num_finished_requests == 1
     assert out.outputs[0].token_ids == [5, 6, 7] and not processor.has_unfinished_requests()
+    (finished,) = stats.finished_requests  # the phases vLLM's per-request histograms observe
+    assert finished.finish_reason == "length" and finished.queued_time == 0.5
+    assert finished.num_prompt_tokens == 2 and finished.num_generation_tokens == 3
+    assert finished.prefill_time == pytest.approx(m.first_token_time - 11.0)
+    assert finished.decode_time == pytest.approx(m.last_token_time - m.first_token_time)
+    assert finished.inference_time == pytest.approx(finished.prefill_time + finished.decode_time)
+    assert finished.e2e_latency == pytest.approx(m.finished_time - 10.0)
 
 
 def test_n_children_stream_delta_and_abort_with_final_outputs() -> None:

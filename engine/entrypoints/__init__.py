@@ -1,0 +1,1 @@
+"""Network entrypoints of the engine: the OpenAI-compatible HTTP server (openai/)."""

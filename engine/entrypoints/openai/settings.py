@@ -1,0 +1,44 @@
+"""ServerSettings: everything `lmc serve` configures about the HTTP server (not the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's knobs; every limit here is enforced with a clear error, never silently.
+
+    served_model_names: the names /v1/models lists and `model` may take (the first is the
+    default and the metrics' model_name label); empty means the engine's model name.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: an ephemeral port (printed at start-up)
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    allowed_local_media_path: Path | None = None  # file:// image URLs only under this directory
+    max_request_body: int = 32 << 20  # bytes; larger bodies get 413 before they are read
+    shutdown_timeout_s: float = 10.0  # drain: in-flight requests get this long, then are aborted
+    dead_exit_delay_s: float = 2.0  # engine death: keep answering 503 this long, then exit
+    media_fetch_timeout_s: float = 10.0  # http(s) image URLs
+    max_media_bytes: int = 20 << 20  # one image, fetched or read from file://
+    max_logprobs: int = 20  # vLLM's default max_logprobs
+    max_stop_strings: int = 64
+    max_n: int = 128
+    max_prompts: int = 256  # prompts in one /v1/completions request
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        for name in ("max_request_body", "max_media_bytes", "max_logprobs", "max_stop_strings", "max_n",
+                     "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("shutdown_timeout_s", "dead_exit_delay_s", "media_fetch_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for an open server).")

@@ -1,0 +1,110 @@
+"""`lmc serve [MODEL]`: the OpenAI-compatible HTTP server over AsyncLLM (a thin Typer command).
+
+Same engine flags as `lmc tui` (lm_console/engine_options.py, kv_options.py); the server's own
+flags go to ServerSettings. Exit codes: 0 after a drain (SIGINT / SIGTERM), 1 when the engine
+core died (so a supervisor restarts the server), 2 when the engine or the flags were refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lm_console.engine_options import (
+    BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
+    NumThreadsOpt, PrefixCachingOpt, engine_args,
+)
+from lm_console.kv_options import (
+    KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
+    kv_transfer_args,
+)
+
+ModelArg = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", help="Model name, HF-format directory or .gguf file (same as --model).")]
+
+
+def serve(
+    model_arg: ModelArg = None,
+    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
+    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
+    num_threads: NumThreadsOpt = None,
+    kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
+    kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
+    kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="LMC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes.")] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        help="Name(s) clients use in 'model' (repeatable; the first is the default and the metrics label).")] = None,
+    allowed_local_media_path: Annotated[Optional[Path], typer.Option(
+        help="Allow file:// image URLs under this directory (off by default).")] = None,
+    max_request_body: Annotated[int, typer.Option(help="Largest request body in bytes (413 beyond).")] = 32 << 20,
+    kv_events_endpoint: Annotated[Optional[str], typer.Option(
+        help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557.",
+    )] = None,
+    shutdown_timeout: Annotated[float, typer.Option(
+        help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+) -> None:
+    """Serve the OpenAI API (completions, chat, tokenizer) and Prometheus /metrics over HTTP."""
+    from engine.errors import EngineError
+
+    if model_arg and model and model_arg != model:
+        raise typer.BadParameter(f"MODEL {model_arg!r} and --model {model!r} disagree; give one of them.")
+    model = model_arg or model
+    if kv_events_endpoint is not None and not kv_events_endpoint.startswith(("tcp://", "ipc://")):
+        raise typer.BadParameter(f"--kv-events-endpoint must be a ZMQ tcp:// (or ipc://) address, "
+                                 f"got {kv_events_endpoint!r}.")
+    if allowed_local_media_path is not None and not allowed_local_media_path.is_dir():
+        raise typer.BadParameter(f"--allowed-local-media-path {str(allowed_local_media_path)!r} is not a directory.")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.entrypoints.openai.settings import ServerSettings
+
+    try:
+        settings = ServerSettings(host=host, port=port, api_key=api_key or None,
+                                  served_model_names=tuple(served_model_name or ()),
+                                  allowed_local_media_path=allowed_local_media_path,
+                                  max_request_body=max_request_body, shutdown_timeout_s=shutdown_timeout,
+                                  log_level=log_level.lower())
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                       enable_prefix_caching, num_threads)
+    args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
+                                 kv_offload_disk_bytes, kv_chunk_size))
+    if kv_events_endpoint is not None:
+        args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
+    try:
+        from engine.entrypoints.openai.api_server import run_server
+    except ImportError as error:
+        typer.echo(f"error: lmc serve needs the serve extra ({error.name} is missing): "
+                   "pip install 'lm-console[serve]'", err=True)
+        raise typer.Exit(2) from error
+    from engine import AsyncLLM
+
+    try:
+        engine = AsyncLLM(model, **args)
+    except EngineError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+
+    def on_ready(url: str) -> None:
+        name = settings.served_model_names[0] if settings.served_model_names else engine.config.model_config.model_name
+        events = f"; KV events on {engine.kv_events_endpoint}" if kv_events_endpoint else ""
+        pid = engine.engine_core.ready_info.pid
+        typer.echo(f"lmc serve: {name} ready at {url} (OpenAI API under {url}/v1, metrics at {url}/metrics"
+                   f"{events}; engine core pid {pid})")
+        sys.stdout.flush()
+
+    try:
+        code = run_server(engine, settings, on_ready=on_ready)
+    except OSError as error:  # the port is taken, the host is not ours
+        typer.echo(f"error: cannot listen on {host}:{port}: {error}", err=True)
+        raise typer.Exit(2) from error
+    raise typer.Exit(code)
