@@ -72,6 +72,7 @@ def test_stats_adapter_converts_encoder_cache() -> None:
     assert stats_sample_of(SchedulerStats()).encoder_cache is None
 
 
+@pytest.mark.slow
 def test_tui_image_preview_capabilities_and_encoder_panel(png) -> None:
     async def scenario() -> None:
         client = multimodal_fake(auto_step=False)
