@@ -58,6 +58,7 @@ def test_backend_matches_torch_backend(requests, window):
     assert torch.equal(kv_cache, kv_ref)  # same slots written, -1 skipped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["tiny_mistral_dir", "tiny_gemma3_dir"])
 def test_tiny_model_greedy_tokens_match_torch_backend(model_fixture, request, make_llm):
     """Chunked prefills, mixed batches and decodes through the kernels; sliding window 24.

@@ -113,6 +113,7 @@ def test_stop_string_split_across_tokens_is_caught_and_truncated(llm) -> None:
     assert kept[0].outputs[0].text == text[:start + len(stop)]
 
 
+@pytest.mark.slow
 def test_n_greater_than_one_streams_like_the_offline_llm(llm, tiny_llama_dir) -> None:
     params = dict(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
 

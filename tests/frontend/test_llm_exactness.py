@@ -15,7 +15,9 @@ def _greedy(n: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+# One tiny model in `make test-fast`; the others with the slow tests.
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", pytest.param("tiny_qwen2_dir", marks=pytest.mark.slow),
+                                           pytest.param("tiny_qwen3_dir", marks=pytest.mark.slow)])
 def test_greedy_matches_hf_on_tiny_models(request, make_llm, model_fixture) -> None:
     model_dir = request.getfixturevalue(model_fixture)
     llm = make_llm(str(model_dir), dtype="float32")

@@ -116,6 +116,7 @@ def test_bench_serve_exits_non_zero_on_failures(tmp_path: Path, fake_async_llm, 
     assert result.exit_code == 1 and "3 request(s) failed" in result.stderr
 
 
+@pytest.mark.slow
 def test_bench_throughput_end_to_end_with_hf_baseline(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     result = runner.invoke(app, ["bench", "throughput", "--model", str(tiny_llama_dir), "--num-prompts", "6",
@@ -132,6 +133,7 @@ def test_bench_throughput_end_to_end_with_hf_baseline(tiny_llama_dir: Path, tmp_
     assert "Processed prompts" in result.stderr  # the progress bar goes to stderr
 
 
+@pytest.mark.slow
 def test_bench_prefix_on_and_off(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
     result = runner.invoke(app, ["bench", "prefix", "--model", str(tiny_llama_dir), "--num-prompts", "6",

@@ -61,6 +61,7 @@ def test_half_block_preview_keeps_the_aspect_within_bounds() -> None:
     assert set(text.plain) <= {"▀", "\n"}
 
 
+@pytest.mark.slow
 def test_tui_image_preview_capabilities_and_encoder_panel(png) -> None:
     async def scenario() -> None:
         client = multimodal_fake(auto_step=False)

@@ -88,6 +88,7 @@ def _logprob(entry) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
+@pytest.mark.slow
 def test_engine_bf16_greedy_agrees_with_and_without_kernels(embedded_model_dir, make_llm,
                                                             kernel_calls, monkeypatch):
     """SmolLM2 bf16, greedy, 12 tokens on 6 prompts: most prompts match token for token; where

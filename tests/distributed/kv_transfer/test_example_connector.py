@@ -46,6 +46,7 @@ def test_producer_saves_consumer_loads_layer_by_layer(make_llm, tiny_qwen3_dir, 
     assert [o.num_cached_tokens for o in outputs] == [96, 64, 32]
 
 
+@pytest.mark.slow
 def test_unreadable_file_is_recomputed(make_llm, tiny_qwen3_dir, tmp_path, expected) -> None:
     build(make_llm, tiny_qwen3_dir, config(tmp_path, "kv_producer")).generate(prompts(), GREEDY, use_tqdm=False)
     for file in tmp_path.glob("*/layer.1.safetensors"):

@@ -100,6 +100,7 @@ def test_restart_loads_from_disk(make_llm, tiny_llama_dir, reference, tmp_path) 
     assert disk.hits == 6 and disk.bytes_out > 0 and disk.errors == 0
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_the_disk_tier(make_llm, tiny_llama_dir, reference, tmp_path) -> None:
     a = engine(make_llm, tiny_llama_dir, offload_config(tmp_path), multiprocess=True)
     b = engine(make_llm, tiny_llama_dir, offload_config(tmp_path), multiprocess=True)
@@ -110,6 +111,7 @@ def test_two_engine_processes_share_the_disk_tier(make_llm, tiny_llama_dir, refe
     assert tiers(b)["DISK"].hits == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_chunk_files_are_recomputed(make_llm, tiny_llama_dir, reference, tmp_path, damage) -> None:
     config = offload_config(tmp_path)
@@ -145,6 +147,7 @@ def test_damaged_chunk_files_are_recomputed(make_llm, tiny_llama_dir, reference,
     assert tokens(third) == reference
 
 
+@pytest.mark.slow
 def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama_dir, reference) -> None:
     llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2))
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)
@@ -167,6 +170,7 @@ def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama
     assert tokens(llm.generate(make_prompts(), GREEDY, use_tqdm=False)) == reference
 
 
+@pytest.mark.slow
 def test_layer_by_layer_load_timeout_recomputes(make_llm, tiny_llama_dir, reference, monkeypatch) -> None:
     from engine.distributed.kv_transfer.offload import worker_side
 
@@ -192,6 +196,7 @@ def test_layer_by_layer_load_timeout_recomputes(make_llm, tiny_llama_dir, refere
     assert tokens(outputs) == reference and [o.num_cached_tokens for o in outputs] == EXPECTED_HITS
 
 
+@pytest.mark.slow
 def test_unusable_disk_warns_and_keeps_serving(make_llm, tiny_llama_dir, reference, tmp_path, caplog) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -213,6 +218,7 @@ def test_limits_below_one_chunk_fail_at_start(tiny_llama_dir) -> None:
                                                                            "kv_role": "both"})
 
 
+@pytest.mark.slow
 def test_prefill_decode_disaggregation(make_llm, tiny_llama_dir, reference, tmp_path) -> None:
     producer = engine(make_llm, tiny_llama_dir, offload_config(tmp_path, role="kv_producer"))
     consumer = engine(make_llm, tiny_llama_dir, offload_config(tmp_path, role="kv_consumer"))
@@ -235,6 +241,7 @@ def test_consumer_gives_up_waiting_for_missing_remote_kv(make_llm, tiny_llama_di
     assert tokens(outputs) == reference and [o.num_cached_tokens for o in outputs] == [0, 0, 0]
 
 
+@pytest.mark.slow
 def test_qwen3_identical_with_offload(make_llm, tiny_qwen3_dir, tmp_path) -> None:
     plain = engine(make_llm, tiny_qwen3_dir, None)
     expected = tokens(plain.generate(make_prompts(1), GREEDY, use_tqdm=False))
@@ -270,6 +277,7 @@ def test_embedded_model_identical_with_offload_and_after_restart(make_llm, tmp_p
     assert tiers(second)["DISK"].hits == 1
 
 
+@pytest.mark.slow
 def test_offload_without_prefix_caching_and_with_decode_chunks(make_llm, tiny_llama_dir, reference) -> None:
     llm = engine(make_llm, tiny_llama_dir, offload_config(None, save_decode=True), enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -283,6 +291,7 @@ def test_offload_without_prefix_caching_and_with_decode_chunks(make_llm, tiny_ll
     assert tokens(outputs) == tokens(plain.generate(longer, GREEDY, use_tqdm=False))
 
 
+@pytest.mark.slow
 def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tiny_llama_dir, tmp_path) -> None:
     """A KV cache of 13 usable blocks, a 32-token step budget, prompts that share prefixes: loads, saves,
     preemptions and evictions interleave; the tokens must match a plain engine and nothing leaks."""
@@ -302,6 +311,7 @@ def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tin
     assert tiers(llm)["CPU"].hits > 0
 
 
+@pytest.mark.slow
 def test_kv_events_carry_the_cpu_and_disk_medium(make_llm, tiny_llama_dir, tmp_path) -> None:
     from engine.metrics.kv_events import BlockStored
     from engine.metrics.kv_events import KVEventSubscriber
