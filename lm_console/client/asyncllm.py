@@ -97,7 +97,9 @@ class AsyncLLMConsoleClient:
         from engine.multimodal.chat import build_chat_prompt
 
         # Images ride as content parts; the prompt builder renders the model's chat template.
-        prompt = build_chat_prompt(self.tokenizer, self._engine().input_processor.mm_processor, messages)
+        processor = self._engine().input_processor
+        prompt = build_chat_prompt(self.tokenizer, processor.mm_processor, messages,
+                                   check_text=processor.check_prompt_text)  # too long: refused untokenised
         async for chunk in self._stream(prompt, params, request_id):
             yield chunk
 
