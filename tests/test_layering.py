@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("kernels",)),
     # Torch-free types and helpers shared by every layer and process.
     ("shared", (
-        "engine.config", "engine.errors", "engine.protocol", "engine.request", "engine.sampling_params",
+        "engine.config", "engine.errors", "engine.protocol", "engine.admission", "engine.request", "engine.sampling_params",
         "engine.outputs", "engine.ipc", "engine.platform", "engine.kv_cache_interface",
         "engine.kv_cache_hashing", "engine.scheduler_output", "engine.model_runner_output",
         "engine.metrics", "engine.multimodal",
