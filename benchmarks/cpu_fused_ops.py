@@ -88,7 +88,7 @@ def model_forward_ms(tokens: int, iters: int) -> tuple[float, float]:
         finally:
             cpu_ops.load = real_load  # type: ignore[assignment]
         with torch.inference_mode(), set_forward_context(None):
-            times.append(best_ms(lambda: model(ids, positions), iters, repeats=3))
+            times.append(best_ms(lambda model=model: model(ids, positions), iters, repeats=3))
     return times[0], times[1]
 
 

@@ -164,7 +164,7 @@ class EngineArgs:
 
         def is_number(value: object) -> bool:
             return (is_int(value) or isinstance(value, float)) and not isinstance(value, bool) \
-                and math.isfinite(value)
+                and math.isfinite(value)  # type: ignore[arg-type]  # an int or float by now
 
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                      "kv_cache_memory", "num_gpu_blocks_override", "num_threads", "max_num_encoder_input_tokens",

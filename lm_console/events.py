@@ -62,7 +62,6 @@ async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None
     server_key: the PUB's CURVE public key (z85), which a tcp endpoint of the engine needs.
     zmq.ZMQError when the endpoint or the key is malformed.
     """
-    import msgspec
     import zmq
     import zmq.asyncio
 
