@@ -46,7 +46,8 @@ def serve(
         help="Allow file:// image URLs under this directory (off by default).")] = None,
     max_request_body: Annotated[int, typer.Option(help="Largest request body in bytes (413 beyond).")] = 32 << 20,
     kv_events_endpoint: Annotated[Optional[str], typer.Option(
-        help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557.",
+        help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557 "
+             "(tcp is CURVE-authenticated: the start-up line prints the server key; ipc:// is plain).",
     )] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
@@ -97,6 +98,8 @@ def serve(
     def on_ready(url: str) -> None:
         name = settings.served_model_names[0] if settings.served_model_names else engine.config.model_config.model_name
         events = f"; KV events on {engine.kv_events_endpoint}" if kv_events_endpoint else ""
+        if kv_events_endpoint and engine.kv_events_server_key:  # tcp: subscribers need the CURVE key
+            events += f" (CURVE server key {engine.kv_events_server_key})"
         pid = engine.engine_core.ready_info.pid
         typer.echo(f"lmc serve: {name} ready at {url} (OpenAI API under {url}/v1, metrics at {url}/metrics"
                    f"{events}; engine core pid {pid})")
