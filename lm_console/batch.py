@@ -156,16 +156,21 @@ def error_record(custom_id: str | None, message: str, status_code: int = 400) ->
 
 
 async def run_batch(llm: Any, lines: list[str], model: str, default_max_tokens: int = 256,
-                    progress: bool = True) -> list[dict[str, Any]]:
-    """One record per non-blank input line, in input order; requests run concurrently."""
+                    progress: bool = True, concurrency: int | None = None) -> list[dict[str, Any]]:
+    """One record per non-blank input line, in input order; at most `concurrency` run at once."""
     from engine.sampling_params import RequestOutputKind, SamplingParams
     from tqdm.auto import tqdm
 
     tokenizer = llm.get_tokenizer()
     max_model_len = int((getattr(llm, "model_config_summary", None) or {}).get("max_model_len") or 0)
     bar = tqdm(total=len(lines), file=sys.stderr, disable=not progress, desc="Batch requests")
+    limit = asyncio.Semaphore(concurrency or max(len(lines), 1))
 
     async def one(index: int, text: str) -> dict[str, Any]:
+        async with limit:
+            return await run_one(index, text)
+
+    async def run_one(index: int, text: str) -> dict[str, Any]:
         custom_id = custom_id_of(text)
         try:
             item = parse_line(text)

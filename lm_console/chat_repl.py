@@ -50,6 +50,9 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | 
             except EngineUnavailable as error:
                 stderr.write(f"\nerror: the engine stopped: {error}\n")
                 return 1
+            except ValueError as error:  # the server refused this message (RemoteRequestError): go on
+                stderr.write(f"\nerror: {error}\n")
+                continue
             stdout.write("\n")
             stdout.flush()
             if show_stats and session.last_stats is not None:

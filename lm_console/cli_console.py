@@ -16,6 +16,7 @@ from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
     kv_transfer_args,
 )
+from lm_console.remote_options import ApiKeyOpt, KVEventsEndpointOpt, UrlOpt, check_remote_flags, remote_client
 
 RateOpt = Annotated[float, typer.Option(help="Load: requests per second (Poisson arrivals).")]
 PromptLenOpt = Annotated[str, typer.Option(help="Load: prompt tokens, min-max.")]
@@ -24,10 +25,14 @@ SharedOpt = Annotated[float, typer.Option(help="Load: share of requests that sta
 PrefixLenOpt = Annotated[int, typer.Option(help="Load: tokens in each shared prefix.")]
 
 
-def make_client(fake: bool, model: str | None, args: dict):  # noqa: ANN201 - ConsoleClient
-    """The fake engine, or AsyncLLM over `model` (the engine is imported when it starts)."""
+def make_client(fake: bool, model: str | None, args: dict, url: str | None = None,  # noqa: ANN201
+                api_key: str | None = None, kv_events_endpoint: str | None = None):
+    """A running server's client (--url), the fake engine, or AsyncLLM over `model` (imported when it starts)."""
     from lm_console.client import AsyncLLMConsoleClient, FakeConsoleClient
 
+    check_remote_flags(url, model, fake, kv_events_endpoint)
+    if url is not None:
+        return remote_client(url, api_key, kv_events_endpoint)
     if fake:
         return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
                                  block_size=args.get("block_size", 16),
@@ -71,8 +76,9 @@ def tui(
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
+    url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
 ) -> None:
-    """The operator console: a live dashboard of the engine and a chat (engine core in a child process)."""
+    """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
     from lm_console.tui.app import ConsoleApp
 
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
@@ -80,7 +86,8 @@ def tui(
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
-    run_app(ConsoleApp(make_client(fake, model, args), load=load, shape=shape, log_path=default_log_path()))
+    client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
+    run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))
 
 
 def chat(
@@ -96,7 +103,7 @@ def chat(
     image: Annotated[Optional[list[str]], typer.Option(
         "--image", help="Attach an image file to the first message (repeatable; needs a VLM, e.g. "
                         "--model demo-vlm).")] = None,
-    fake: FakeOpt = False,
+    fake: FakeOpt = False, url: UrlOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
     from lm_console.chat_session import DEFAULT_SYSTEM_PROMPT, ChatSession
@@ -104,7 +111,7 @@ def chat(
 
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
                        num_threads=console_threads(num_threads))
-    client = make_client(fake, model, args)
+    client = make_client(fake, model, args, url, api_key)
     params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
     if plain:
@@ -132,8 +139,10 @@ def events(
         help="Attach to a running engine's KV-event PUB socket (e.g. ipc:///tmp/x) instead of starting one.")] = None,
     count: Annotated[Optional[int], typer.Option(help="Stop after this many events.")] = None,
     duration: Annotated[Optional[float], typer.Option(help="Stop after this many seconds.")] = None,
-    load: Annotated[bool, typer.Option("--load/--no-load", help="Drive the built-in load so blocks move.")] = True,
+    load: Annotated[Optional[bool], typer.Option(
+        "--load/--no-load", help="Drive the built-in load so blocks move (default: on, off with --url).")] = None,
     rate: RateOpt = 4.0, fake: FakeOpt = False,
+    url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
 ) -> None:
     """Print the KV-cache event stream (BlockStored / BlockRemoved / AllBlocksCleared) as JSON lines."""
     from lm_console import events as events_mod
@@ -143,10 +152,10 @@ def events(
             asyncio.run(events_mod.print_endpoint_events(endpoint, sys.stdout, count=count, duration=duration))
             return
         args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
-        client = make_client(fake, model, args)
+        client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
         shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
         asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,
-                                                    load=load, shape=shape))
+                                                    load=url is None if load is None else load, shape=shape))
     except (KeyboardInterrupt, BrokenPipeError):
         pass
 

@@ -40,6 +40,17 @@ class EngineInfo:
     vocab_size: int = 32000
     multimodal: bool = False
     notice: str | None = None  # shown beside the model name (e.g. the demo VLM's caveat)
+    url: str | None = None  # the server the console is attached to (lmc tui --url)
+    # Panels whose data this engine does not publish -> what the panel says instead of zeros.
+    # Keys: UNAVAILABLE_* below.
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+# Keys of EngineInfo.unavailable: the panels a remote server may have no source for.
+UNAVAILABLE_BLOCK_MAP = "block_map"
+UNAVAILABLE_STEPS = "steps"  # per-step scheduler stats: token budget, tokens/step, step time
+UNAVAILABLE_KV_EVENTS = "kv_events"
+UNAVAILABLE_REQUESTS = "requests"  # the server's own request table
 
 
 @dataclass(slots=True)
@@ -83,6 +94,9 @@ class StatsSample:
     block_ref_counts: bytes | None = None  # one byte a block, saturating at 255
     encoder_cache: EncoderCacheSample | None = None  # multimodal engines only
     kv_tiers: list[KVTierSample] | None = None  # KV offload tiers, when a connector offloads
+    # False for a sample that is not one engine step (a /metrics poll, an idle snapshot): its
+    # counters still count, but it does not count as a step.
+    is_step: bool = True
 
 
 @dataclass(slots=True)

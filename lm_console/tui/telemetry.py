@@ -69,7 +69,8 @@ class Telemetry:
         self.pending_stats: deque[StatsSample] = deque(maxlen=10_000)
         self.pending_events: deque[KVEventRecord] = deque(maxlen=10_000)
         self.view = DashboardView()
-        self._steps: deque[tuple[float, int, int, int, int]] = deque()  # ts, scheduled, prompt, gen, preempted
+        # ts, scheduled, prompt, gen, preempted, 1 for an engine step (0: a poll or snapshot)
+        self._steps: deque[tuple[float, int, int, int, int, int]] = deque()
         self._gen_ticks: deque[tuple[float, int]] = deque()  # console-counted generated tokens
         self._tokens_per_step: deque[float] = deque(maxlen=history)
         self._prompt_hist: deque[float] = deque(maxlen=history)
@@ -115,7 +116,7 @@ class Telemetry:
             generated = sum(g for _, g in self._gen_ticks)
             view.gen_tps = generated / span
             view.prompt_tps = max(scheduled - generated, 0) / span
-        view.steps_per_s = len(self._steps) / span
+        view.steps_per_s = sum(s[5] for s in self._steps) / span
         view.num_preempted_recent = sum(s[4] for s in self._steps)
         if not self._steps:
             view.scheduled_tokens = 0
@@ -150,11 +151,12 @@ class Telemetry:
         view.num_total_blocks = sample.num_total_blocks
         view.num_free_blocks = sample.num_free_blocks
         view.num_used_blocks = max(sample.num_total_blocks - sample.num_free_blocks, 0)
-        self._tokens_per_step.append(float(sample.num_scheduled_tokens))
+        if sample.is_step:
+            self._tokens_per_step.append(float(sample.num_scheduled_tokens))
         if sample.num_prompt_tokens is not None and sample.num_generation_tokens is not None:
             self._engine_split = True
         self._steps.append((sample.ts, sample.num_scheduled_tokens, sample.num_prompt_tokens or 0,
-                            sample.num_generation_tokens or 0, sample.num_preempted_reqs))
+                            sample.num_generation_tokens or 0, sample.num_preempted_reqs, int(sample.is_step)))
         if sample.block_states is not None:
             view.block_states = sample.block_states
             view.block_ref_counts = sample.block_ref_counts

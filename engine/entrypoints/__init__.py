@@ -1,0 +1,1 @@
+"""Entrypoints over AsyncLLM: the OpenAI-compatible server and the console stream."""

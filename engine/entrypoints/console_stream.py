@@ -1,0 +1,385 @@
+"""The console stream: `/lmc/v1/...` routes that let operator consoles attach to a server.
+
+build_console_router(engine) returns a FastAPI APIRouter; the server includes it behind its
+API-key dependency. One ConsoleHub per router reads the engine's own streams once
+(AsyncLLM.stats_stream, kv_events_stream), encodes each item once (console_protocol.py) and
+fans the bytes out to every attached console.
+
+Back-pressure: each console has a bounded queue. A full queue loses its oldest frame (the console
+is *sampled*; counted, and told with a `lag` event); a console that takes nothing while
+`max_lag` frames are lost is *dropped* (its connection closed; counted). Publishing never
+awaits, so no console can slow the engine's output handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.entrypoints.console_protocol import (
+    INFO_PATH, RESET_PATH, SERVER_KIND, STREAM_PATH, STREAM_VERSION, SUBSCRIBERS_PATH, TOPICS, KVEventsFrame,
+    LagFrame, RequestRow, RequestsFrame, StreamHello, sse_frame,
+)
+from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class TooManySubscribers(Exception):
+    """Every console slot of the hub is taken."""
+
+
+@dataclass(slots=True)
+class ConsoleSubscriber:
+    """One attached console: its topics and a bounded drop-oldest queue of encoded frames.
+
+    Invariant: len(frames) <= queue_size; num_lagging counts frames lost since the consumer
+    last took one, and reaching max_lag sets `kicked`.
+    """
+
+    subscriber_id: int
+    topics: frozenset[str]
+    queue_size: int
+    max_lag: int
+    frames: deque[bytes] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    kicked: asyncio.Event = field(default_factory=asyncio.Event)
+    connected_at: float = field(default_factory=time.time)
+    num_delivered: int = 0
+    num_dropped: int = 0
+    num_lagging: int = 0  # lost since the last take
+    num_unreported: int = 0  # lost since the last lag frame
+    ended: bool = False  # the engine's streams ended: drain, then stop
+
+    def put(self, frame: bytes) -> bool:
+        """Queue a frame, dropping the oldest when full; False once the subscriber is kicked."""
+        if self.kicked.is_set():
+            return False
+        if len(self.frames) >= self.queue_size:
+            self.frames.popleft()
+            self.num_dropped += 1
+            self.num_lagging += 1
+            self.num_unreported += 1
+            if self.num_lagging >= self.max_lag:
+                self.kicked.set()
+                return False
+        self.frames.append(frame)
+        self.ready.set()
+        return True
+
+    def take(self) -> bytes | None:
+        """The next frame to send (a lag frame first when frames were lost), or None."""
+        if not self.frames:
+            self.ready.clear()
+            return None
+        self.num_lagging = 0
+        if self.num_unreported:
+            lag = sse_frame("lag", LagFrame(self.num_unreported, self.num_dropped))
+            self.num_unreported = 0
+            return lag
+        self.num_delivered += 1
+        return self.frames.popleft()
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.subscriber_id, "topics": sorted(self.topics), "queued": len(self.frames),
+                "delivered": self.num_delivered, "dropped": self.num_dropped,
+                "connected_at": self.connected_at}
+
+
+class ConsoleHub:
+    """Reads the engine's stats, KV events and request table once; fans them out to consoles."""
+
+    def __init__(self, engine: Any, *, queue_size: int = 256, max_lag: int | None = None,
+                 max_subscribers: int = 16, idle_snapshot_s: float = 1.0, requests_interval_s: float = 0.5,
+                 max_request_rows: int = 64) -> None:
+        self.engine = engine
+        self.queue_size = queue_size
+        self.max_lag = max_lag if max_lag is not None else 4 * queue_size
+        self.max_subscribers = max_subscribers
+        self.idle_snapshot_s = idle_snapshot_s
+        self.requests_interval_s = requests_interval_s
+        self.max_request_rows = max_request_rows
+        self.subscribers: dict[int, ConsoleSubscriber] = {}
+        self.num_kicked = 0  # consoles dropped for lagging
+        self.num_dropped_frames = 0  # frames lost by consoles that have left
+        self.num_stats = 0
+        self.num_kv_batches = 0
+        self.last_stats_time = 0.0  # monotonic
+        self.end_frame: bytes | None = None  # set when the engine's streams end
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._kv_seq = 0
+
+    # -- subscriptions --------------------------------------------------------------------
+    def subscribe(self, topics: frozenset[str], queue_size: int | None = None) -> ConsoleSubscriber:
+        """Attach one console; raises TooManySubscribers when every slot is taken."""
+        if len(self.subscribers) >= self.max_subscribers:
+            raise TooManySubscribers(f"{self.max_subscribers} consoles are attached already (the most this "
+                                     "server allows); detach one and retry.")
+        size = min(max(queue_size or self.queue_size, 1), 4096)
+        subscriber = ConsoleSubscriber(next(self._ids), topics, size, min(self.max_lag, 4 * size))
+        hello = StreamHello(STREAM_VERSION, subscriber.subscriber_id, sorted(topics), size, subscriber.max_lag)
+        subscriber.put(sse_frame("hello", hello))
+        if self.end_frame is not None:
+            subscriber.put(self.end_frame)
+            subscriber.ended = True
+            return subscriber
+        self.subscribers[subscriber.subscriber_id] = subscriber
+        self._ensure_tasks()
+        if "stats" in topics:
+            # The block map at once, even when the engine is idle and sends no step stats.
+            self._spawn(self._send_snapshot([subscriber]))
+        return subscriber
+
+    def unsubscribe(self, subscriber: ConsoleSubscriber) -> None:
+        if self.subscribers.pop(subscriber.subscriber_id, None) is not None:
+            self.num_dropped_frames += subscriber.num_dropped
+            if subscriber.kicked.is_set():
+                self.num_kicked += 1
+                logger.warning("console %d dropped: it read nothing while %d frames were lost",
+                               subscriber.subscriber_id, subscriber.max_lag)
+
+    def publish(self, topic: str, frame: bytes) -> None:
+        """Queue one encoded frame for every subscriber of `topic` (never awaits)."""
+        for subscriber in list(self.subscribers.values()):
+            if topic in subscriber.topics:
+                subscriber.put(frame)
+
+    def wants(self, topic: str) -> bool:
+        return any(topic in s.topics for s in self.subscribers.values())
+
+    async def frames(self, subscriber: ConsoleSubscriber) -> AsyncIterator[bytes]:
+        """The subscriber's frames as they come; ends when the engine's streams end."""
+        while not subscriber.kicked.is_set():
+            frame = subscriber.take()
+            if frame is not None:
+                yield frame
+            elif subscriber.ended:
+                return
+            else:
+                await subscriber.ready.wait()
+
+    def status(self) -> dict[str, Any]:
+        """Counters for GET /lmc/v1/subscribers (and tests)."""
+        live = list(self.subscribers.values())
+        return {"num_subscribers": len(live), "max_subscribers": self.max_subscribers,
+                "num_kicked": self.num_kicked,
+                "num_dropped_frames": self.num_dropped_frames + sum(s.num_dropped for s in live),
+                "num_stats": self.num_stats, "num_kv_batches": self.num_kv_batches,
+                "subscribers": [s.describe() for s in live]}
+
+    # -- the readers ----------------------------------------------------------------------
+    def _ensure_tasks(self) -> None:
+        if self._tasks:
+            return
+        self._tasks = [self._spawn(self._pump_stats()), self._spawn(self._tick())]
+        if self.kv_events_enabled:
+            self._tasks.append(self._spawn(self._pump_kv()))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(coro)
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        args = getattr(self.engine, "engine_args", None)
+        return bool(getattr(args, "enable_kv_cache_events", False))
+
+    async def _pump_stats(self) -> None:
+        try:
+            async for stats in self.engine.stats_stream():
+                self.num_stats += 1
+                self.last_stats_time = time.monotonic()
+                if self.wants("stats"):
+                    self.publish("stats", sse_frame("stats", stats))
+        except Exception as error:  # noqa: BLE001 - the engine died: tell every console
+            self._end(error)
+        else:
+            self._end(None)
+
+    async def _pump_kv(self) -> None:
+        try:
+            async for batch in self.engine.kv_events_stream():
+                self.num_kv_batches += 1
+                if self.wants("kv"):
+                    self.publish("kv", sse_frame("kv", KVEventsFrame(self._kv_seq, batch)))
+                self._kv_seq += 1
+        except Exception as error:  # noqa: BLE001
+            self._end(error)
+
+    async def _tick(self) -> None:
+        """Idle snapshots (the engine sends no stats between steps) and the request table."""
+        next_requests = 0.0
+        while self.end_frame is None:
+            await asyncio.sleep(min(self.idle_snapshot_s, self.requests_interval_s) / 2)
+            now = time.monotonic()
+            try:
+                if now - self.last_stats_time >= self.idle_snapshot_s and self.wants("stats"):
+                    self.last_stats_time = now
+                    await self._send_snapshot([s for s in self.subscribers.values() if "stats" in s.topics])
+                if now >= next_requests and self.wants("requests"):
+                    next_requests = now + self.requests_interval_s
+                    self.publish("requests", sse_frame("requests", requests_frame(self.engine, self.max_request_rows)))
+            except Exception as error:  # noqa: BLE001 - a dead engine ends the streams via the pumps
+                if getattr(self.engine, "errored", False):
+                    return
+                logger.warning("console stream tick failed: %s", error)
+
+    async def _send_snapshot(self, subscribers: list[ConsoleSubscriber]) -> None:
+        if not subscribers:
+            return
+        try:
+            frame = sse_frame("snapshot", await snapshot_stats(self.engine))
+        except Exception:  # noqa: BLE001 - the engine is dying; the stats pump reports it
+            return
+        for subscriber in subscribers:
+            subscriber.put(frame)
+
+    def _end(self, error: BaseException | None) -> None:
+        """The engine's streams ended: send the error (if any) and let every console drain."""
+        if self.end_frame is not None:
+            return
+        if error is not None:
+            message = str(error) or type(error).__name__
+            self.end_frame = sse_frame("error", {"error": {
+                "message": f"The engine stopped: {message}", "type": type(error).__name__, "param": None,
+                "code": 503}})
+        else:
+            self.end_frame = b": the engine shut down\n\n"
+        for subscriber in list(self.subscribers.values()):
+            subscriber.put(self.end_frame)
+            subscriber.ended = True
+            subscriber.ready.set()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+
+async def snapshot_stats(engine: Any) -> SchedulerStats:
+    """The engine's gauges and block map now, as a SchedulerStats with zero per-step counters."""
+    stats = await engine.get_stats()
+    pool = await engine.get_block_pool_state()
+    stats.prefix_cache = PrefixCacheStatsSnapshot()
+    stats.num_scheduled_tokens = stats.num_preempted_reqs = 0
+    stats.num_prompt_tokens = stats.num_generation_tokens = 0
+    stats.step_time_s = 0.0
+    stats.num_running_reqs, stats.num_waiting_reqs = pool.num_running_reqs, pool.num_waiting_reqs
+    stats.block_states, stats.block_ref_counts = pool.block_states, pool.block_ref_counts
+    stats.timestamp = time.time()
+    return stats
+
+
+def requests_frame(engine: Any, max_rows: int) -> RequestsFrame:
+    """The frontend's unfinished requests (its OutputProcessor's states), oldest first."""
+    states = list(getattr(getattr(engine, "output_processor", None), "request_states", {}).values())
+    states.sort(key=lambda s: s.metrics.arrival_time)
+    rows = []
+    for state in states[:max_rows]:
+        metrics = state.metrics
+        started = metrics.first_scheduled_time is not None or metrics.first_token_time is not None
+        rows.append(RequestRow(state.request_id, "RUNNING" if started else "WAITING",
+                               len(state.prompt_token_ids or ()), metrics.num_generation_tokens,
+                               state.num_cached_tokens, metrics.arrival_time, metrics.first_token_time))
+    return RequestsFrame(time.time(), len(states), rows)
+
+
+def engine_info(engine: Any) -> dict[str, Any]:
+    """GET /lmc/v1/info: what the console's header shows, and what this stream can carry."""
+    summary = dict(getattr(engine, "model_config_summary", None) or {})
+    summary.pop("model_dir", None)  # a server-side path says nothing to a remote console
+    args = getattr(engine, "engine_args", None)
+    summary["dtype"] = str(summary.get("dtype", "?")).replace("torch.", "")
+    return {"server": SERVER_KIND, "stream_version": STREAM_VERSION, **summary,
+            "kv_events": bool(getattr(args, "enable_kv_cache_events", False)),
+            "log_stats": bool(getattr(args, "log_stats", True)), "topics": list(TOPICS)}
+
+
+def _error(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": status}},
+                        status_code=status)
+
+
+class _SubscriberResponse(StreamingResponse):
+    """The SSE response of one console; closes the connection when the hub drops the console.
+
+    A console that never reads leaves the send blocked on the socket's flow control, so the
+    drop cancels the send instead of waiting for it.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], subscriber: ConsoleSubscriber,
+                 on_close: Callable[[ConsoleSubscriber], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.subscriber = subscriber
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        sender = asyncio.ensure_future(super().__call__(scope, receive, send))
+        kicked = asyncio.ensure_future(self.subscriber.kicked.wait())
+        try:
+            await asyncio.wait({sender, kicked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, kicked):
+                task.cancel()
+            await asyncio.gather(sender, kicked, return_exceptions=True)
+            self.on_close(self.subscriber)
+
+
+def build_console_router(engine: Any, **hub_options: Any) -> APIRouter:
+    """The /lmc/v1 routes over `engine` (an AsyncLLM); `router.console_hub` is its ConsoleHub.
+
+    GET  /lmc/v1/info                 engine facts and stream capabilities (JSON)
+    GET  /lmc/v1/stream?topics=stats,kv,requests&queue=N   the console stream (SSE)
+    GET  /lmc/v1/subscribers          attached consoles, frames dropped, consoles dropped
+    POST /lmc/v1/reset_prefix_cache   {"reset": bool}
+    """
+    hub = ConsoleHub(engine, **hub_options)
+    router = APIRouter()
+    router.console_hub = hub  # type: ignore[attr-defined]
+
+    @router.get(INFO_PATH)
+    async def info() -> JSONResponse:
+        if getattr(engine, "errored", False):
+            return _error(503, f"The engine is dead: {getattr(engine, 'dead_error', '')}", "EngineDeadError")
+        return JSONResponse(engine_info(engine))
+
+    @router.get(STREAM_PATH)
+    async def stream(request: Request, topics: str = ",".join(TOPICS), queue: int | None = None):  # noqa: ANN202
+        wanted = frozenset(t.strip() for t in topics.split(",") if t.strip())
+        unknown = sorted(wanted - set(TOPICS))
+        if unknown or not wanted:
+            return _error(400, f"topics must be a comma-separated subset of {','.join(TOPICS)}, got {topics!r}",
+                          "BadRequestError", "topics")
+        if "kv" in wanted and not hub.kv_events_enabled:
+            return _error(400, "KV events are off on this server (start it with KV cache events enabled).",
+                          "BadRequestError", "topics")
+        if queue is not None and queue < 1:
+            return _error(400, f"queue must be >= 1, got {queue}", "BadRequestError", "queue")
+        if getattr(engine, "errored", False):
+            return _error(503, f"The engine is dead: {getattr(engine, 'dead_error', '')}", "EngineDeadError")
+        try:
+            subscriber = hub.subscribe(wanted, queue)
+        except TooManySubscribers as error:
+            return _error(503, str(error), "ServiceUnavailableError")
+        return _SubscriberResponse(hub.frames(subscriber), subscriber, hub.unsubscribe)
+
+    @router.get(SUBSCRIBERS_PATH)
+    async def subscribers() -> JSONResponse:
+        return JSONResponse(hub.status())
+
+    @router.post(RESET_PATH)
+    async def reset_prefix_cache() -> JSONResponse:
+        try:
+            return JSONResponse({"reset": bool(await engine.reset_prefix_cache())})
+        except Exception as error:  # noqa: BLE001 - a dead engine
+            return _error(503, f"The engine is dead: {error}", type(error).__name__)
+
+    return router
