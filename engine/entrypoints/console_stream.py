@@ -61,8 +61,8 @@ class ConsoleSubscriber:
     ended: bool = False  # the engine's streams ended: drain, then stop
 
     def put(self, frame: bytes) -> bool:
-        """Queue a frame, dropping the oldest when full; False once the subscriber is kicked."""
-        if self.kicked.is_set():
+        """Queue a frame, dropping the oldest when full; False once kicked or ended."""
+        if self.kicked.is_set() or self.ended:
             return False
         if len(self.frames) >= self.queue_size:
             self.frames.popleft()
