@@ -32,6 +32,8 @@ class StandinState:
     num_words: int = len(WORDS)
     metrics: bool = True
     fail_stream_after: int | None = None  # drop the connection after this many chunks
+    in_flight: int = 0
+    max_in_flight: int = 0
 
 
 def _metrics_registry() -> tuple[CollectorRegistry, dict[str, Any]]:
@@ -67,6 +69,10 @@ def standin_app(state: StandinState) -> FastAPI:
             return unauthorized()
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "root": MODEL, "max_model_len": 2048}]}
 
+    @app.get("/health")
+    async def health():  # noqa: ANN202
+        return PlainTextResponse("")
+
     @app.get("/metrics")
     async def prometheus():  # noqa: ANN202
         if not state.metrics:
@@ -88,6 +94,10 @@ def standin_app(state: StandinState) -> FastAPI:
         usage = {"prompt_tokens": 5, "completion_tokens": len(words), "total_tokens": 5 + len(words),
                  "prompt_tokens_details": {"cached_tokens": 3}}
         if not body.get("stream"):
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            await asyncio.sleep(state.chunk_delay_s)
+            state.in_flight -= 1
             text = "".join(words)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "finish_reason": "length"})
@@ -138,3 +148,11 @@ def set_metrics(app: FastAPI, **values: float) -> None:
             metric.set(value)
         else:
             metric.inc(value)
+
+
+if __name__ == "__main__":  # `python openai_standin.py PORT`: the stand-in as a process (launcher tests)
+    import sys
+
+    import uvicorn
+
+    uvicorn.run(standin_app(StandinState()), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
