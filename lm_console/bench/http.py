@@ -34,7 +34,8 @@ def http_sender(http: httpx.AsyncClient, base_url: str, model: str) -> Send:
         result.start_time = last = time.perf_counter()
         async with http.stream("POST", base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {error_message(await response.aread(), response.status_code)}"
+                message = error_message(await response.aread(), response.status_code)
+                result.error = f"HTTP {response.status_code}: {message}"
                 return
             async for event in iter_sse(response.aiter_lines()):
                 if event.data.strip() == "[DONE]":

@@ -246,11 +246,11 @@ class RemoteConsoleClient:
 
     async def _zmq_events(self, endpoint: str) -> AsyncIterator[list[KVEventRecord]]:
         """vLLM's KV event PUB socket: (topic, seq, msgpack EventBatch) messages."""
+        import msgspec
         import zmq
         import zmq.asyncio
 
         from lm_console.events import records_of_message
-        import msgspec
 
         context = zmq.asyncio.Context()
         socket = context.socket(zmq.SUB)

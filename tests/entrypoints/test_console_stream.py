@@ -10,12 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+from http_helpers import API_KEY, ServerThread, console_app
 
 from engine.entrypoints.console_protocol import decode_event
 from engine.entrypoints.console_stream import ConsoleHub
 from engine.errors import EngineDeadError
 from engine.metrics.stats import BlockPoolState, SchedulerStats
-from http_helpers import API_KEY, ServerThread, console_app
 from lm_console.client.sse import iter_sse
 
 STATS = frozenset({"stats"})

@@ -8,11 +8,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from http_helpers import ServerThread
+from openai_standin import MODEL, WORDS, StandinState, standin_app
 from typer.testing import CliRunner
 
-from http_helpers import ServerThread
 from lm_console.cli import app
-from openai_standin import MODEL, WORDS, StandinState, standin_app
 
 runner = CliRunner()
 STANDIN_SCRIPT = Path(__file__).with_name("openai_standin.py")
@@ -128,8 +128,8 @@ BENCH_KEYS = ("date", "endpoint_type", "backend", "model_id", "tokenizer_id", "n
 def test_bench_serve_url_writes_vllms_keys(standin, tmp_path: Path) -> None:  # noqa: ANN001
     out = tmp_path / "serve.json"
     result = runner.invoke(app, ["bench", "serve", "--url", standin.url, "--num-prompts", "6",
-                                 "--random-input-len", "16", "--random-output-len", "5", "--random-range-ratio", "0", "--request-rate", "40",
-                                 "--max-concurrency", "3", "--metric-percentiles", "50,99", "--save-result",
+                                 "--random-input-len", "16", "--random-output-len", "5", "--random-range-ratio", "0",
+                                 "--request-rate", "40", "--max-concurrency", "3", "--metric-percentiles", "50,99", "--save-result",
                                  str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     for label in ("Serving Benchmark Result", "Mean TTFT (ms):", "P99 ITL (ms):", "Median TPOT (ms):",

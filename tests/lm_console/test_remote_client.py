@@ -8,16 +8,20 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from http_helpers import ServerThread
+from openai_standin import MODEL, WORDS, StandinState, set_metrics, standin_app
+
 from lm_console.client.openai_http import RemoteRequestError
 from lm_console.client.remote import RemoteConsoleClient
 from lm_console.client.sse import iter_sse
 from lm_console.client.types import (
-    UNAVAILABLE_BLOCK_MAP, UNAVAILABLE_KV_EVENTS, UNAVAILABLE_STEPS, EngineUnavailable, GenParams,
+    UNAVAILABLE_BLOCK_MAP,
+    UNAVAILABLE_KV_EVENTS,
+    UNAVAILABLE_STEPS,
+    EngineUnavailable,
+    GenParams,
 )
 from lm_console.client.vllm_metrics import MetricsSampler, parse_metrics
-from openai_standin import MODEL, WORDS, StandinState, set_metrics, standin_app
 
 
 def run(coro):  # noqa: ANN001, ANN201

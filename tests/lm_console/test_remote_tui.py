@@ -7,15 +7,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from http_helpers import API_KEY, ServerThread, console_app
+from openai_standin import StandinState, set_metrics, standin_app
+
 from lm_console.client.remote import RemoteConsoleClient
 from lm_console.tui.app import ConsoleApp
 from lm_console.tui.widgets.block_map import BlockMap
 from lm_console.tui.widgets.kv_event_log import KVEventLog
 from lm_console.tui.widgets.request_table import RequestTable
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
-from openai_standin import StandinState, set_metrics, standin_app
 
 SIZE = (120, 36)
 DEADLINE_S = 120  # a liveness bound for polling loops, not a performance assertion
