@@ -243,6 +243,10 @@ class ConsoleHub:
         for subscriber in subscribers:
             subscriber.put(frame)
 
+    def close(self) -> None:
+        """End every console's stream (the server is shutting down); idempotent."""
+        self._end(None)
+
     def _end(self, error: BaseException | None) -> None:
         """The engine's streams ended: send the error (if any) and let every console drain."""
         if self.end_frame is not None:
@@ -253,13 +257,17 @@ class ConsoleHub:
                 "message": f"The engine stopped: {message}", "type": type(error).__name__, "param": None,
                 "code": 503}})
         else:
-            self.end_frame = b": the engine shut down\n\n"
+            self.end_frame = b": the server is shutting down\n\n"
         for subscriber in list(self.subscribers.values()):
             subscriber.put(self.end_frame)
             subscriber.ended = True
             subscriber.ready.set()
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # close() from outside the loop
+            current = None
         for task in self._tasks:
-            if task is not asyncio.current_task():
+            if task is not current:
                 task.cancel()
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from http_helpers import API_KEY, ServerThread, console_app
-from openai_standin import StandinState, set_metrics, standin_app
+from openai_standin import WORDS, StandinState, set_metrics, standin_app
 
 from lm_console.client.remote import RemoteConsoleClient
 from lm_console.tui.app import ConsoleApp
@@ -154,3 +154,26 @@ def test_a_metrics_only_server_degrades_each_panel_with_a_note() -> None:
     assert "no KV events from this server" in bare["events_title"] and bare["num_events"] == 0
     assert bare["table"].startswith("Requests of this console")
     assert with_events["num_events"] > 0 and "no KV events" not in with_events["events_title"]
+
+
+def test_load_and_chat_go_over_http() -> None:
+    from lm_console.load_generator import LoadShape
+
+    state = StandinState()
+
+    async def scenario(server: ServerThread) -> dict:
+        client = RemoteConsoleClient(server.url, poll_interval_s=0.05)
+        app = ConsoleApp(client, load=True, shape=LoadShape(rate=20.0, output_len=(2, 4)), tick_hz=0)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, app, lambda: app.book.num_finished >= 3)
+            await pilot.press("l")  # load off
+            chunks = [c async for c in app.session.send("hello over http")]
+            seen = {"finished": app.book.num_finished, "chat": "".join(c.text for c in chunks)}
+            await pilot.press("q")
+        return seen
+
+    with ServerThread(standin_app(state)) as server:
+        seen = asyncio.run(scenario(server))
+    loads = [b for b in state.bodies if "prompt" in b]
+    assert len(loads) >= 3 and all(isinstance(b["prompt"], list) and b["ignore_eos"] for b in loads)
+    assert seen["chat"] == "".join(WORDS) and state.bodies[-1]["messages"][-1]["content"] == "hello over http"
