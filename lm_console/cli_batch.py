@@ -12,10 +12,11 @@ import typer
 from lm_console.engine_options import (
     DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
 )
-from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags
+from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags, refuse_local_flags
 
 
 def batch(
+    ctx: typer.Context,
     input_file: Annotated[str, typer.Option("--input-file", "-i", help="Input .jsonl ('-' for stdin).")],
     output_file: Annotated[str, typer.Option("--output-file", "-o", help="Output .jsonl ('-' for stdout).")],
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
@@ -29,6 +30,7 @@ def batch(
     from lm_console.batch import read_lines, run_batch
 
     check_remote_flags(url, model)
+    refuse_local_flags(ctx, url)
 
     try:
         text = sys.stdin.read() if input_file == "-" else open(input_file, encoding="utf-8").read()

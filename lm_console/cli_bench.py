@@ -11,7 +11,7 @@ from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
     NumThreadsOpt, PrefixCachingOpt, engine_args,
 )
-from lm_console.remote_options import ApiKeyOpt, UrlOpt
+from lm_console.remote_options import ApiKeyOpt, UrlOpt, refuse_local_flags
 
 bench_app = typer.Typer(help="Benchmarks after `vllm bench`: throughput, serve, prefix.", no_args_is_help=True)
 
@@ -82,6 +82,7 @@ def throughput(
 
 @bench_app.command()
 def serve(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
@@ -109,6 +110,7 @@ def serve(
     """
     from lm_console.bench.runner import Workload, bench_serve
 
+    refuse_local_flags(ctx, url, allowed=frozenset({"model"}))  # --model: the name sent in requests
     if burstiness <= 0:
         raise typer.BadParameter("--burstiness must be > 0")
     metrics = [m.strip() for m in percentile_metrics.split(",") if m.strip()]

@@ -16,7 +16,9 @@ from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
     kv_transfer_args,
 )
-from lm_console.remote_options import ApiKeyOpt, KVEventsEndpointOpt, UrlOpt, check_remote_flags, remote_client
+from lm_console.remote_options import (
+    ApiKeyOpt, KVEventsEndpointOpt, UrlOpt, check_remote_flags, refuse_local_flags, remote_client,
+)
 
 RateOpt = Annotated[float, typer.Option(help="Load: requests per second (Poisson arrivals).")]
 PromptLenOpt = Annotated[str, typer.Option(help="Load: prompt tokens, min-max.")]
@@ -66,6 +68,7 @@ def make_shape(rate: float, prompt_len: str, output_len: str, shared_prefix: flo
 
 
 def tui(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
@@ -79,6 +82,7 @@ def tui(
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
+    refuse_local_flags(ctx, url)
     from lm_console.tui.app import ConsoleApp
 
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
@@ -91,6 +95,7 @@ def tui(
 
 
 def chat(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, max_num_seqs: MaxNumSeqsOpt = 16, num_threads: NumThreadsOpt = None,
     plain: Annotated[bool, typer.Option("--plain", help="Line-based REPL: stdin lines in, replies on stdout.")] = False,
@@ -106,6 +111,7 @@ def chat(
     fake: FakeOpt = False, url: UrlOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
+    refuse_local_flags(ctx, url)
     from lm_console.chat_session import DEFAULT_SYSTEM_PROMPT, ChatSession
     from lm_console.client.types import GenParams
 
@@ -133,6 +139,7 @@ def chat(
 
 
 def events(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", num_blocks: NumBlocksOpt = None,
     max_model_len: MaxModelLenOpt = None, num_threads: NumThreadsOpt = None,
     endpoint: Annotated[Optional[str], typer.Option(
@@ -146,6 +153,8 @@ def events(
 ) -> None:
     """Print the KV-cache event stream (BlockStored / BlockRemoved / AllBlocksCleared) as JSON lines."""
     from lm_console import events as events_mod
+
+    refuse_local_flags(ctx, url)
 
     try:
         if endpoint:

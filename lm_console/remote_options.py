@@ -16,6 +16,27 @@ KVEventsEndpointOpt = Annotated[Optional[str], typer.Option(
                                  "servers whose KV events do not come over HTTP (vLLM's --kv-events-config).")]
 
 
+# Flags that configure an engine of the console's own: with --url they would mean nothing.
+LOCAL_ENGINE_FLAGS = frozenset({
+    "model", "dtype", "max_model_len", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+    "enable_prefix_caching", "num_threads", "fake", "kv_transfer_config", "kv_offload", "kv_offload_disk",
+    "kv_offload_cpu_bytes", "kv_offload_disk_bytes", "kv_chunk_size", "endpoint",
+})
+
+
+def refuse_local_flags(ctx: typer.Context, url: str | None, allowed: frozenset[str] = frozenset()) -> None:
+    """With --url, refuse engine flags given on the command line (they would be silently ignored)."""
+    if url is None:
+        return
+    # By name: Typer may carry its own copy of click's ParameterSource enum.
+    given = sorted(name for name in ctx.params if name in LOCAL_ENGINE_FLAGS - allowed
+                   and getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT"))
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise typer.BadParameter(f"{flags} configure(s) an engine of this console's own; with --url the server's "
+                                 "engine is used as it is. Drop them, or drop --url.")
+
+
 def check_remote_flags(url: str | None, model: str | None = None, fake: bool = False,
                        kv_events_endpoint: str | None = None) -> None:
     """Refuse flag combinations that cannot mean anything."""

@@ -33,6 +33,8 @@ from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+KEEPALIVE_S = 10.0  # an SSE comment this often on every stream; consoles time out after a few missed
+
 
 class TooManySubscribers(Exception):
     """Every console slot of the hub is taken."""
@@ -216,11 +218,16 @@ class ConsoleHub:
             self._end(error)
 
     async def _tick(self) -> None:
-        """Idle snapshots (the engine sends no stats between steps) and the request table."""
+        """Idle snapshots (the engine sends no stats between steps), the request table, keep-alives."""
         next_requests = 0.0
+        next_keepalive = time.monotonic() + KEEPALIVE_S
         while self.end_frame is None:
             await asyncio.sleep(min(self.idle_snapshot_s, self.requests_interval_s) / 2)
             now = time.monotonic()
+            if now >= next_keepalive:  # lets a console tell a quiet stream from a frozen server
+                next_keepalive = now + KEEPALIVE_S
+                for subscriber in list(self.subscribers.values()):
+                    subscriber.put(b": keep-alive\n\n")
             try:
                 if now - self.last_stats_time >= self.idle_snapshot_s and self.wants("stats"):
                     self.last_stats_time = now

@@ -42,6 +42,7 @@ NO_KV_EVENTS_LMC = "KV events are off on this server (start it with --kv-events-
 NO_METRICS = "no /metrics with vLLM's names on this server: no scheduler stats"
 NO_REQUESTS = "the server's requests are not published: this table shows this console's own"
 _LOST_HINT = "The server stopped or the network failed; restart the console once the server is back."
+STREAM_READ_TIMEOUT_S = 35.0  # the server sends a keep-alive every 10 s: silence this long means it is gone
 
 
 class RemoteConsoleClient:
@@ -197,7 +198,8 @@ class RemoteConsoleClient:
         if self.queue_size:
             params["queue"] = self.queue_size
         try:
-            async with self._http().stream("GET", self.url + STREAM_PATH, params=params) as response:
+            timeout = httpx.Timeout(self.timeout_s, read=STREAM_READ_TIMEOUT_S)
+            async with self._http().stream("GET", self.url + STREAM_PATH, params=params, timeout=timeout) as response:
                 if response.status_code != 200:
                     raise_for_status(self.url, response.status_code, await response.aread())
                     raise EngineUnavailable(f"The console stream failed: {error_message(await response.aread(), 400)}")

@@ -182,6 +182,9 @@ class ConsoleApp(App[None]):
             self.query_one(EngineStatus).show(self.info, state)
             if not self.chat_only and not self.display_paused:
                 self.query_one(Dashboard).show(view, self.book, self.load, now, self.server_requests)
+                dropped = getattr(self.client, "num_dropped_frames", 0)
+                if dropped:  # the server sampled this console's stream: it read too slowly
+                    self.query_one("#scheduler").border_subtitle = f"sampled: {dropped:,} frames dropped"
                 self.query_one(KVEventsPanel).add(self.telemetry.take_events())
             self.query_one(ChatView).flush()
 
@@ -258,7 +261,8 @@ class ConsoleApp(App[None]):
     async def action_quit(self) -> None:
         """Stop the load, shut the engine down cleanly, exit."""
         self.quitting = True
-        self.notify("Shutting down the engine…", timeout=5)
+        attached = self.info is not None and self.info.url
+        self.notify("Detaching from the server…" if attached else "Shutting down the engine…", timeout=5)
         if self.load is not None:
             await self.load.close()
         try:

@@ -18,6 +18,11 @@ runner = CliRunner()
 STANDIN_SCRIPT = Path(__file__).with_name("openai_standin.py")
 
 
+def flat(output: str) -> str:
+    """CLI output with rich's error box and line wrapping taken out."""
+    return " ".join(output.replace("│", " ").split())
+
+
 @pytest.fixture
 def standin():  # noqa: ANN201
     state = StandinState()
@@ -41,11 +46,13 @@ def test_tui_url_attaches_with_the_key_from_the_environment(monkeypatch: pytest.
     assert (client.url, client.api_key, client.zmq_endpoint) == ("http://127.0.0.1:9", "from-env", "tcp://127.0.0.1:5557")
     explicit = runner.invoke(app, ["tui", "--url", "http://127.0.0.1:9", "--api-key", "flag"])
     assert explicit.exit_code == 0 and seen["app"].client.api_key == "flag"
-    for bad, message in ((["--url", "http://h:1", "--fake"], "--url attaches to a running server"),
+    for bad, message in ((["--url", "http://h:1", "--fake"], "--fake"),
+                         (["--url", "http://h:1", "--num-blocks", "64", "--no-enable-prefix-caching"],
+                          "--enable-prefix-caching, --num-blocks configure(s) an engine of this console's own"),
                          (["--url", "h:1"], "http://HOST:PORT"),
                          (["--kv-events-endpoint", "tcp://h:1", "--fake"], "goes with --url")):
         refused = runner.invoke(app, ["tui", *bad])
-        assert refused.exit_code != 0 and message in refused.output
+        assert refused.exit_code != 0 and message in flat(refused.output)
 
 
 def test_chat_plain_over_http(standin) -> None:  # noqa: ANN001
@@ -143,8 +150,10 @@ def test_bench_serve_url_writes_vllms_keys(standin, tmp_path: Path) -> None:  # 
     assert all(len(itl) == 4 for itl in data["itls"]) and data["backend"] == "openai"
     body = standin.state.bodies[-1]
     assert isinstance(body["prompt"], list) and body["ignore_eos"] and body["stream_options"]["include_usage"]
-    wrong_key = runner.invoke(app, ["bench", "serve", "--url", standin.url, "--in-process"])
-    assert wrong_key.exit_code != 0 and "Pick one" in wrong_key.output
+    both = runner.invoke(app, ["bench", "serve", "--url", standin.url, "--in-process"])
+    assert both.exit_code != 0 and "Pick one" in both.output
+    engine_flag = runner.invoke(app, ["bench", "serve", "--url", standin.url, "--max-num-seqs", "4"])
+    assert engine_flag.exit_code != 0 and "--max-num-seqs configure(s)" in flat(engine_flag.output)
 
 
 def test_bench_serve_without_url_needs_lmc_serve(monkeypatch: pytest.MonkeyPatch) -> None:
