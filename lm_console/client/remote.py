@@ -66,6 +66,7 @@ class RemoteConsoleClient:
         self.server_requests: ServerRequests | None = None
         self.num_dropped_frames = 0  # frames the server dropped for this console (it was slow)
         self.num_kv_gaps = 0  # KV batches lost between two received ones
+        self._record_seq = 0  # KV event records numbered as they arrive
         self.http: httpx.AsyncClient | None = None
         self._requests: dict[str, asyncio.Task[None]] = {}
         self._closed = asyncio.Event()
@@ -180,9 +181,9 @@ class RemoteConsoleClient:
             last_seq = -1
             async for event, payload in self._console_stream("kv"):
                 if event == "kv":
-                    self.num_kv_gaps += max(payload.seq - last_seq - 1, 0)
+                    lost = max(payload.seq - last_seq - 1, 0) if last_seq >= 0 else 0
                     last_seq = payload.seq
-                    yield _with_seq(kv_records_of(payload.batch), payload.seq)
+                    yield self._numbered(kv_records_of(payload.batch), lost)
             return
         if self.zmq_endpoint:
             async for records in self._zmq_events(self.zmq_endpoint):
@@ -266,13 +267,23 @@ class RemoteConsoleClient:
                     continue
                 records = records_of_message(await socket.recv_multipart(), msgspec)
                 if records:
-                    seq = records[0].seq
-                    self.num_kv_gaps += max(seq - last_seq - 1, 0) if last_seq >= 0 else 0
+                    seq = records[0].seq  # the publisher's batch number
+                    lost = max(seq - last_seq - 1, 0) if last_seq >= 0 else 0
                     last_seq = seq
-                    yield records
+                    yield self._numbered(records, lost)
         finally:
             socket.close(linger=0)
             context.term()
+
+    def _numbered(self, records: list[KVEventRecord], num_lost_batches: int) -> list[KVEventRecord]:
+        """Number records one by one (the event log's gap check); lost batches leave a gap of one."""
+        self.num_kv_gaps += num_lost_batches
+        if num_lost_batches:
+            self._record_seq += 1
+        for record in records:
+            self._record_seq += 1
+            record.seq = self._record_seq
+        return records
 
     # -- requests -------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: GenParams, request_id: str) -> AsyncIterator[StreamChunk]:
@@ -367,7 +378,3 @@ class RemoteConsoleClient:
         return None
 
 
-def _with_seq(records: list[KVEventRecord], seq: int) -> list[KVEventRecord]:
-    for record in records:
-        record.seq = seq
-    return records

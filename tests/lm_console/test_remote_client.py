@@ -230,3 +230,12 @@ def test_stats_stream_ends_with_engine_unavailable_when_the_server_goes() -> Non
 
     lost = run(scenario())
     assert "stopped answering" in str(lost) or "Cannot reach" in str(lost)
+
+
+def test_kv_records_are_numbered_and_lost_batches_leave_a_gap() -> None:
+    from lm_console.client.types import KVEventRecord
+
+    client = RemoteConsoleClient("http://127.0.0.1:1")
+    first = client._numbered([KVEventRecord(0.0, "BlockStored"), KVEventRecord(0.0, "BlockRemoved")], 0)
+    after_gap = client._numbered([KVEventRecord(1.0, "BlockStored")], 3)
+    assert [r.seq for r in first + after_gap] == [1, 2, 4] and client.num_kv_gaps == 3

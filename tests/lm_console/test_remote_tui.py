@@ -25,11 +25,11 @@ def text_of(widget) -> str:  # noqa: ANN001
     return str(widget.render())
 
 
-async def until(pilot, app: ConsoleApp, condition) -> None:  # noqa: ANN001
+async def until(pilot, app: ConsoleApp, condition, what: str = "the expected state") -> None:  # noqa: ANN001
     """Tick the app until `condition()` holds."""
     end = time.monotonic() + DEADLINE_S
     while not condition():
-        assert time.monotonic() < end, "the console never showed the expected state"
+        assert time.monotonic() < end, f"the console never showed {what} (dead: {app.dead_error!r})"
         await pilot.pause(0.05)
         app.tick()
 
@@ -69,7 +69,10 @@ def test_the_dashboard_shows_the_servers_own_state(served) -> None:  # noqa: ANN
             await until(pilot, app, lambda: app.engine_state == "serving")
             seen["header"] = text_of(app.query_one("#engine-status"))
             server.call(submit)
-            await until(pilot, app, lambda: app.telemetry.view.num_running == 2 and app.telemetry.view.num_waiting == 2)
+            await until(pilot, app, lambda: app.telemetry.view.num_running == 2 and app.telemetry.view.num_waiting == 2,
+                        "2 running, 2 waiting")
+            await until(pilot, app, lambda: app.query_one(KVEventLog).num_received > 0, "KV events")
+            seen["events_subtitle"] = str(app.query_one("#kv-events").border_subtitle)
             server.call(lambda: llm.sleep(1))  # the engine stops stepping: its state holds still
             state = server.call(llm.get_block_pool_state)
             received = app.telemetry.view.num_stats
@@ -102,6 +105,41 @@ def test_the_dashboard_shows_the_servers_own_state(served) -> None:  # noqa: ANN
     assert seen["table"] == "Requests on the server ─ 4 in flight"
     assert sorted(seen["rows"].values()) == ["RUNNING", "RUNNING", "WAITING", "WAITING"]
     assert set(seen["rows"]) == set(ids)
+    assert "/lmc/v1/stream?topics=kv" in seen["events_subtitle"]
+
+
+def test_events_url_prints_the_servers_kv_events(served) -> None:  # noqa: ANN001
+    import json
+
+    from typer.testing import CliRunner
+
+    from engine import SamplingParams
+    from lm_console.cli import app
+
+    llm, server = served.llm, served.server
+    tasks: list[asyncio.Task] = []
+
+    async def submit() -> None:
+        async def one(i: int) -> None:
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
+            async for _ in llm.generate(f"events request {i} about rivers", params, f"events-{i}"):
+                pass
+
+        tasks.extend(asyncio.get_running_loop().create_task(one(i)) for i in range(2))
+
+    async def finish() -> None:
+        await asyncio.gather(*tasks)
+
+    refused = CliRunner().invoke(app, ["events", "--url", server.url, "--count", "1"])
+    assert refused.exit_code != 0 and "refused the API key" in refused.output
+    server.call(submit)
+    result = CliRunner().invoke(app, ["events", "--url", server.url, "--api-key", API_KEY, "--count", "3",
+                                      "--duration", "120"])
+    server.call(finish)
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(events) == 3 and all(e["type"] in ("BlockStored", "BlockRemoved", "AllBlocksCleared") for e in events)
+    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
 
 
 def test_a_metrics_only_server_degrades_each_panel_with_a_note() -> None:
