@@ -1,4 +1,5 @@
-"""Engine clients for the console: the ConsoleClient protocol, the AsyncLLM adapter and a fake.
+"""Engine clients for the console: the ConsoleClient protocol, the AsyncLLM adapter, a running
+server's client (RemoteConsoleClient, over HTTP) and a fake.
 
 Importing this package stays light (no torch): AsyncLLMConsoleClient imports the engine only
 when it starts.
@@ -16,7 +17,7 @@ from lm_console.client.types import (
 __all__ = [
     "BLOCK_CACHED", "BLOCK_FREE", "BLOCK_IN_USE", "BLOCK_NULL", "ChatMessages", "ConsoleClient",
     "EngineInfo", "EngineUnavailable", "FakeConsoleClient", "GenParams", "KVEventRecord",
-    "StatsSample", "StreamChunk", "AsyncLLMConsoleClient",
+    "StatsSample", "StreamChunk", "AsyncLLMConsoleClient", "RemoteConsoleClient",
 ]
 
 
@@ -25,4 +26,8 @@ def __getattr__(name: str):  # noqa: ANN202
         from lm_console.client.asyncllm import AsyncLLMConsoleClient
 
         return AsyncLLMConsoleClient
+    if name == "RemoteConsoleClient":  # httpx only: a running server's client (lmc tui --url)
+        from lm_console.client.remote import RemoteConsoleClient
+
+        return RemoteConsoleClient
     raise AttributeError(name)

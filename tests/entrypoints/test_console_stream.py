@@ -13,7 +13,7 @@ import pytest
 from http_helpers import API_KEY, ServerThread, console_app
 
 from engine.entrypoints.console_protocol import decode_event
-from engine.entrypoints.console_stream import ConsoleHub
+from engine.entrypoints.console_hub import ConsoleHub
 from engine.errors import EngineDeadError
 from engine.metrics.stats import BlockPoolState, SchedulerStats
 from lm_console.client.sse import iter_sse

@@ -136,8 +136,8 @@ def test_bench_serve_url_writes_vllms_keys(standin, tmp_path: Path) -> None:  # 
     out = tmp_path / "serve.json"
     result = runner.invoke(app, ["bench", "serve", "--url", standin.url, "--num-prompts", "6",
                                  "--random-input-len", "16", "--random-output-len", "5", "--random-range-ratio", "0",
-                                 "--request-rate", "40", "--max-concurrency", "3", "--metric-percentiles", "50,99", "--save-result",
-                                 str(out), "--no-progress"])
+                                 "--request-rate", "40", "--max-concurrency", "3", "--metric-percentiles", "50,99",
+                                 "--save-result", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     for label in ("Serving Benchmark Result", "Mean TTFT (ms):", "P99 ITL (ms):", "Median TPOT (ms):",
                   "P50 E2EL (ms):", "Maximum request concurrency:"):
