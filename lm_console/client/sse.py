@@ -20,13 +20,15 @@ async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[SSEEvent]:
     `event:` names the event, `data:` lines accumulate, a blank line dispatches, `:` starts a
     comment; `id:` and `retry:` are ignored (the console reconnects by restarting).
     """
-    event, data = "", []
+    event = ""
+    data: list[str] = []
     async for raw in lines:
         line = raw.rstrip("\r\n")
         if not line:
             if data:
                 yield SSEEvent(event or "message", "\n".join(data))
-            event, data = "", []
+            event = ""
+    data: list[str] = []
             continue
         if line.startswith(":"):
             continue
