@@ -27,8 +27,7 @@ async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[SSEEvent]:
         if not line:
             if data:
                 yield SSEEvent(event or "message", "\n".join(data))
-            event = ""
-    data: list[str] = []
+            event, data = "", []
             continue
         if line.startswith(":"):
             continue
