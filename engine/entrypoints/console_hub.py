@@ -37,15 +37,18 @@ class TooManySubscribers(Exception):
 class ConsoleSubscriber:
     """One attached console: its topics and a bounded drop-oldest queue of encoded frames.
 
-    Invariant: len(frames) <= queue_size; num_lagging counts frames lost since the consumer
-    last took one, and reaching max_lag sets `kicked`.
+    Invariants: len(frames) <= queue_size and num_queued_bytes <= max_queued_bytes (unless one
+    frame is larger); num_lagging counts frames lost since the consumer last took one, and
+    reaching max_lag sets `kicked`.
     """
 
     subscriber_id: int
     topics: frozenset[str]
     queue_size: int
     max_lag: int
+    max_queued_bytes: int = 8 << 20  # block maps of a large pool are big: bound bytes, not only frames
     frames: deque[bytes] = field(default_factory=deque)
+    num_queued_bytes: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     kicked: asyncio.Event = field(default_factory=asyncio.Event)
     connected_at: float = field(default_factory=time.time)
@@ -59,8 +62,9 @@ class ConsoleSubscriber:
         """Queue a frame, dropping the oldest when full; False once kicked or ended."""
         if self.kicked.is_set() or self.ended:
             return False
-        if len(self.frames) >= self.queue_size:
-            self.frames.popleft()
+        while self.frames and (len(self.frames) >= self.queue_size
+                               or self.num_queued_bytes + len(frame) > self.max_queued_bytes):
+            self.num_queued_bytes -= len(self.frames.popleft())
             self.num_dropped += 1
             self.num_lagging += 1
             self.num_unreported += 1
@@ -68,6 +72,7 @@ class ConsoleSubscriber:
                 self.kicked.set()
                 return False
         self.frames.append(frame)
+        self.num_queued_bytes += len(frame)
         self.ready.set()
         return True
 
@@ -82,10 +87,13 @@ class ConsoleSubscriber:
             self.num_unreported = 0
             return lag
         self.num_delivered += 1
-        return self.frames.popleft()
+        frame = self.frames.popleft()
+        self.num_queued_bytes -= len(frame)
+        return frame
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.subscriber_id, "topics": sorted(self.topics), "queued": len(self.frames),
+                "queued_bytes": self.num_queued_bytes,
                 "delivered": self.num_delivered, "dropped": self.num_dropped,
                 "connected_at": self.connected_at}
 
@@ -95,8 +103,9 @@ class ConsoleHub:
 
     def __init__(self, engine: Any, *, queue_size: int = 256, max_lag: int | None = None,
                  max_subscribers: int = 16, idle_snapshot_s: float = 1.0, requests_interval_s: float = 0.5,
-                 max_request_rows: int = 64) -> None:
+                 max_request_rows: int = 64, max_queued_bytes: int = 8 << 20) -> None:
         self.engine = engine
+        self.max_queued_bytes = max_queued_bytes  # per console
         self.queue_size = queue_size
         self.max_lag = max_lag if max_lag is not None else 4 * queue_size
         self.max_subscribers = max_subscribers
@@ -121,7 +130,8 @@ class ConsoleHub:
             raise TooManySubscribers(f"{self.max_subscribers} consoles are attached already (the most this "
                                      "server allows); detach one and retry.")
         size = min(max(queue_size or self.queue_size, 1), 4096)
-        subscriber = ConsoleSubscriber(next(self._ids), topics, size, min(self.max_lag, 4 * size))
+        subscriber = ConsoleSubscriber(next(self._ids), topics, size, min(self.max_lag, 4 * size),
+                                       self.max_queued_bytes)
         hello = StreamHello(STREAM_VERSION, subscriber.subscriber_id, sorted(topics), size, subscriber.max_lag)
         subscriber.put(sse_frame("hello", hello))
         if self.end_frame is not None:

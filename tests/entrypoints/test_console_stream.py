@@ -125,6 +125,17 @@ def test_a_slow_console_is_sampled_and_told_how_much_it_lost() -> None:
     assert lost > 0 and len(steps) + lost == 50 + 2 - sum(1 for e, _ in events if e in ("hello", "snapshot"))
 
 
+def test_a_console_queue_is_bounded_in_bytes_too() -> None:
+    from engine.entrypoints.console_hub import ConsoleSubscriber
+
+    subscriber = ConsoleSubscriber(1, STATS, queue_size=100, max_lag=1000, max_queued_bytes=350)
+    for i in range(10):
+        assert subscriber.put(bytes([i]) * 100)
+    assert len(subscriber.frames) == 3 and subscriber.num_queued_bytes == 300 and subscriber.num_dropped == 7
+    assert subscriber.take().startswith(b"event: lag\ndata: ")  # the console is told first
+    assert [frame[0] for frame in iter(subscriber.take, None)] == [7, 8, 9] and subscriber.num_queued_bytes == 0
+
+
 def test_a_dead_engine_ends_every_stream_with_an_error_event() -> None:
     async def scenario() -> list[bytes]:
         engine = FakeEngine()
