@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager

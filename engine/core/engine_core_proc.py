@@ -306,7 +306,7 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             scheduler_config=config.scheduler_config, device_config=config.device_config,
             kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid(),
             kv_events_server_key=(addresses.curve.kv_events_public.decode()
-                                  if publisher is not None and publisher.curve else None))
+                                  if publisher is not None and publisher.curve and addresses.curve else None))
         input_socket.send_multipart([EngineCoreRequestType.READY.frame(), *encoder.encode(info)])
         death_fd = death_reader.fileno() if death_reader is not None else None
         proc = EngineCoreProc(engine_core, context, input_socket, output_sockets, death_fd, publisher,

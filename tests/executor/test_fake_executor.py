@@ -11,7 +11,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError, InsufficientKVCacheError, InvalidEngineArgsError
 from engine.executor import fake as fake_module
-from engine.executor.fake import FakeExecutor, FakeModelConfig, fake_engine_config, fake_token_id, request_key
+from engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
 from engine.metrics.kv_events import BlockRemoved, BlockStored
 from engine.protocol import EngineCoreRequest, FinishReason
 from engine.sampling_params import SamplingParams

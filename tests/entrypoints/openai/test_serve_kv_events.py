@@ -1,14 +1,14 @@
-"""`lmc serve --kv-events-endpoint tcp://...`: outside subscribers get the engine's KV events."""
+"""`lmc serve --kv-events-endpoint tcp://...`: outside subscribers with the printed CURVE key get the KV events."""
 
 from __future__ import annotations
 
+import re
 import socket
 
 import httpx
 import pytest
 
-from engine.core.kv_cache import BlockStored
-from engine.metrics.kv_events import KVEventSubscriber
+from engine.metrics.kv_events import BlockStored, KVEventSubscriber
 from openai_server_helpers import ServeProcess
 
 
@@ -23,9 +23,11 @@ def test_kv_events_are_published_on_tcp(tiny_llama_dir) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     server = ServeProcess(str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "128",
                           "--num-threads", "1", "--kv-events-endpoint", endpoint)
-    subscriber = KVEventSubscriber(endpoint)
+    # A tcp PUB is a CURVE server: the ready line gives the public key a subscriber needs.
+    match = re.search(rf"KV events on {re.escape(endpoint)} \(CURVE server key (\S{{40}})\)", server.output)
+    assert match, server.output
+    subscriber = KVEventSubscriber(endpoint, server_key=match.group(1))
     try:
-        assert f"KV events on {endpoint}" in server.output
         stored = []
         with httpx.Client(base_url=server.url, timeout=60) as http:
             for attempt in range(20):  # ZMQ's slow joiner: the first batches may precede the subscription
