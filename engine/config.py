@@ -163,8 +163,7 @@ class EngineArgs:
             return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
         def is_number(value: object) -> bool:
-            return (is_int(value) or isinstance(value, float)) and not isinstance(value, bool) \
-                and math.isfinite(value)  # type: ignore[arg-type]  # an int or float by now
+            return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                      "kv_cache_memory", "num_gpu_blocks_override", "num_threads", "max_num_encoder_input_tokens",

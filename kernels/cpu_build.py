@@ -2,7 +2,9 @@
 
 Each source is compiled with the system C compiler (`cc -O3 -march=native -fopenmp -ffast-math`)
 into the user cache, keyed by the source's hash and the machine, so an edited source or another
-host gets its own library. The libraries share torch's OpenMP runtime (same `libgomp.so.1`), so
+host gets its own library. The link step has no -ffast-math: with it, GCC links crtfastmath.o,
+whose constructor turns on flush-to-zero for the whole process when the library loads (torch's
+subnormals would vanish too, and hypothesis refuses to run). The libraries share torch's OpenMP runtime (same `libgomp.so.1`), so
 torch.set_num_threads governs them. Where no compiler is found, the build fails, or
 LMC_CPU_KERNELS=0, `load_library` returns None and the callers keep their torch paths.
 """
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+BUILD_RECIPE = "2: compile with -ffast-math, link without"  # part of the cache key: a new recipe rebuilds
 
 
 class CpuKernelBuildError(RuntimeError):
@@ -51,18 +55,23 @@ def build(sources: Path | Sequence[Path], compiler: str, defines: tuple[str, ...
     headers = sorted({header for path in paths for header in path.parent.glob("*.h")})
     source = (b"".join(path.read_bytes() for path in [*paths, *headers])
               + " ".join(defines).encode())
-    key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()).hexdigest()
+    key = hashlib.sha256(source + platform.machine().encode() + platform.node().encode()
+                         + BUILD_RECIPE.encode()).hexdigest()
     target = cache_dir() / f"{paths[0].stem}-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math",
-               *(f"-D{name}" for name in defines), *map(str, paths), "-o", str(out), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        objects = [Path(tmp) / f"{i}-{path.stem}.o" for i, path in enumerate(paths)]
+        commands = [[compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math",
+                     *(f"-D{name}" for name in defines), "-c", str(path), "-o", str(obj)]
+                    for path, obj in zip(paths, objects)]
+        commands.append([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(out), "-lm"])
+        for cmd in commands:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise CpuKernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders each publish a complete file
     return target
 

@@ -4,10 +4,11 @@ Input lines: {custom_id, method: POST, url: /v1/chat/completions | /v1/completio
 Output lines, in input order: {id, custom_id, response: {status_code, request_id, body}, error}.
 A line that cannot be parsed or validated becomes an error record (status 400); the job goes on.
 
-Memory is bounded: stream_batch() reads a line only when a request slot is free (at most
-max_in_flight requests run or wait to be written), refuses a line longer than max_line_bytes
-without keeping it, and writes each record as soon as it and every earlier one are done, so a
-job that fails half-way keeps what it finished.
+Memory is bounded: write_in_order() reads a line only when a request slot is free (at most
+max_in_flight requests run or wait to be written; at most `concurrency` of them run), refuses a
+line longer than max_line_bytes without keeping it, and writes each record as soon as it and
+every earlier one are done, so a job that fails half-way keeps what it finished. The same
+pipeline runs the lines on a local engine (stream_batch) or on a server (batch_remote.py, --url).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -172,29 +173,51 @@ def error_record(custom_id: str | None, message: str, status_code: int = 400) ->
             "error": message}
 
 
+InputLines = AsyncIterator[tuple[int, str | BatchLineError]]  # (line number, text or the line's error)
+LineRunner = Callable[[int, str], Awaitable[dict[str, Any]]]  # (line number, text) -> its record
+
+
 async def run_batch(llm: Any, lines: list[str], model: str, default_max_tokens: int = 256,
-                    progress: bool = True) -> list[dict[str, Any]]:
-    """One record per non-blank input line, in input order; requests run concurrently."""
+                    progress: bool = True, concurrency: int | None = None) -> list[dict[str, Any]]:
+    """One record per non-blank input line, in input order; at most `concurrency` run at once."""
     records: list[dict[str, Any]] = []
     numbered = ((i + 1, text) for i, text in enumerate(lines) if text.strip())
-    await stream_batch(llm, _aiter(numbered), records.append, model, default_max_tokens, progress)
+    await stream_batch(llm, aiter_items(numbered), records.append, model, default_max_tokens, progress,
+                       concurrency=concurrency)
     return records
 
 
-async def stream_batch(llm: Any, lines: AsyncIterator[tuple[int, str | BatchLineError]],
-                       write: Callable[[dict[str, Any]], Any], model: str, default_max_tokens: int = 256,
-                       progress: bool = True, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> tuple[int, int]:
-    """Run (line number, text or the line's error) pairs; write each record in input order.
-
-    Returns (records written, records with an error). An EngineDeadError ends the job (what
-    was written stays written); every other failure is its line's error record.
-    """
-    from tqdm.auto import tqdm
-
+async def stream_batch(llm: Any, lines: InputLines, write: Callable[[dict[str, Any]], Any], model: str,
+                       default_max_tokens: int = 256, progress: bool = True,
+                       max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, concurrency: int | None = None) -> tuple[int, int]:
+    """Run the lines on `llm` (an AsyncLLM); write each record in input order (see write_in_order)."""
     tokenizer = llm.get_tokenizer()
     max_model_len = int((getattr(llm, "model_config_summary", None) or {}).get("max_model_len") or 0)
     input_processor = getattr(llm, "input_processor", None)
     check_text = getattr(input_processor, "check_prompt_text", None)
+
+    async def run_line(line_no: int, text: str) -> dict[str, Any]:
+        return await _run_line(llm, line_no, text, model, default_max_tokens, tokenizer, max_model_len, check_text)
+
+    return await write_in_order(lines, run_line, write, progress=progress, max_in_flight=max_in_flight,
+                                concurrency=concurrency)
+
+
+async def write_in_order(lines: InputLines, run_line: LineRunner, write: Callable[[dict[str, Any]], Any], *,
+                         progress: bool = True, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                         concurrency: int | None = None) -> tuple[int, int]:
+    """Run (line number, text or the line's error) pairs with run_line; write each record in input order.
+
+    At most max_in_flight lines run or wait to be written, of which at most `concurrency` run
+    (None: all of them). Returns (records written, records with an error). An EngineDeadError
+    ends the job (what was written stays written); every other failure is its line's error record.
+    """
+    from tqdm.auto import tqdm
+
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    limit = asyncio.Semaphore(concurrency) if concurrency is not None else None
+    max_in_flight = max(max_in_flight, concurrency or 0)  # room for `concurrency` requests to run
     bar = tqdm(file=sys.stderr, disable=not progress, desc="Batch requests")
     pending: collections.deque[asyncio.Task] = collections.deque()
     num_written = num_failed = 0
@@ -212,8 +235,10 @@ async def stream_batch(llm: Any, lines: AsyncIterator[tuple[int, str | BatchLine
             return error_record(None, str(text))
         custom_id = custom_id_of(text)
         try:
-            return await _run_line(llm, line_no, text, model, default_max_tokens, tokenizer, max_model_len,
-                                   check_text)
+            if limit is None:
+                return await run_line(line_no, text)
+            async with limit:
+                return await run_line(line_no, text)
         except BatchLineError as error:
             return error_record(custom_id, str(error))
         except Exception as error:  # noqa: BLE001 - one request's failure is its own record
@@ -266,7 +291,8 @@ def _is_engine_dead(error: BaseException) -> bool:
     return any(cls.__name__ == "EngineDeadError" for cls in type(error).__mro__)
 
 
-async def _aiter(items: Any) -> AsyncIterator[Any]:
+async def aiter_items(items: Any) -> AsyncIterator[Any]:
+    """An iterable as an async iterator (run_batch's in-memory lines)."""
     for item in items:
         yield item
 

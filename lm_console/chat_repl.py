@@ -58,7 +58,7 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | 
             except EngineUnavailable as error:
                 stderr.write(f"\nerror: the engine stopped: {error}\n")
                 return 1
-            except ValueError as error:  # the engine refused this message (engine.errors types)
+            except ValueError as error:  # the engine (engine.errors) or the server (RemoteRequestError) refused it
                 stderr.write(f"\nerror: {type(error).__name__}: {error}\n")
                 continue
             stdout.write("\n")

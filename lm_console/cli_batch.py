@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import sys
-from typing import Annotated, BinaryIO, TextIO
+from typing import Annotated, BinaryIO, Optional, TextIO
 
 import typer
 
@@ -14,9 +14,11 @@ from lm_console.batch import DEFAULT_MAX_LINE_BYTES
 from lm_console.engine_options import (
     DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
 )
+from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags, refuse_local_flags
 
 
 def batch(
+    ctx: typer.Context,
     input_file: Annotated[str, typer.Option("--input-file", "-i", help="Input .jsonl ('-' for stdin).")],
     output_file: Annotated[str, typer.Option("--output-file", "-o", help="Output .jsonl ('-' for stdout).")],
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
@@ -25,14 +27,21 @@ def batch(
     max_line_bytes: Annotated[int, typer.Option(
         min=1, help="Longest input line; a longer one becomes an error record, unread.")] = DEFAULT_MAX_LINE_BYTES,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    url: UrlOpt = None, api_key: ApiKeyOpt = None,
+    concurrency: Annotated[Optional[int], typer.Option(
+        min=1, help="Most requests in flight at once (default: 64 with --url; a local engine takes up to "
+                    "512 and schedules them itself).")] = None,
 ) -> None:
     """Run an OpenAI batch file (/v1/chat/completions, /v1/completions) like `vllm run-batch`.
 
     The input is streamed and each record is written (in input order) as soon as it is done,
-    so memory stays bounded and a failed job keeps the records it finished.
+    so memory stays bounded and a failed job keeps the records it finished. With --url the
+    lines go to a running server's /v1 endpoints instead of an engine of this command's own.
     """
     from lm_console.batch import read_input_lines, stream_batch
 
+    check_remote_flags(url, model)
+    refuse_local_flags(ctx, url)
     source = _open_input(input_file)
     target = _open_output(output_file, input_file)
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)
@@ -42,19 +51,26 @@ def batch(
         target.flush()
 
     async def main() -> tuple[int, int]:
+        lines = read_input_lines(source, max_line_bytes)
+        if url is not None:
+            from lm_console.batch_remote import DEFAULT_CONCURRENCY, stream_batch_remote
+
+            return await stream_batch_remote(url, lines, write, api_key, max_tokens,
+                                             concurrency or DEFAULT_CONCURRENCY, progress)
         from engine.frontend.async_llm import AsyncLLM
 
         llm = AsyncLLM(model, **args)
         try:
-            return await stream_batch(llm, read_input_lines(source, max_line_bytes),
-                                      write, model or "SmolLM2-135M-Instruct", max_tokens, progress)
+            return await stream_batch(llm, lines, write, model or "SmolLM2-135M-Instruct", max_tokens, progress,
+                                      concurrency=concurrency)
         finally:
             llm.shutdown()
 
     try:
         num_written, num_failed = asyncio.run(main())
-    except Exception as error:  # noqa: BLE001 - engine start failures and a dead engine
-        typer.echo(f"error: {type(error).__name__}: {error}", err=True)
+    except Exception as error:  # noqa: BLE001 - engine start failures, a dead engine, an unusable server
+        hint = getattr(error, "hint", "")  # EngineUnavailable says what to do
+        typer.echo(f"error: {type(error).__name__}: {error}" + (f"\n{hint}" if hint else ""), err=True)
         raise typer.Exit(2) from None
     finally:
         if target is not sys.stdout:

@@ -11,6 +11,7 @@ from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
     NumThreadsOpt, PrefixCachingOpt, engine_args,
 )
+from lm_console.remote_options import ApiKeyOpt, UrlOpt, refuse_local_flags
 
 bench_app = typer.Typer(help="Benchmarks after `vllm bench`: throughput, serve, prefix.", no_args_is_help=True)
 
@@ -33,10 +34,14 @@ def _finish(run: Callable[[], int]) -> None:
     """Run a benchmark; exit 1 when requests failed, 2 when the engine could not run it."""
     from engine.errors import EngineError
 
+    from lm_console.bench.launcher import ServeLaunchError
+    from lm_console.client.types import EngineUnavailable
+
     try:
         num_failed = run()
-    except (EngineError, ValueError) as error:
-        typer.echo(f"error: {type(error).__name__}: {error}", err=True)
+    except (EngineError, ValueError, EngineUnavailable, ServeLaunchError) as error:
+        hint = getattr(error, "hint", "")
+        typer.echo(f"error: {type(error).__name__}: {error}" + (f"\n{hint}" if hint else ""), err=True)
         raise typer.Exit(2) from error
     if num_failed:
         typer.echo(f"error: {num_failed} request(s) failed", err=True)
@@ -77,6 +82,7 @@ def throughput(
 
 @bench_app.command()
 def serve(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
@@ -92,10 +98,19 @@ def serve(
     metric_percentiles: Annotated[str, typer.Option(help="Percentiles to report, e.g. 50,90,99.")] = "99",
     save_result: SaveOpt = None, baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
     hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
+    url: UrlOpt = None, api_key: ApiKeyOpt = None,
+    in_process: Annotated[bool, typer.Option(
+        "--in-process", help="Send the requests straight to AsyncLLM in this process (no HTTP).")] = False,
+    label: Annotated[Optional[str], typer.Option(help="A label saved with the result.")] = None,
 ) -> None:
-    """Online serving through AsyncLLM: TTFT, TPOT, ITL and E2EL under a request rate."""
+    """Online serving: TTFT, TPOT, ITL and E2EL under a request rate, over HTTP like `vllm bench serve`.
+
+    --url measures a running OpenAI-compatible server; without it, `lmc serve` is started on a free
+    port with the engine flags given here; --in-process measures AsyncLLM without HTTP.
+    """
     from lm_console.bench.runner import Workload, bench_serve
 
+    refuse_local_flags(ctx, url, allowed=frozenset({"model"}))  # --model: the name sent in requests
     if burstiness <= 0:
         raise typer.BadParameter("--burstiness must be > 0")
     metrics = [m.strip() for m in percentile_metrics.split(",") if m.strip()]
@@ -108,8 +123,30 @@ def serve(
                        enable_prefix_caching, num_threads)
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     percentiles = [float(p) for p in metric_percentiles.split(",")]
-    _finish(lambda: bench_serve(model, args, workload, hf, save_result, request_rate, burstiness,
-                                max_concurrency, metrics, percentiles, progress))
+    if max_concurrency is not None and max_concurrency < 1:
+        raise typer.BadParameter("--max-concurrency must be >= 1")
+    if in_process:
+        if url is not None:
+            raise typer.BadParameter("--in-process measures this process's engine; --url a server. Pick one.")
+        _finish(lambda: bench_serve(model, args, workload, hf, save_result, request_rate, burstiness,
+                                    max_concurrency, metrics, percentiles, progress))
+        return
+    if hf.kind != "none":
+        raise typer.BadParameter("--baseline hf needs --in-process (the baseline runs the same model locally).")
+    from lm_console.bench.http import bench_serve_http
+
+    def over_http() -> int:
+        if url is not None:
+            return bench_serve_http(url, api_key, model, workload, save_result, request_rate, burstiness,
+                                    max_concurrency, metrics, percentiles, progress, label)
+        from lm_console.bench.launcher import ServeProcess, free_port, serve_command
+
+        port = free_port()
+        with ServeProcess(serve_command(model, port, args), port, api_key) as server_url:
+            return bench_serve_http(server_url, api_key, None, workload, save_result, request_rate, burstiness,
+                                    max_concurrency, metrics, percentiles, progress, label)
+
+    _finish(over_http)
 
 
 @bench_app.command()

@@ -16,6 +16,9 @@ from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
     kv_transfer_args,
 )
+from lm_console.remote_options import (
+    ApiKeyOpt, KVEventsEndpointOpt, UrlOpt, check_remote_flags, refuse_local_flags, remote_client,
+)
 
 RateOpt = Annotated[float, typer.Option(help="Load: requests per second (Poisson arrivals).")]
 PromptLenOpt = Annotated[str, typer.Option(help="Load: prompt tokens, min-max.")]
@@ -24,10 +27,14 @@ SharedOpt = Annotated[float, typer.Option(help="Load: share of requests that sta
 PrefixLenOpt = Annotated[int, typer.Option(help="Load: tokens in each shared prefix.")]
 
 
-def make_client(fake: bool, model: str | None, args: dict):  # noqa: ANN201 - ConsoleClient
-    """The fake engine, or AsyncLLM over `model` (the engine is imported when it starts)."""
+def make_client(fake: bool, model: str | None, args: dict, url: str | None = None,  # noqa: ANN201
+                api_key: str | None = None, kv_events_endpoint: str | None = None):
+    """A running server's client (--url), the fake engine, or AsyncLLM over `model` (imported when it starts)."""
     from lm_console.client import AsyncLLMConsoleClient, FakeConsoleClient
 
+    check_remote_flags(url, model, fake, kv_events_endpoint)
+    if url is not None:
+        return remote_client(url, api_key, kv_events_endpoint)
     if fake:
         return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
                                  block_size=args.get("block_size", 16),
@@ -62,6 +69,7 @@ def make_shape(rate: float, prompt_len: str, output_len: str, shared_prefix: flo
 
 
 def tui(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
@@ -72,8 +80,10 @@ def tui(
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
+    url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
 ) -> None:
-    """The operator console: a live dashboard of the engine and a chat (engine core in a child process)."""
+    """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
+    refuse_local_flags(ctx, url)
     from lm_console.tui.app import ConsoleApp
 
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
@@ -81,10 +91,12 @@ def tui(
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
-    run_app(ConsoleApp(make_client(fake, model, args), load=load, shape=shape, log_path=default_log_path()))
+    client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
+    run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))
 
 
 def chat(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, max_num_seqs: MaxNumSeqsOpt = 16, num_threads: NumThreadsOpt = None,
     plain: Annotated[bool, typer.Option("--plain", help="Line-based REPL: stdin lines in, replies on stdout.")] = False,
@@ -97,15 +109,16 @@ def chat(
     image: Annotated[Optional[list[str]], typer.Option(
         "--image", help="Attach an image file to the first message (repeatable; needs a VLM, e.g. "
                         "--model demo-vlm).")] = None,
-    fake: FakeOpt = False,
+    fake: FakeOpt = False, url: UrlOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
+    refuse_local_flags(ctx, url)
     from lm_console.chat_session import DEFAULT_SYSTEM_PROMPT, ChatSession
     from lm_console.client.types import GenParams
 
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
                        num_threads=console_threads(num_threads))
-    client = make_client(fake, model, args)
+    client = make_client(fake, model, args, url, api_key)
     params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
     if plain:
@@ -127,6 +140,7 @@ def chat(
 
 
 def events(
+    ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", num_blocks: NumBlocksOpt = None,
     max_model_len: MaxModelLenOpt = None, num_threads: NumThreadsOpt = None,
     endpoint: Annotated[Optional[str], typer.Option(
@@ -135,11 +149,17 @@ def events(
         help="The PUB's CURVE public key (llm.kv_events_server_key), needed for a tcp endpoint.")] = None,
     count: Annotated[Optional[int], typer.Option(help="Stop after this many events.")] = None,
     duration: Annotated[Optional[float], typer.Option(help="Stop after this many seconds.")] = None,
-    load: Annotated[bool, typer.Option("--load/--no-load", help="Drive the built-in load so blocks move.")] = True,
+    load: Annotated[Optional[bool], typer.Option(
+        "--load/--no-load", help="Drive the built-in load so blocks move (default: on, off with --url).")] = None,
     rate: RateOpt = 4.0, fake: FakeOpt = False,
+    url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
 ) -> None:
     """Print the KV-cache event stream (BlockStored / BlockRemoved / AllBlocksCleared) as JSON lines."""
     from lm_console import events as events_mod
+
+    refuse_local_flags(ctx, url)
+    if server_key is not None and endpoint is None:
+        raise typer.BadParameter("--server-key is the CURVE key of the --endpoint PUB socket; pass --endpoint too.")
 
     try:
         if endpoint:
@@ -154,10 +174,10 @@ def events(
                 raise typer.Exit(2) from None
             return
         args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
-        client = make_client(fake, model, args)
+        client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
         shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
         asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,
-                                                    load=load, shape=shape))
+                                                    load=url is None if load is None else load, shape=shape))
     except (KeyboardInterrupt, BrokenPipeError):
         pass
 

@@ -97,9 +97,10 @@ def serve(
 
     def on_ready(url: str) -> None:
         name = settings.served_model_names[0] if settings.served_model_names else engine.config.model_config.model_name
-        events = f"; KV events on {engine.kv_events_endpoint}" if kv_events_endpoint else ""
-        if kv_events_endpoint and engine.kv_events_server_key:  # tcp: subscribers need the CURVE key
-            events += f" (CURVE server key {engine.kv_events_server_key})"
+        key = engine.kv_events_server_key  # a tcp PUB is a CURVE server: subscribers need its public key
+        events = ""
+        if kv_events_endpoint:
+            events = f"; KV events on {engine.kv_events_endpoint}" + (f" (CURVE server key {key})" if key else "")
         pid = engine.engine_core.ready_info.pid
         typer.echo(f"lmc serve: {name} ready at {url} (OpenAI API under {url}/v1, metrics at {url}/metrics"
                    f"{events}; engine core pid {pid})")

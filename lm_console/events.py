@@ -9,7 +9,7 @@ from typing import TextIO
 
 from lm_console.client.asyncllm import kv_records_of
 from lm_console.client.protocol import ConsoleClient
-from lm_console.client.types import EngineUnavailable, KVEventRecord
+from lm_console.client.types import UNAVAILABLE_KV_EVENTS, EngineUnavailable, KVEventRecord
 from lm_console.load_generator import LoadGenerator, LoadShape
 from lm_console.request_book import RequestBook
 
@@ -22,6 +22,9 @@ async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int 
         info = await client.start()
     except EngineUnavailable as error:
         raise SystemExit(f"error: the engine failed to start: {error}\n{error.hint}") from error
+    if UNAVAILABLE_KV_EVENTS in info.unavailable:  # an attached server that publishes none
+        await client.shutdown()
+        raise SystemExit(f"error: {info.unavailable[UNAVAILABLE_KV_EVENTS]}")
     generator = LoadGenerator(client, RequestBook(), shape or LoadShape(rate=4.0), info.vocab_size)
     if load:
         generator.start()

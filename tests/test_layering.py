@@ -46,6 +46,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "engine.outputs", "engine.ipc", "engine.platform", "engine.kv_cache_interface",
         "engine.kv_cache_hashing", "engine.scheduler_output", "engine.model_runner_output",
         "engine.metrics", "engine.multimodal",
+        # Type-safe admission: the frontend checks a request with the core's own decoder.
+        "engine.admission",
         # Connector configs are parsed by EngineArgs in the frontend, before any process starts.
         "engine.distributed.kv_transfer.config", "engine.distributed.ec_transfer.config",
         # What the worker-side connector reports back inside ModelRunnerOutput.

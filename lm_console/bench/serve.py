@@ -1,7 +1,8 @@
-"""`lmc bench serve`: AsyncLLM under a request rate (Poisson or gamma), like `vllm bench serve`.
+"""`lmc bench serve`: requests at a rate (Poisson or gamma) and vLLM's serving metrics.
 
-The requests go straight to AsyncLLM in this process (its core runs in a child process), so the
-numbers are what a server's engine loop sees, without HTTP.
+run_requests() drives any sender: engine_sender() goes straight to AsyncLLM in this process
+(`--in-process`: what a server's engine loop sees, without HTTP); bench/http.py's sender goes
+over HTTP to an OpenAI-compatible server, as `vllm bench serve` does.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class RequestResult:
     generated_text: str = ""
     success: bool = False
     error: str = ""
+    queue_time: float = 0.0  # waiting for a --max-concurrency slot (vLLM: client_queue_time)
 
 
 async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
@@ -51,11 +53,49 @@ async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
         await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness))))
 
 
+Send = Callable[[int, BenchRequest, RequestResult], Awaitable[None]]
+
+
+def engine_sender(llm: Any) -> Send:
+    """Send one request straight to AsyncLLM.generate (streaming deltas), filling its result."""
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    async def send(index: int, request: BenchRequest, result: RequestResult) -> None:
+        params = SamplingParams(temperature=1.0, top_p=1.0, seed=index, max_tokens=request.output_len,
+                                ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        result.start_time = last = time.perf_counter()
+        async for output in llm.generate({"prompt_token_ids": request.prompt_token_ids}, params,
+                                         request_id=f"bench-{index}"):
+            now = time.perf_counter()
+            completion = output.outputs[0]
+            if completion.token_ids:
+                if not result.token_times:
+                    result.ttft = now - result.start_time
+                else:
+                    result.itl.append(now - last)
+                result.token_times.append(now)
+                last = now
+            result.output_len += len(completion.token_ids)
+            result.generated_text += completion.text
+        result.latency = last - result.start_time
+        result.success = result.output_len > 0
+        if not result.success:
+            result.error = "no tokens generated"
+
+    return send
+
+
 async def run_serve(llm: Any, requests: list[BenchRequest], rate: float, burstiness: float,
                     max_concurrency: int | None, seed: int = 0,
                     progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send every request through llm.generate (streaming deltas); results in input order."""
-    from engine.sampling_params import RequestOutputKind, SamplingParams
+    """Send every request through llm.generate (in this process); results in input order."""
+    return await run_requests(engine_sender(llm), requests, rate, burstiness, max_concurrency, seed, progress)
+
+
+async def run_requests(send: Send, requests: list[BenchRequest], rate: float, burstiness: float,
+                       max_concurrency: int | None, seed: int = 0,
+                       progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send every request with `send` at the arrival rate; results in input order, and the duration."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(requests), file=sys.stderr, disable=not progress, desc="Requests")
@@ -64,31 +104,15 @@ async def run_serve(llm: Any, requests: list[BenchRequest], rate: float, burstin
 
     async def one(index: int, request: BenchRequest) -> None:
         result = results[index]
-        params = SamplingParams(temperature=1.0, top_p=1.0, seed=index, max_tokens=request.output_len,
-                                ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        arrived = time.perf_counter()
         if limit is not None:
             await limit.acquire()
+        result.queue_time = time.perf_counter() - arrived
         try:
-            result.start_time = last = time.perf_counter()
-            async for output in llm.generate({"prompt_token_ids": request.prompt_token_ids}, params,
-                                             request_id=f"bench-{index}"):
-                now = time.perf_counter()
-                completion = output.outputs[0]
-                if completion.token_ids:
-                    if not result.token_times:
-                        result.ttft = now - result.start_time
-                    else:
-                        result.itl.append(now - last)
-                    result.token_times.append(now)
-                    last = now
-                result.output_len += len(completion.token_ids)
-                result.generated_text += completion.text
-            result.latency = last - result.start_time
-            result.success = result.output_len > 0
-            if not result.success:
-                result.error = "no tokens generated"
+            await send(index, request, result)
         except Exception as error:  # noqa: BLE001 - a failed request is counted, not fatal
-            result.error = f"{type(error).__name__}: {error}"
+            result.success = False
+            result.error = result.error or f"{type(error).__name__}: {error}"
         finally:
             if limit is not None:
                 limit.release()
@@ -127,7 +151,8 @@ def serve_metrics(results: list[RequestResult], duration: float, percentile_metr
         "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
         "latencies": [r.latency for r in results], "start_times": [r.start_time for r in results],
         "generated_texts": [r.generated_text for r in results], "errors": [r.error for r in results],
-        "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_concurrency,
+        "queue_times": [r.queue_time for r in results],
+        "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_concurrency, "rtfx": 0.0,
     }
     for name in percentile_metrics:
         data = values[name] or [0.0]

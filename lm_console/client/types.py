@@ -2,15 +2,17 @@
 
 Stats and KV events are the engine's own torch-free types (engine/metrics/stats.py: SchedulerStats,
 engine/metrics/kv_events.py: the event Structs), so a renamed engine field breaks the console's
-tests instead of showing as a zero; the types here only add what is the console's concern.
+tests instead of showing as a zero; the types here only add what is the console's concern
+(StatsSnapshot: a SchedulerStats that is not one engine step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.metrics.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
+from engine.metrics.stats import SchedulerStats
 
 
 class EngineUnavailable(Exception):
@@ -37,6 +39,28 @@ class EngineInfo:
     vocab_size: int = 32000
     multimodal: bool = False
     notice: str | None = None  # shown beside the model name (e.g. the demo VLM's caveat)
+    url: str | None = None  # the server the console is attached to (lmc tui --url)
+    # Panels whose data this engine does not publish -> what the panel says instead of zeros.
+    # Keys: UNAVAILABLE_* below.
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+# Keys of EngineInfo.unavailable: the panels a remote server may have no source for.
+UNAVAILABLE_BLOCK_MAP = "block_map"
+UNAVAILABLE_STEPS = "steps"  # per-step scheduler stats: token budget, tokens/step, step time
+UNAVAILABLE_KV_EVENTS = "kv_events"
+UNAVAILABLE_REQUESTS = "requests"  # the server's own request table
+
+
+class StatsSnapshot(SchedulerStats):
+    """A SchedulerStats that is not one engine step: the gauges at one moment.
+
+    An attached lm-console server sends one on connect and about once a second while its engine
+    is idle (the stream's `snapshot` event: block map, zero per-step counters); a vLLM server's
+    /metrics poll becomes one (its counters as deltas since the previous poll). Its counters
+    still count towards the rates; it does not count as a step (steps/s, tokens per step).
+    Console-side: the engine never sends this type.
+    """
 
 
 @dataclass(slots=True)

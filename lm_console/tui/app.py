@@ -21,6 +21,7 @@ from lm_console.client.protocol import ConsoleClient
 from lm_console.client.types import EngineInfo, EngineUnavailable
 from lm_console.load_generator import LoadGenerator, LoadShape
 from lm_console.request_book import RequestBook
+from lm_console.server_requests import ServerRequests
 from lm_console.tui.screens.engine_dead import EngineDeadScreen
 from lm_console.tui.screens.help import HelpScreen
 from lm_console.tui.screens.load_shape import LoadShapeScreen
@@ -78,6 +79,7 @@ class ConsoleApp(App[None]):
         self.dead_error: BaseException | None = None
         self.quitting = False
         self.initial_images: list[str] = []  # `lmc chat --image PATH`: attached once the engine is up
+        self.server_requests: ServerRequests | None = None  # an attached lm-console server's table
 
     # -- layout ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -114,6 +116,8 @@ class ConsoleApp(App[None]):
         self.load = LoadGenerator(self.client, self.book, self.shape, self.info.vocab_size,
                                   seed=self.seed, clock=self.clock)
         if not self.chat_only:
+            self.server_requests = getattr(self.client, "server_requests", None)
+            self.query_one(Dashboard).set_unavailable(self.info.unavailable, self.server_requests is not None)
             endpoint = getattr(self.client, "kv_events_endpoint", None)
             if endpoint:
                 self.query_one(KVEventsPanel).border_subtitle = f"lmc events --endpoint {endpoint}"
@@ -177,7 +181,10 @@ class ConsoleApp(App[None]):
             state = "paused" if self.display_paused and self.engine_state == "serving" else self.engine_state
             self.query_one(EngineStatus).show(self.info, state)
             if not self.chat_only and not self.display_paused:
-                self.query_one(Dashboard).show(view, self.book, self.load, now)
+                self.query_one(Dashboard).show(view, self.book, self.load, now, self.server_requests)
+                dropped = getattr(self.client, "num_dropped_frames", 0)
+                if dropped:  # the server sampled this console's stream: it read too slowly
+                    self.query_one("#scheduler").border_subtitle = f"sampled: {dropped:,} frames dropped"
                 self.query_one(KVEventsPanel).add(self.telemetry.take_events())
             self.query_one(ChatView).flush()
 
@@ -254,7 +261,8 @@ class ConsoleApp(App[None]):
     async def action_quit(self) -> None:
         """Stop the load, shut the engine down cleanly, exit."""
         self.quitting = True
-        self.notify("Shutting down the engine…", timeout=5)
+        attached = self.info is not None and self.info.url
+        self.notify("Detaching from the server…" if attached else "Shutting down the engine…", timeout=5)
         if self.load is not None:
             await self.load.close()
         try:

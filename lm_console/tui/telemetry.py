@@ -3,7 +3,9 @@
 Stream readers only append to deques (`add_stats`, `add_events`); the app's timer calls
 `flush(now)` a few times a second, which folds the backlog into rolling windows and returns
 the view every panel renders from. The stats are the engine's own SchedulerStats; their
-`timestamp` places them in the rolling windows.
+`timestamp` places them in the rolling windows. A StatsSnapshot (an attached server's idle
+snapshot or /metrics poll) adds its counters to the rates but is not an engine step: it does not
+count in steps/s or in the tokens-per-step history.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
 )
-from lm_console.client.types import KVEventRecord
+from lm_console.client.types import KVEventRecord, StatsSnapshot
 from lm_console.request_book import RequestBook, percentile
 
 
@@ -71,7 +73,8 @@ class Telemetry:
         self.pending_stats: deque[SchedulerStats] = deque(maxlen=10_000)
         self.pending_events: deque[KVEventRecord] = deque(maxlen=10_000)
         self.view = DashboardView()
-        self._steps: deque[tuple[float, int, int, int, int]] = deque()  # ts, scheduled, prompt, gen, preempted
+        # ts, scheduled, prompt, gen, preempted, 1 for an engine step (0: a StatsSnapshot)
+        self._steps: deque[tuple[float, int, int, int, int, int]] = deque()
         self._tokens_per_step: deque[float] = deque(maxlen=history)
         self._prompt_hist: deque[float] = deque(maxlen=history)
         self._gen_hist: deque[float] = deque(maxlen=history)
@@ -106,7 +109,7 @@ class Telemetry:
         span = self.window_s
         view.prompt_tps = sum(s[2] for s in self._steps) / span
         view.gen_tps = sum(s[3] for s in self._steps) / span
-        view.steps_per_s = len(self._steps) / span
+        view.steps_per_s = sum(s[5] for s in self._steps) / span
         view.num_preempted_recent = sum(s[4] for s in self._steps)
         if not self._steps:
             view.scheduled_tokens = 0
@@ -127,21 +130,24 @@ class Telemetry:
         return view
 
     def _fold(self, sample: SchedulerStats, view: DashboardView) -> None:
+        is_step = not isinstance(sample, StatsSnapshot)
         view.num_stats += 1
         view.num_running = sample.num_running_reqs
         view.num_waiting = sample.num_waiting_reqs
         view.num_preempted_total = sample.num_preemptions_total  # exact even when samples were dropped
         view.scheduled_tokens = sample.num_scheduled_tokens
         view.token_budget = sample.token_budget or view.token_budget
-        view.step_ms = sample.step_time_s * 1000
+        if is_step:  # a snapshot ran no step: the last step's time stays
+            view.step_ms = sample.step_time_s * 1000
         view.num_steps = sample.num_steps
         view.kv_usage = sample.kv_cache_usage
         view.num_total_blocks = sample.num_total_blocks
         view.num_free_blocks = sample.num_free_blocks
         view.num_used_blocks = max(sample.num_total_blocks - sample.num_free_blocks, 0)
-        self._tokens_per_step.append(float(sample.num_scheduled_tokens))
+        if is_step:
+            self._tokens_per_step.append(float(sample.num_scheduled_tokens))
         self._steps.append((sample.timestamp, sample.num_scheduled_tokens, sample.num_prompt_tokens,
-                            sample.num_generation_tokens, sample.num_preempted_reqs))
+                            sample.num_generation_tokens, sample.num_preempted_reqs, int(is_step)))
         if sample.block_states is not None:
             view.block_states = sample.block_states
             view.block_ref_counts = sample.block_ref_counts

@@ -8,6 +8,8 @@ build and a scalar-only build (-DLMC_SCALAR) are exercised; odd widths hit the m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,3 +173,25 @@ def test_disabled_by_env_falls_back(monkeypatch):
         cpu_ops.load.cache_clear()
     assert cpu_ops.enabled(torch.zeros(1, dtype=torch.bfloat16))
     assert not cpu_ops.enabled(torch.zeros(1))  # float32 always takes the torch path
+
+
+def test_loading_the_c_kernels_keeps_subnormal_floats() -> None:
+    """No library turns on flush-to-zero for the process (GCC's crtfastmath.o does, if linked)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from kernels import cpu_attention, cpu_build, cpu_ops, cpu_sampling\n"
+        "libs = [cpu_build.load_library(m.SOURCE, 'x') for m in (cpu_ops, cpu_sampling)]\n"
+        "libs.append(cpu_build.load_library(cpu_attention.SOURCES, 'x'))\n"
+        "tiny = sys.float_info.min\n"
+        "print(sum(lib is not None for lib in libs), tiny / 4 > 0.0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    assert result.returncode == 0, result.stderr
+    num_loaded, subnormals = result.stdout.split()
+    if num_loaded == "0":
+        pytest.skip("no C compiler: the kernels are not built here")
+    assert subnormals == "True"  # a subnormal result survives after every library loaded

@@ -116,3 +116,25 @@ def test_a_dead_engine_ends_the_job_but_keeps_the_written_records(fake_async_llm
         asyncio.run(asyncio.wait_for(stream_batch(llm, lines(), written.append, "m", progress=False,
                                                   max_in_flight=1), 30))
     assert [r["custom_id"] for r in written] == ["ok", "bad"]
+
+
+def test_write_in_order_caps_the_requests_running_at_once() -> None:
+    from lm_console.batch import aiter_items, write_in_order
+
+    running, peak, written = 0, 0, []
+
+    async def run_line(line_no: int, text: str) -> dict:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01 * (line_no % 3))  # later lines may finish first
+        running -= 1
+        return {"custom_id": text, "error": None}
+
+    lines = [(i, f"r{i}") for i in range(1, 10)] + [(10, BatchLineError("line 10 is not valid UTF-8"))]
+    counts = asyncio.run(write_in_order(aiter_items(lines), run_line, written.append, progress=False,
+                                        max_in_flight=4, concurrency=3))
+    assert counts == (10, 1) and peak == 3
+    assert [r["custom_id"] for r in written] == [f"r{i}" for i in range(1, 10)] + [None]
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        asyncio.run(write_in_order(aiter_items([]), run_line, written.append, progress=False, concurrency=0))

@@ -87,7 +87,7 @@ def test_batch_round_trip(tmp_path: Path, fake_async_llm) -> None:  # noqa: ANN0
 
 def test_bench_serve_summary_and_json(tmp_path: Path, fake_async_llm) -> None:  # noqa: ANN001
     out = tmp_path / "serve.json"
-    result = runner.invoke(app, ["bench", "serve", "--num-prompts", "6", "--random-input-len", "16",
+    result = runner.invoke(app, ["bench", "serve", "--in-process", "--num-prompts", "6", "--random-input-len", "16",
                                  "--random-output-len", "4", "--request-rate", "50", "--burstiness", "0.5",
                                  "--max-concurrency", "3", "--metric-percentiles", "50,99",
                                  "--save-result", str(out), "--no-progress"])
@@ -111,7 +111,7 @@ def test_bench_serve_exits_non_zero_on_failures(tmp_path: Path, fake_async_llm, 
         yield  # pragma: no cover
 
     monkeypatch.setattr(fake_async_llm, "generate", broken)
-    result = runner.invoke(app, ["bench", "serve", "--num-prompts", "3", "--random-input-len", "8",
+    result = runner.invoke(app, ["bench", "serve", "--in-process", "--num-prompts", "3", "--random-input-len", "8",
                                  "--random-output-len", "2", "--no-progress"])
     assert result.exit_code == 1 and "3 request(s) failed" in result.stderr
 

@@ -29,6 +29,22 @@ def test_rates_and_block_counts() -> None:
     assert telemetry.flush(110.0).steps_per_s == 0.0  # the window emptied
 
 
+def test_a_snapshot_counts_its_tokens_but_is_not_a_step() -> None:
+    from lm_console.client.types import StatsSnapshot
+
+    telemetry = Telemetry(RequestBook(), window_s=2.0)
+    for i in range(4):  # 4 engine steps, then 2 snapshots (an idle server, a /metrics poll)
+        telemetry.add_stats(SchedulerStats(timestamp=100.0 + i * 0.1, num_scheduled_tokens=32, num_prompt_tokens=30,
+                                           num_generation_tokens=2, step_time_s=0.02, num_steps=i + 1))
+    telemetry.add_stats(StatsSnapshot(timestamp=100.5, num_running_reqs=3, num_steps=4))
+    telemetry.add_stats(StatsSnapshot(timestamp=100.6, num_prompt_tokens=100, num_generation_tokens=40))
+    view = telemetry.flush(101.0)
+    assert view.steps_per_s == 2.0  # 4 steps in 2 s; the snapshots are not steps
+    assert view.tokens_per_step == [32.0] * 4 and view.step_ms == 20.0  # the last step's, not a snapshot's 0
+    assert view.prompt_tps == (4 * 30 + 100) / 2 and view.gen_tps == (4 * 2 + 40) / 2  # a poll's deltas count
+    assert view.num_stats == 6 and view.num_running == 0  # the newest sample's gauges
+
+
 def test_request_book_states_and_latency() -> None:
     book = RequestBook(linger_s=5.0)
     book.submit("a", "load", 10.0, 32)

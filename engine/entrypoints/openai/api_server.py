@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: build_app(engine, settings) -> FastAPI, and run_server.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize (all behind require_api_key), and the open GET /health, /version, /metrics.
+POST /detokenize, the console stream's /lmc/v1/... (engine/entrypoints/console_stream.py; all
+behind require_api_key), and the open GET /health, /version, /metrics.
 ServerGate (gate.py) answers 413 / 503 before a route runs; the routes parse their own bodies
 (422 for not-JSON, 400 naming the field), and every exception becomes an OpenAI-shaped error.
 A watchdog task marks the server dead within 0.1 s of the engine core's death; lifecycle.py
@@ -24,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from engine.entrypoints.console_protocol import STREAM_PATH
+from engine.entrypoints.console_stream import build_console_router
 from engine.entrypoints.openai import errors
 from engine.entrypoints.openai.auth import require_api_key
 from engine.entrypoints.openai.errors import OpenAIError
@@ -97,6 +100,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     ctx.on_aborted = stat_logger.record_aborted
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
     tokenization = OpenAIServingTokenization(ctx)
+    console = build_console_router(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -105,6 +109,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             watchdog.cancel()
+            console.console_hub.close()  # type: ignore[attr-defined]
             await ctx.media.aclose()
 
     app = FastAPI(title="lm-console OpenAI-compatible server", version=_version(), lifespan=lifespan)
@@ -113,6 +118,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.ctx = ctx
     app.state.engine = engine
     app.state.stat_logger = stat_logger
+    app.state.console_hub = console.console_hub  # type: ignore[attr-defined]  # closed when the server stops
     app.state.on_engine_dead = None  # set by ApiServer: stops the server after dead_exit_delay_s
     _install_error_handlers(app)
 
@@ -165,7 +171,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         return Response(result.model_dump_json(), media_type="application/json")
 
     app.include_router(api)
-    app.add_middleware(ServerGate, state=state, max_body=settings.max_request_body)
+    app.include_router(console, dependencies=[Depends(require_api_key)])
+    # A console stream holds no engine request: a drain does not wait for it (the server closes
+    # the console hub when it stops, which ends the streams).
+    app.add_middleware(ServerGate, state=state, max_body=settings.max_request_body, uncounted=frozenset({STREAM_PATH}))
     return app
 
 

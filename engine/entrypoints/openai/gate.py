@@ -5,7 +5,8 @@ ServerGate is a plain ASGI middleware (not BaseHTTPMiddleware, which would buffe
   (/metrics and /version stay open; /health says 503 too);
 - a body over max_request_body gets 413 before it is read into memory: a Content-Length over
   the limit is refused unread, and a chunked body is refused as soon as it passes the limit;
-- it counts requests in flight, which the drain waits for.
+- it counts requests in flight, which the drain waits for (not the `uncounted` paths: long-lived
+  streams that hold no engine request, such as the console stream).
 The body (at most the limit) is handed to the app in one message; later receive() calls reach
 the server again, so the app still hears a client's disconnect.
 """
@@ -79,10 +80,11 @@ class ServerState:
 class ServerGate:
     """ASGI middleware: refuse when down, cap the body, count requests in flight."""
 
-    def __init__(self, app: Any, state: ServerState, max_body: int) -> None:
+    def __init__(self, app: Any, state: ServerState, max_body: int, uncounted: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.state = state
         self.max_body = max_body
+        self.uncounted = uncounted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,6 +119,9 @@ class ServerGate:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
+        if scope["path"] in self.uncounted:
+            await self.app(scope, replay, send)
+            return
         self.state.enter()
         try:
             await self.app(scope, replay, send)

@@ -3,7 +3,8 @@
 - Start-up: on_ready(url) runs once uvicorn listens (the engine was ready before the app).
 - Drain (first signal, or drain() from the owner): new requests get 503 (ServerGate), requests
   in flight get shutdown_timeout_s, then whatever still runs is aborted (streams end with
-  finish_reason "abort"); then uvicorn stops. Exit code 0. A second signal aborts at once.
+  finish_reason "abort"); then the console streams are closed and uvicorn stops. Exit code 0.
+  A second signal aborts at once. Attached consoles watch the drain until the server stops.
 - Engine death (the app's watchdog calls on_engine_dead): 503 for dead_exit_delay_s so probes
   see it, then uvicorn stops. Exit code 1, so that a supervisor restarts the server.
 The caller owns the engine and shuts it down after run() returns.
@@ -98,7 +99,7 @@ class ApiServer:
         """Refuse new requests, give the ones in flight their grace period, then stop."""
         self.state.draining = True
         if await self.state.wait_idle(self.settings.shutdown_timeout_s):
-            self.server.should_exit = True
+            self.stop()
             return
         logger.warning("Shutdown timeout: aborting %d request(s).", len(self.state.request_ids))
         await self.abort_all_and_stop()
@@ -111,6 +112,13 @@ class ApiServer:
             with contextlib.suppress(Exception):
                 await engine.abort(request_ids)
         await self.state.wait_idle(ABORT_GRACE_S)
+        self.stop()
+
+    def stop(self) -> None:
+        """End the console streams (they would hold uvicorn's graceful shutdown open), stop uvicorn."""
+        hub = getattr(self.app.state, "console_hub", None)
+        if hub is not None:
+            hub.close()
         self.server.should_exit = True
 
     def on_engine_dead(self) -> None:
@@ -119,7 +127,7 @@ class ApiServer:
 
     async def _exit_after_death(self) -> None:
         await asyncio.sleep(self.settings.dead_exit_delay_s)
-        self.server.should_exit = True
+        self.stop()
 
     def request_drain(self) -> None:
         """Start a drain from any thread (what a signal does)."""

@@ -18,10 +18,15 @@ class BlockPoolPanel(Vertical):
         yield BlockMap(id="block-map")
         yield Static(legend_text(), id="block-legend")
 
+    note: str | None = None  # set when the engine publishes no block map (a /metrics-only server)
+
     def on_mount(self) -> None:
         self.border_title = "KV block pool"
 
     def show(self, view: DashboardView) -> None:
+        if self.note:
+            self._show_without_map(view)
+            return
         block_map = self.query_one(BlockMap)
         block_map.set_blocks(view.block_states, view.block_ref_counts)
         cached = "?" if view.num_cached_blocks is None else fmt_count(view.num_cached_blocks)
@@ -37,3 +42,13 @@ class BlockPoolPanel(Vertical):
             self.border_subtitle = "waiting for the first block map"
         else:
             self.border_subtitle = f"all {fmt_count(total)} blocks"
+
+    def _show_without_map(self, view: DashboardView) -> None:
+        """Usage from the gauges alone; the map area says why there is no map."""
+        total = f" of {fmt_count(view.num_total_blocks)}" if view.num_total_blocks else ""
+        self.border_title = f"KV block pool ─ usage {view.kv_usage * 100:.0f}%{total}"
+        self.border_subtitle = self.note
+        legend = self.query_one("#block-legend", Static)
+        if not getattr(legend, "showing_note", False):
+            legend.update(f"[#7f848e]{self.note}[/]")
+            legend.showing_note = True  # type: ignore[attr-defined]

@@ -5,8 +5,12 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 
+from lm_console.client.types import (
+    UNAVAILABLE_BLOCK_MAP, UNAVAILABLE_KV_EVENTS, UNAVAILABLE_REQUESTS, UNAVAILABLE_STEPS,
+)
 from lm_console.load_generator import LoadGenerator
 from lm_console.request_book import RequestBook
+from lm_console.server_requests import ServerRequests
 from lm_console.tui.telemetry import DashboardView
 from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
 from lm_console.tui.widgets.encoder_cache_panel import EncoderCachePanel
@@ -40,8 +44,23 @@ class Dashboard(Vertical):
             yield RequestTable(id="requests")
             yield KVEventsPanel(id="kv-events")
 
-    def show(self, view: DashboardView, book: RequestBook, load: LoadGenerator | None, now: float) -> None:
-        """Render one tick (the caller wraps this in batch_update)."""
+    def set_unavailable(self, unavailable: dict[str, str], server_requests: bool = False) -> None:
+        """Panels without a source (EngineInfo.unavailable) say so instead of showing zeros."""
+        self.query_one(BlockPoolPanel).note = unavailable.get(UNAVAILABLE_BLOCK_MAP)
+        self.query_one(SchedulerPanel).note = unavailable.get(UNAVAILABLE_STEPS)
+        events = self.query_one(KVEventsPanel)
+        events.note = unavailable.get(UNAVAILABLE_KV_EVENTS)
+        events.update_title()
+        table = self.query_one(RequestTable)
+        if server_requests:
+            table.title = "Requests on the server"
+        elif UNAVAILABLE_REQUESTS in unavailable:
+            table.title = "Requests of this console"
+            table.tooltip = unavailable[UNAVAILABLE_REQUESTS]
+
+    def show(self, view: DashboardView, book: RequestBook, load: LoadGenerator | None, now: float,
+             requests: ServerRequests | None = None) -> None:
+        """Render one tick (the caller wraps this in batch_update); `requests`: the server's table."""
         self.query_one(SchedulerPanel).show(view)
         self.query_one(ThroughputPanel).show(view)
         self.query_one(BlockPoolPanel).show(view)
@@ -50,4 +69,7 @@ class Dashboard(Vertical):
         self.query_one(LatencyPanel).show(view)
         self.query_one(EncoderCachePanel).show(view.encoder_cache)
         self.query_one(LoadPanel).show(load)
-        self.query_one(RequestTable).show(book.rows(now), now, len(book.active))
+        if requests is not None:
+            self.query_one(RequestTable).show(requests.rows(now), now, requests.num_requests)
+        else:
+            self.query_one(RequestTable).show(book.rows(now), now, len(book.active))

@@ -15,6 +15,9 @@ class EngineStatus(Static):
     """A one-line header: what is loaded and whether it is alive."""
 
     def show(self, info: EngineInfo | None, state: str) -> None:
+        if info is not None and info.url and state != "starting":
+            self.update(f"{_remote_header(info)}    engine {STATES.get(state, state)}")
+            return
         if info is None or not info.num_blocks:
             model = info.model if info is not None else "engine"
             left = f"[b]lm-console[/]  {model} · loading"
@@ -24,3 +27,15 @@ class EngineStatus(Static):
                     f"block {info.block_size} · {fmt_count(info.num_blocks)} blocks · "
                     f"budget {fmt_count(info.max_num_batched_tokens)} tok · {info.max_num_seqs} seqs")
         self.update(f"{left}    engine {STATES.get(state, state)}")
+
+
+def _remote_header(info: EngineInfo) -> str:
+    """An attached server: its URL, and only the facts it published (a vLLM server publishes few)."""
+    facts = [f"{info.model} @ {info.url}"]
+    facts += [fact for fact in (info.device, info.dtype) if fact and fact != "?"]
+    facts.append(f"block {info.block_size}")
+    if info.num_blocks:
+        facts.append(f"{fmt_count(info.num_blocks)} blocks")
+    if info.max_num_batched_tokens:
+        facts.append(f"budget {fmt_count(info.max_num_batched_tokens)} tok · {info.max_num_seqs} seqs")
+    return "[b]lm-console[/]  " + " · ".join(facts)

@@ -26,8 +26,11 @@ class KVEventsPanel(Vertical):
         log.add(events)
         self.update_title()
 
+    note: str | None = None  # set when the engine publishes no KV events
+
     def update_title(self) -> None:
-        self.border_title = f"KV events ─ {self.query_one(KVEventLog).status()}"
+        status = self.note if self.note else self.query_one(KVEventLog).status()
+        self.border_title = f"KV events ─ {status}"
 
     def toggle_pause(self) -> bool:
         log = self.query_one(KVEventLog)

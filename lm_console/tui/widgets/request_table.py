@@ -23,6 +23,8 @@ class RequestTable(DataTable):
         for name, width in zip(COLUMNS, WIDTHS):
             self.add_column(name, key=name, width=width)
 
+    title = "Requests"  # "Requests on the server" when attached to an lm-console server
+
     def show(self, rows: list[TrackedRequest], now: float, num_active: int) -> None:
         order = [r.request_id for r in rows]
         if order != [key.value for key in self.rows]:
@@ -33,7 +35,7 @@ class RequestTable(DataTable):
             for request in rows:
                 for column, value in zip(COLUMNS[1:], self._cells(request, now)[1:]):
                     self.update_cell(request.request_id, column, value)
-        self.border_title = f"Requests ─ {num_active} in flight"
+        self.border_title = f"{self.title} ─ {num_active} in flight"
 
     @staticmethod
     def _cells(request: TrackedRequest, now: float) -> tuple[str, ...]:

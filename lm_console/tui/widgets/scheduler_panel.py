@@ -11,11 +11,18 @@ from lm_console.tui.telemetry import DashboardView
 class SchedulerPanel(Static):
     """The scheduler's queues and how full each step's token budget is."""
 
+    note: str | None = None  # set when the engine publishes no per-step stats (a /metrics-only server)
+
     def on_mount(self) -> None:
         self.border_title = "Scheduler"
 
     def show(self, view: DashboardView) -> None:
         width = max(self.content_size.width, 20)
+        if self.note:
+            preempted = f"preempted [b]{view.num_preempted_total}[/b]"
+            self.update(f"running [b]{view.num_running}[/b]  waiting [b]{view.num_waiting}[/b]  {preempted}\n"
+                        f"[#7f848e]{self.note}[/]")
+            return
         budget = view.token_budget or 1
         label = f"{fmt_count(view.scheduled_tokens)}/{fmt_count(view.token_budget)}"
         bar_width = max(width - len(label) - 10, 4)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from openai_server_helpers import ServeProcess, assert_openai_error
+from openai_server_helpers import ServeProcess, ThreadServer, assert_openai_error
 
 SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "1024", "--num-blocks", "1024", "--num-threads", "1")
 
@@ -129,3 +129,29 @@ def test_engine_core_sigkill_ends_streams_with_an_error_and_exits_non_zero(tiny_
     finally:
         server.kill()
     assert code == 1, server.output[-3000:]
+
+
+def test_a_drain_does_not_wait_for_an_attached_console(tiny_llama_dir) -> None:
+    """A console stream holds no engine request: the drain ignores it and then ends it."""
+    from engine.entrypoints.openai.settings import ServerSettings
+
+    # A drain that waited for the console would sit out this timeout instead of exiting at once.
+    settings = ServerSettings(shutdown_timeout_s=600.0)
+    server = ThreadServer(str(tiny_llama_dir), settings, dtype="float32", max_model_len=256,
+                          num_gpu_blocks_override=64, stat_loggers=[])
+    try:
+        lines: list[str] = []
+        with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=120)) as http, \
+                http.stream("GET", "/lmc/v1/stream", params={"topics": "stats"}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if line == "event: hello" and len(lines) == 1:
+                    # Attached, and not counted as a request in flight.
+                    assert server.app.state.server_state.num_inflight == 0
+                    server.server.request_drain()
+    finally:
+        server.stop()
+    assert server.exit_code == 0
+    assert lines[0] == "event: hello" and ": the server is shutting down" in lines  # ended by the server
+
