@@ -14,6 +14,7 @@ from lm_console.batch import DEFAULT_MAX_LINE_BYTES
 from lm_console.engine_options import (
     DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
 )
+from lm_console.extras import require
 
 
 def batch(
@@ -31,6 +32,7 @@ def batch(
     The input is streamed and each record is written (in input order) as soon as it is done,
     so memory stays bounded and a failed job keeps the records it finished.
     """
+    require("lmc batch", "engine")
     from lm_console.batch import read_input_lines, stream_batch
 
     source = _open_input(input_file)

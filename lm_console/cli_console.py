@@ -12,6 +12,7 @@ from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, FakeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, console_threads, engine_args, parse_range,
 )
+from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
     kv_transfer_args,
@@ -24,7 +25,7 @@ SharedOpt = Annotated[float, typer.Option(help="Load: share of requests that sta
 PrefixLenOpt = Annotated[int, typer.Option(help="Load: tokens in each shared prefix.")]
 
 
-def make_client(fake: bool, model: str | None, args: dict):  # noqa: ANN201 - ConsoleClient
+def make_client(fake: bool, model: str | None, args: dict, command: str = "lmc tui"):  # noqa: ANN201
     """The fake engine, or AsyncLLM over `model` (the engine is imported when it starts)."""
     from lm_console.client import AsyncLLMConsoleClient, FakeConsoleClient
 
@@ -33,6 +34,7 @@ def make_client(fake: bool, model: str | None, args: dict):  # noqa: ANN201 - Co
                                  block_size=args.get("block_size", 16),
                                  max_num_seqs=min(args.get("max_num_seqs", 16), 32),
                                  max_model_len=args.get("max_model_len"))
+    require(command, "engine")  # here, before the engine would fail inside the app or its process
     return AsyncLLMConsoleClient(model, **args)
 
 
@@ -105,7 +107,7 @@ def chat(
 
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
                        num_threads=console_threads(num_threads))
-    client = make_client(fake, model, args)
+    client = make_client(fake, model, args, "lmc chat")
     params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
     if plain:
@@ -154,7 +156,7 @@ def events(
                 raise typer.Exit(2) from None
             return
         args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
-        client = make_client(fake, model, args)
+        client = make_client(fake, model, args, "lmc events")
         shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
         asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,
                                                     load=load, shape=shape))
