@@ -29,7 +29,7 @@ def _options(
     version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                  help="Print the version and exit."),
 ) -> None:
-    """lm-console: a small vLLM-style inference engine with an operator console."""
+    """Options before the command (`lmc --version`); the app's help text is Typer(help=...)."""
 
 
 models_app = typer.Typer(help="List the known models, or print a model's directory.",
