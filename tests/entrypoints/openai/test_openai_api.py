@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.version import __version__
 from openai_server_helpers import ThreadServer, parse_metrics, read_sse, sample_value
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=512, num_threads=1,
@@ -47,7 +48,7 @@ def test_models_health_version(server, client) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
     with httpx.Client(base_url=server.url) as http:
         assert http.get("/health").status_code == 200
-        assert http.get("/version").json()["version"]
+        assert http.get("/version").json()["version"] == __version__  # the one source `lmc --version` prints
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 512
 
 
