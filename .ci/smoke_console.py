@@ -69,10 +69,12 @@ def main() -> None:
     assert result.exit_code == 0 and result.output.strip() == f"lm-console {__version__}", result.output
     result = runner.invoke(app, ["tui", "--help"])
     assert result.exit_code == 0 and "--fake" in result.output, result.output
-    remote = "lm_console.client.remote"  # `lmc tui --url` and friends, where this build has them
-    if importlib.util.find_spec(remote) is not None:
+    # `lmc tui --url` and friends: the remote console and what it imports while it attaches.
+    for remote in ("lm_console.client.remote", "lm_console.client.vllm_metrics", "lm_console.batch_remote",
+                   "lm_console.bench.http"):
         importlib.import_module(remote)
-        print(f"imported {remote}")
+    result = runner.invoke(app, ["tui", "--url", "http://127.0.0.1:9", "--help"])
+    assert result.exit_code == 0, result.output
     run_tui_headless()
     heavy = [name for name in HEAVY if name in sys.modules]
     if no_torch:

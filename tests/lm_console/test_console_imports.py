@@ -37,9 +37,8 @@ from lm_console.cli import app
 runner = CliRunner()
 version = runner.invoke(app, ['--version'])
 tui_help = runner.invoke(app, ['tui', '--help'])
-remote = importlib.util.find_spec('lm_console.client.remote') is not None
-if remote:
-    import lm_console.client.remote
+import lm_console.client.remote
+remote = True
 heavy = sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules)
 print(json.dumps([version.exit_code, version.output, tui_help.exit_code, '--fake' in tui_help.output, remote, heavy]))
 """
