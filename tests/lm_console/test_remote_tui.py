@@ -104,7 +104,10 @@ def test_the_dashboard_shows_the_servers_own_state(served) -> None:  # noqa: ANN
     assert view.num_used_blocks == state.block_states.count(1) > 0
     assert "running 2" in seen["scheduler"] and "waiting 2" in seen["scheduler"]
     assert seen["table"] == "Requests on the server ─ 4 in flight"
-    assert sorted(seen["rows"].values()) == ["RUNNING", "RUNNING", "WAITING", "WAITING"]
+    # The server's table knows "scheduled at least once" (RUNNING) from its output states: a request
+    # preempted back to the waiting queue still shows RUNNING, so only a lower bound holds exactly.
+    states = list(seen["rows"].values())
+    assert set(states) <= {"RUNNING", "WAITING"} and states.count("RUNNING") >= state.num_running_reqs
     assert set(seen["rows"]) == set(ids)
     assert "/lmc/v1/stream?topics=kv" in seen["events_subtitle"]
 
