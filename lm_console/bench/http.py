@@ -45,13 +45,8 @@ def http_sender(http: httpx.AsyncClient, base_url: str, model: str) -> Send:
                     result.error = error_message(event.data, 500)
                     return
                 if data.get("choices"):
-                    now = time.perf_counter()
-                    if not result.token_times:
-                        result.ttft = now - result.start_time
-                    else:
-                        result.itl.append(now - last)
-                    result.token_times.append(now)
-                    last = now
+                    last = time.perf_counter()
+                    result.record_tokens(last)
                     num_chunks += 1
                     result.generated_text += data["choices"][0].get("text") or ""
                 elif data.get("usage"):

@@ -41,6 +41,14 @@ class RequestResult:
     error: str = ""
     queue_time: float = 0.0  # waiting for a --max-concurrency slot (vLLM: client_queue_time)
 
+    def record_tokens(self, now: float) -> None:
+        """Tokens arrived at `now`: the first sets TTFT, later ones add an inter-token latency."""
+        if not self.token_times:
+            self.ttft = now - self.start_time
+        else:
+            self.itl.append(now - self.token_times[-1])
+        self.token_times.append(now)
+
 
 async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
                    seed: int) -> AsyncIterator[tuple[int, BenchRequest]]:
@@ -69,11 +77,7 @@ def engine_sender(llm: Any) -> Send:
             now = time.perf_counter()
             completion = output.outputs[0]
             if completion.token_ids:
-                if not result.token_times:
-                    result.ttft = now - result.start_time
-                else:
-                    result.itl.append(now - last)
-                result.token_times.append(now)
+                result.record_tokens(now)
                 last = now
             result.output_len += len(completion.token_ids)
             result.generated_text += completion.text
