@@ -122,16 +122,23 @@ def test_events_url_prints_the_servers_kv_events(served) -> None:  # noqa: ANN00
 
     llm, server = served.llm, served.server
     tasks: list[asyncio.Task] = []
+    stop = asyncio.Event()
 
     async def submit() -> None:
-        async def one(i: int) -> None:
-            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
-            async for _ in llm.generate(f"events request {i} about rivers", params, f"events-{i}"):
-                pass
+        # Requests keep coming until the command has printed its events: it subscribes after this
+        # starts, and a fixed batch could finish (its blocks stored) before the subscription.
+        async def keep_generating() -> None:
+            i = 0
+            while not stop.is_set():
+                params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)
+                async for _ in llm.generate(f"events request {i} about rivers", params, f"events-{i}"):
+                    pass
+                i += 1
 
-        tasks.extend(asyncio.get_running_loop().create_task(one(i)) for i in range(2))
+        tasks.append(asyncio.get_running_loop().create_task(keep_generating()))
 
     async def finish() -> None:
+        stop.set()
         await asyncio.gather(*tasks)
 
     refused = CliRunner().invoke(app, ["events", "--url", server.url, "--count", "1"])
