@@ -63,7 +63,8 @@ class EngineArgs:
     # {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}.
     kv_transfer_config: Any = None
     # Parallelism (engine/executor/): one worker for now. "fake" runs no model (FakeExecutor).
-    distributed_executor_backend: str = "uni"  # uni | fake (mp and ray: not supported yet)
+    # uni | fake | mp (one worker process per tensor-parallel rank; tp > 1 with uni switches to mp)
+    distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     # Reliability (issue 18): logprobs per token a request may ask for (vLLM's max_logprobs;
@@ -119,9 +120,12 @@ class EngineArgs:
 
     def create_parallel_config(self) -> ParallelConfig:
         """The ParallelConfig (validated by _verify)."""
+        backend = self.distributed_executor_backend
+        if self.tensor_parallel_size > 1 and backend == "uni":
+            backend = "mp"  # one process cannot hold several ranks (as vLLM switches)
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               data_parallel_size=self.data_parallel_size,
-                              distributed_executor_backend=self.distributed_executor_backend)
+                              distributed_executor_backend=backend)
 
     def create_mm_config(self) -> MultiModalConfig:
         """The resolved MultiModalConfig (validated)."""
@@ -208,15 +212,21 @@ class EngineArgs:
                 f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
-        if self.distributed_executor_backend not in ("uni", "fake"):
-            not_yet = " is not supported yet" if self.distributed_executor_backend in ("mp", "ray") else " is unknown"
+        if self.distributed_executor_backend not in ("uni", "fake", "mp"):
+            not_yet = " is not supported yet" if self.distributed_executor_backend == "ray" else " is unknown"
             raise InvalidEngineArgsError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r}{not_yet}; allowed: uni, fake.")
+                f"distributed_executor_backend={self.distributed_executor_backend!r}{not_yet}; allowed: uni, fake, mp.")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
-            if value != 1:
-                raise InvalidEngineArgsError(
-                    f"{name}={value!r}: only 1 is supported yet (one worker, one engine core).")
+            if not is_int(value) or value < 1:
+                fail(name, "it must be an integer >= 1")
+        if self.data_parallel_size != 1:
+            raise InvalidEngineArgsError(
+                f"data_parallel_size={self.data_parallel_size!r}: only 1 is supported yet (one engine core).")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "fake":
+            raise InvalidEngineArgsError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "
+                "distributed_executor_backend='fake' runs no model.")
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
@@ -327,7 +337,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake
+    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake | mp
 
 
 @dataclass(frozen=True)

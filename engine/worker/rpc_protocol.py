@@ -33,7 +33,8 @@ _model_runner_output_module.KVConnectorOutput = KVConnectorOutput  # type: ignor
 _scheduler_output_module.SamplingParams = SamplingParams  # type: ignore[attr-defined]
 _scheduler_output_module.MultiModalFeatureSpec = MultiModalFeatureSpec  # type: ignore[attr-defined]
 
-ALL_RANKS = -1
+ALL_RANKS = -1  # reply_rank: every rank answers
+NO_REPLY = -2  # reply_rank: no rank answers (execute_model: a failure ends the worker)
 
 
 class RPCCall(msgspec.Struct, array_like=True, gc=False, tag="call"):
@@ -51,7 +52,7 @@ class ExecuteModelCall(msgspec.Struct, array_like=True, gc=False, tag="exec"):
 
     call_id: int
     scheduler_output: SchedulerOutput
-    reply_rank: int = 0
+    reply_rank: int = NO_REPLY
 
 
 class ShutdownCall(msgspec.Struct, array_like=True, gc=False, tag="stop"):

@@ -20,8 +20,16 @@ _CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 class Worker:
     """Sets up the device, loads the model, sizes and allocates the KV cache, runs steps."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:
+        """rank: this worker's tensor-parallel rank (0 is the output rank); local_rank: its device
+        index on this machine; distributed_init_method: torch.distributed's rendezvous address
+        (None: a single worker, no process group)."""
         self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
