@@ -96,6 +96,7 @@ class EngineArgs:
             model_dir, model_name=self.model or "SmolLM2-135M-Instruct",
             tokenizer_dir=self.tokenizer or model_dir, dtype=resolve_dtype(self.dtype, device), seed=self.seed,
             max_model_len=self.max_model_len)
+        _verify_tensor_parallel(model_config, self.tensor_parallel_size)
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
@@ -367,6 +368,16 @@ class EngineConfig:
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, num_blocks=num_blocks))
+
+
+def _verify_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
+    """Tensor parallelism splits the query and KV heads: both must divide by tp_size."""
+    for what, count in (("num_attention_heads", model.num_attention_heads), ("num_key_value_heads", model.num_kv_heads)):
+        if count % tp_size:
+            raise InvalidEngineArgsError(
+                f"tensor_parallel_size={tp_size} does not divide the model's {what}={count}: each rank "
+                f"holds an equal share of the heads; use a tensor_parallel_size that divides "
+                f"{model.num_attention_heads} and {model.num_kv_heads}.")
 
 
 def _physical_memory_bytes() -> int | None:

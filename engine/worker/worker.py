@@ -7,6 +7,7 @@ import os
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.parallel_state import destroy_distributed, init_distributed
 from engine.kv_cache_interface import KVCacheSpec
 from engine.model_runner_output import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
@@ -34,8 +35,12 @@ class Worker:
 
     def init_device(self) -> None:
         device = self.config.device_config
+        tp_size = self.config.parallel_config.tensor_parallel_size
         if device.device == "cpu":
-            torch.set_num_threads(device.num_threads or os.cpu_count() or 1)
+            # The ranks share the cores: each takes its share unless num_threads says otherwise.
+            torch.set_num_threads(device.num_threads or max(1, (os.cpu_count() or 1) // tp_size))
+        init_distributed(tp_size, self.rank, self.distributed_init_method,
+                         "nccl" if device.device == "cuda" else "gloo", self.local_rank)
         torch.manual_seed(self.config.model_config.seed)
         kv_connector = None
         if self.config.kv_transfer_config is not None:
@@ -98,3 +103,5 @@ class Worker:
         """Stop the worker-side KV connector's threads (idempotent)."""
         if self.model_runner is not None:
             self.model_runner.kv_transfer.shutdown()
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            destroy_distributed()
