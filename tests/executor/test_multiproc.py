@@ -227,3 +227,21 @@ def test_executor_rpc_replies_and_non_blocking_sample_tokens(tiny_llama_dir: Pat
     finally:
         executor.shutdown()
     assert not (_shm() - shm_before)
+
+
+def test_embedded_model_heads_refuse_tp2(embedded_model_dir: Path) -> None:
+    # SmolLM2-135M has 9 query heads and 3 KV heads: TP=2 cannot split them, TP=3 can.
+    with pytest.raises(InvalidEngineArgsError, match="tensor_parallel_size=2 does not divide.*=9"):
+        EngineArgs(model=str(embedded_model_dir), tensor_parallel_size=2, device="cpu").create_engine_config()
+
+
+@pytest.mark.slow
+def test_tp3_equals_tp1_on_the_embedded_model(embedded_model_dir: Path) -> None:
+    prompts = _prompts(embedded_model_dir)[:2]
+    llm = LLM(str(embedded_model_dir), tensor_parallel_size=3, **ENGINE_ARGS)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+        assert_no_leaked_blocks(llm)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == _reference(embedded_model_dir, prompts)
