@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # tensor-parallel group module that the models use belongs lower: map it there.)
     ("connectors", ("engine.distributed",)),
     ("models", ("engine.models",)),
-    ("attention", ("engine.attention", "engine.forward_context")),
+    # The tensor-parallel group: the models' parallel layers call its collectives.
+    ("attention", ("engine.attention", "engine.forward_context", "engine.distributed.parallel_state")),
     ("kernels", ("kernels",)),
     # Torch-free types and helpers shared by every layer and process.
     ("shared", (
