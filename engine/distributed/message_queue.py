@@ -41,9 +41,13 @@ _INLINE, _OVERFLOW = 0, 1
 _HEAD = struct.Struct("<BI")  # kind, num_frames
 _LEN = struct.Struct("<Q")
 # Waiting: spin (yielding the core) this long, then sleep a growing share of the wait so an
-# idle reader costs almost no CPU on a shared machine; never more than _MAX_SLEEP_S a nap.
+# idle reader costs almost no CPU on a shared machine: naps of at most _MAX_SLEEP_S, or of
+# _IDLE_SLEEP_S once the wait has lasted _IDLE_AFTER_S (an idle engine; the first step after
+# it starts at most that much later).
 _SPIN_S = 2e-4
 _MAX_SLEEP_S = 1e-3
+_IDLE_AFTER_S = 1.0
+_IDLE_SLEEP_S = 5e-3
 _fence_lock = threading.Lock()
 
 
@@ -267,8 +271,10 @@ def _wait(ready: Callable[[], bool], timeout: float | None, cancel: Callable[[],
             raise ConnectionAbortedError("stopped waiting on the message queue")
         if elapsed < _SPIN_S:
             os.sched_yield()
-        else:
+        elif elapsed < _IDLE_AFTER_S:
             time.sleep(min(elapsed * 0.05, _MAX_SLEEP_S))
+        else:
+            time.sleep(_IDLE_SLEEP_S)
 
 
 _attach_lock = threading.Lock()

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -310,20 +311,30 @@ def _worker_context() -> Any:
 
 @contextlib.contextmanager
 def _children_allowed() -> Iterator[None]:
-    """Let a daemonic engine-core process start workers.
+    """Let a daemonic engine-core process start workers, and keep __main__ out of them.
 
     multiprocessing refuses children to daemonic processes because it cannot reap them when the
     daemon is killed. Our workers reap themselves: each exits when its death pipe to this process
-    closes, which the kernel does whatever way this process ends.
+    closes, which the kernel does whatever way this process ends. And a worker needs nothing from
+    __main__: hiding it keeps a user's script without a `__main__` guard (an in-process engine
+    core, multiprocess=False) from being run again in every worker.
     """
     config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
     daemon = config.get("daemon")
     config["daemon"] = False
+    main = sys.modules.get("__main__")
+    saved = None if main is None else (main.__dict__.pop("__file__", None), getattr(main, "__spec__", None))
+    if main is not None:
+        main.__spec__ = None
     try:
         yield
     finally:
         if daemon is not None:
             config["daemon"] = daemon
+        if main is not None and saved is not None:
+            if saved[0] is not None:
+                main.__file__ = saved[0]
+            main.__spec__ = saved[1]
 
 
 def _free_port() -> int:

@@ -169,14 +169,23 @@ def test_tp2_equals_tp1_on_qwen3_async_and_sigkill_is_engine_dead(qwen3_async, t
 
 
 @pytest.mark.slow
-def test_tp2_equals_tp1_on_gemma3(tiny_gemma3_dir: Path) -> None:
+def test_tp2_equals_tp1_on_gemma3_and_core_sigkill_takes_the_workers(tiny_gemma3_dir: Path) -> None:
     prompts = _prompts(tiny_gemma3_dir)
+    shm_before = _shm()
     llm = LLM(str(tiny_gemma3_dir), tensor_parallel_size=2, **ENGINE_ARGS)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
         assert_no_leaked_blocks(llm)
+        core_pid = llm.engine_core.ready_info.pid
+        tree = _tree(core_pid)
+        assert len(_workers(core_pid)) == 2
+        os.kill(core_pid, signal.SIGKILL)  # the workers' death pipe closes with it
+        with pytest.raises(EngineDeadError):
+            llm.generate("hello", use_tqdm=False)
+        _assert_all_gone(tree)
     finally:
         llm.shutdown()
+    assert not (_shm() - shm_before)
     assert [o.outputs[0].token_ids for o in outputs] == _reference(tiny_gemma3_dir, prompts)
 
 
