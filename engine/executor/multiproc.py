@@ -152,7 +152,7 @@ class MultiprocExecutor(Executor):
             except Exception:  # noqa: BLE001 - the other callbacks still run
                 logger.exception("A failure callback of the MultiprocExecutor raised")
 
-    def _check_alive(self) -> bool:
+    def _is_failed(self) -> bool:
         return self.is_failed
 
     def _dead_error(self) -> EngineDeadError:
@@ -167,13 +167,13 @@ class MultiprocExecutor(Executor):
         if self.is_failed:
             raise self._dead_error()
         try:
-            self.broadcast_mq.enqueue(self.codec.encode(message), cancel=self._check_alive)
+            self.broadcast_mq.enqueue(self.codec.encode(message), cancel=self._is_failed)
         except ConnectionAbortedError:
             raise self._dead_error() from None
 
     def _receive(self, rank: int, timeout: float | None) -> Any:
         try:
-            reply = self.codec.decode_reply(self.response_mqs[rank].dequeue(timeout, cancel=self._check_alive))
+            reply = self.codec.decode_reply(self.response_mqs[rank].dequeue(timeout, cancel=self._is_failed))
         except ConnectionAbortedError:
             raise self._dead_error() from None
         return reply

@@ -150,9 +150,11 @@ class ModelRunner:
                                             self.dtype, self.device)
         self.kv_transfer.register_kv_caches(
             {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)}, num_groups)
-        # Decode graphs read group 0's block table only: hybrid models run eagerly.
+        # Decode graphs read group 0's block table only: hybrid models run eagerly. Tensor-parallel
+        # ranks run eagerly too (their all-reduces are not captured in graphs yet).
         if (self.device.type == "cuda" and self.attention_backend == "triton"
-                and not self.config.device_config.enforce_eager and num_groups == 1):
+                and not self.config.device_config.enforce_eager and num_groups == 1
+                and self.config.parallel_config.tensor_parallel_size == 1):
             max_num_seqs = self.config.scheduler_config.max_num_seqs
             self.cuda_graphs = CudaGraphRunner(self.model, self.buffers, max_num_seqs,
                                                self.block_size, self.max_model_len)
