@@ -17,7 +17,7 @@ from typing import Any
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
 from engine.frontend.input_processor import InputProcessor, PromptType
-from engine.frontend.mp_client import AsyncMPClient
+from engine.frontend.mp_client import make_async_client
 from engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor
@@ -43,7 +43,8 @@ class AsyncLLM:
                  **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         # The tokenizer code imports while the engine core process starts.
-        self.engine_core = AsyncMPClient(self.engine_args, while_starting=preload_tokenizer_modules)
+        # AsyncMPClient, or AsyncDPClient for data_parallel_size > 1 (engine/frontend/dp_client.py).
+        self.engine_core = make_async_client(self.engine_args, while_starting=preload_tokenizer_modules)
         self.config = self.engine_args.create_frontend_config(self.engine_core.ready_info)
         self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)

@@ -80,6 +80,13 @@ class EngineProcess:
 
         while_starting runs in this thread while the core starts (e.g. frontend imports).
         """
+        self.launch()
+        if while_starting is not None:
+            while_starting()
+        return self.wait_for_ready()
+
+    def launch(self) -> None:
+        """Start the core process without waiting for it (several cores start side by side)."""
         context = mp_context()
         death_reader, self.death_writer = context.Pipe(duplex=False)
         proc = context.Process(
@@ -91,11 +98,8 @@ class EngineProcess:
         finally:
             death_reader.close()
         self.proc = proc
-        if while_starting is not None:
-            while_starting()
-        return self._wait_for_ready()
 
-    def _wait_for_ready(self) -> EngineCoreReadyInfo:
+    def wait_for_ready(self) -> EngineCoreReadyInfo:
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         poller.register(self.proc.sentinel, zmq.POLLIN)

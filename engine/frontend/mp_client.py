@@ -99,16 +99,20 @@ class MPClient(EngineCoreClient):
     """Starts the core process, sends inputs, and reads outputs on a background thread."""
 
     def __init__(self, engine_args: EngineArgs, sink: OutputSink, client_index: int = 0,
-                 while_starting: Callable[[], None] | None = None) -> None:
+                 while_starting: Callable[[], None] | None = None, launched: EngineProcess | None = None) -> None:
+        """launched: a core process already started with EngineProcess.launch() (data parallelism)."""
         self.sink = sink
         self.client_index = client_index
         self.encoder = MsgpackEncoder()
         self._call_ids = itertools.count()
-        self.resources = EngineProcess(engine_args)
+        self.resources = launched if launched is not None else EngineProcess(engine_args)
         # From here on the finalizer owns the process; it runs at shutdown(), GC or exit.
         self._finalizer = weakref.finalize(self, self.resources.close, sink)
         try:
-            self.ready_info = self.resources.start(while_starting)
+            if launched is None:
+                self.ready_info = self.resources.start(while_starting)
+            else:
+                self.ready_info = self.resources.wait_for_ready()
         except BaseException:
             self._finalizer()
             raise
@@ -312,6 +316,11 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
 
     while_starting runs while a separate core process starts (not for the in-process core).
     """
+    if engine_args.data_parallel_size > 1:
+        from engine.frontend.dp_client import SyncDPClient
+
+        client: EngineCoreClient = SyncDPClient(engine_args, while_starting=while_starting)
+        return client, engine_args.create_frontend_config(client.ready_info)
     if engine_args.multiprocess:
         client = SyncMPClient(engine_args, while_starting=while_starting)
         return client, engine_args.create_frontend_config(client.ready_info)
@@ -319,4 +328,13 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
     return client, client.engine_core.config  # the core's config, with num_blocks decided
 
 
-__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient", "make_client"]
+def make_async_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None) -> Any:
+    """The client AsyncLLM uses: AsyncMPClient, or AsyncDPClient when data_parallel_size > 1."""
+    if engine_args.data_parallel_size > 1:
+        from engine.frontend.dp_client import AsyncDPClient
+
+        return AsyncDPClient(engine_args, while_starting=while_starting)
+    return AsyncMPClient(engine_args, while_starting=while_starting)
+
+
+__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient", "make_async_client", "make_client"]
