@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 EXECUTOR_BACKENDS: dict[str, str] = {
     "uni": "engine.executor.uniproc:UniProcExecutor",
     "fake": "engine.executor.fake:FakeExecutor",
+    "ray": "engine.executor.ray_executor:RayDistributedExecutor",
 }
 
 

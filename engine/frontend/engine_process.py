@@ -91,7 +91,8 @@ class EngineProcess:
         death_reader, self.death_writer = context.Pipe(duplex=False)
         proc = context.Process(
             target=_run_engine_core, name="EngineCore", daemon=True,
-            args=(self.engine_args, self.addresses, self.core_identity, death_reader))
+            args=(_core_environment(self.engine_args), self.engine_args, self.addresses, self.core_identity,
+                  death_reader))
         try:
             with _main_module_hidden():
                 proc.start()
@@ -191,7 +192,18 @@ def _main_module_hidden() -> Iterator[None]:
             main.__file__ = saved_file
 
 
-def _run_engine_core(*args: Any) -> None:
+def _core_environment(engine_args: EngineArgs) -> dict[str, str]:
+    """Variables the core needs from this process's present environment (a forkserver's is older)."""
+    if engine_args.distributed_executor_backend != "ray":
+        return {}
+    from engine.executor.ray_utils import cluster_address_for_core  # torch-free, ray-free
+
+    address = cluster_address_for_core()
+    return {"RAY_ADDRESS": address} if address else {}
+
+
+def _run_engine_core(environment: dict[str, str], *args: Any) -> None:
+    os.environ.update(environment)
     # A torch-free module holds the process target, so the frontend never imports the core.
     from engine.core.engine_core_proc import run_engine_core
 

@@ -1,0 +1,73 @@
+"""RayDistributedExecutor over a local Ray instance: same greedy outputs as the uniproc executor,
+and a worker actor's death is an EngineDeadError in every caller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.errors import EngineDeadError  # noqa: E402
+from engine.executor.ray_utils import RAY_NAMESPACE  # noqa: E402
+from llm_helpers import random_prompts  # noqa: E402
+
+ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance on loopback for this module; the engine core joins it (RAY_ADDRESS)."""
+    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def test_ray_executor_equals_uniproc_and_a_dead_actor_fails_every_caller(local_ray, tiny_llama_dir) -> None:
+    single = LLM(str(tiny_llama_dir), multiprocess=False, **ARGS)
+    prompts = random_prompts(single.config.model_config.vocab_size, 4, 5, 60, seed=7)
+    expected = _greedy(single, prompts)
+    single.shutdown()
+    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="ray", **ARGS)
+    try:
+        assert _greedy(llm, prompts) == expected
+        assert llm.get_block_pool_state().all_free
+        names = ray.util.list_named_actors()
+        assert len(names) == 1 and names[0].startswith(f"lmc-worker-{llm.engine_core.proc.pid}-dp0-tp0")
+        actor_pid = ray.get(ray.get_actor(names[0]).getpid.remote())
+        errors: list[BaseException] = []
+        caught_at: list[float] = []
+
+        def generate() -> None:
+            try:
+                llm.generate(["long"] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+            except BaseException as error:  # noqa: BLE001
+                caught_at.append(time.monotonic())
+                errors.append(error)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        while llm.get_stats().num_running_reqs == 0:
+            time.sleep(0.01)
+        os.kill(actor_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(10)
+        assert not thread.is_alive() and isinstance(errors[0], EngineDeadError)
+        assert "Ray worker actor died" in str(errors[0]) and caught_at[0] - killed < 2.0
+        with pytest.raises(EngineDeadError):
+            llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert not ray.util.list_named_actors()  # the core's actors went with it
