@@ -17,7 +17,7 @@ from typing import Any
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
 from engine.frontend.input_processor import InputProcessor, PromptType
-from engine.frontend.mp_client import make_async_client
+from engine.frontend.client_factory import make_async_client
 from engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor

@@ -26,7 +26,7 @@ import zmq
 
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, EngineError, EngineUnresponsiveError, fresh_error
-from engine.frontend.core_client import EngineCoreClient, InprocClient
+from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import MsgpackDecoder, MsgpackEncoder
 from engine.metrics.stats import BlockPoolState, SchedulerStats
@@ -310,31 +310,4 @@ def _read_outputs(resources: EngineProcess, sink: OutputSink, liveness_timeout_s
             sink.on_dead(EngineDeadError("The engine was shut down."), unexpected=False)
 
 
-def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
-                ) -> tuple[EngineCoreClient, EngineConfig]:
-    """The client LLM uses (SyncMPClient unless multiprocess=False) and the frontend config.
-
-    while_starting runs while a separate core process starts (not for the in-process core).
-    """
-    if engine_args.data_parallel_size > 1:
-        from engine.frontend.dp_client import SyncDPClient
-
-        client: EngineCoreClient = SyncDPClient(engine_args, while_starting=while_starting)
-        return client, engine_args.create_frontend_config(client.ready_info)
-    if engine_args.multiprocess:
-        client = SyncMPClient(engine_args, while_starting=while_starting)
-        return client, engine_args.create_frontend_config(client.ready_info)
-    client = InprocClient(engine_args.create_engine_config())
-    return client, client.engine_core.config  # the core's config, with num_blocks decided
-
-
-def make_async_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None) -> Any:
-    """The client AsyncLLM uses: AsyncMPClient, or AsyncDPClient when data_parallel_size > 1."""
-    if engine_args.data_parallel_size > 1:
-        from engine.frontend.dp_client import AsyncDPClient
-
-        return AsyncDPClient(engine_args, while_starting=while_starting)
-    return AsyncMPClient(engine_args, while_starting=while_starting)
-
-
-__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient", "make_async_client", "make_client"]
+__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient"]

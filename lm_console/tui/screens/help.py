@@ -15,8 +15,7 @@ KEYS = (
                    ("+ / -", "load rate x1.5 / ÷1.5"), ("s", "shared-prefix share 0 → 25 → 50 → 75 → 100%"),
                    ("L", "shape the load: rate, lengths, shared prefix"),
                    ("space", "pause / resume the KV-event log"), ("/", "filter the KV-event log (substring)"),
-                   ("r", "reset the prefix cache"),
-                   ("c", "next engine core (--data-parallel-size N: its gauges and block map)"))),
+                   ("r", "reset the prefix cache"))),
     ("chat", (("enter", "send"), ("shift+enter, ctrl+j", "new line"), ("escape", "stop the reply"),
               ("ctrl+l", "clear the conversation"))),
 )
