@@ -1,11 +1,11 @@
 """Ray plumbing for RayDistributedExecutor: the cluster connection, the placement group, the worker actor.
 
 Which cluster: the one this process already joined (ray.is_initialized()), else RAY_ADDRESS
-(a `ray start --head` cluster; the frontend hands its own to the engine core, see
-cluster_address_for_core), else a local Ray instance that the executor starts and stops.
+(the frontend hands its own to the engine core, see core_ray_environment), else one that
+`ray start` runs on this machine, else a private local instance that the executor starts and stops.
 Placement: one bundle per rank ({"CPU": 1} on CPU, {"GPU": 1} on CUDA), PACK strategy, so the
 ranks fill one node before spilling to the next. Nothing here imports ray at module level:
-the frontend calls cluster_address_for_core without Ray installed.
+the frontend calls core_ray_environment without Ray installed.
 
 What crosses Ray: the worker methods' arguments and results, serialized by Ray itself (its
 pickle-based object store, over Ray's own channels, not one of the engine's sockets); the
@@ -37,16 +37,26 @@ def import_ray() -> Any:
     return ray
 
 
-def cluster_address_for_core() -> str | None:
-    """The Ray cluster the frontend knows (the one it joined, else $RAY_ADDRESS), for the engine core.
+# Ray's own switch: "0" makes a single-machine instance use 127.0.0.1 instead of the machine's address.
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def core_ray_environment() -> dict[str, str]:
+    """The Ray settings of the frontend that the engine core needs: the cluster it joined (else
+    $RAY_ADDRESS) and Ray's loopback switch.
 
     The core starts from a forkserver that predates a later ray.init or os.environ change in
-    the frontend, so the address is handed on explicitly.
+    the frontend, so they are handed on explicitly.
     """
+    environment = {}
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return ray.get_runtime_context().gcs_address
-    return os.environ.get("RAY_ADDRESS")
+    address = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        environment["RAY_ADDRESS"] = address
+    if _LOOPBACK_SWITCH in os.environ:
+        environment[_LOOPBACK_SWITCH] = os.environ[_LOOPBACK_SWITCH]
+    return environment
 
 
 def connect() -> bool:
@@ -58,8 +68,12 @@ def connect() -> bool:
     if address:
         ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
         return False
-    # A private single-machine instance: nothing else joins it, so it listens on loopback only.
-    ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    try:  # a cluster that `ray start` runs on this machine
+        ray.init(address="auto", namespace=RAY_NAMESPACE, log_to_driver=False)
+        return False
+    except ConnectionError:
+        pass
+    ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
     return True
 
 

@@ -252,8 +252,11 @@ class AsyncLLM:
                     self._stats.publish(outputs.scheduler_stats)
                 if outputs.kv_events is not None:
                     self._kv_events.publish(outputs.kv_events)
+                scheduler_stats = outputs.scheduler_stats
+                if scheduler_stats is not None and loggers and self.engine_args.data_parallel_size > 1:
+                    scheduler_stats = client.engine_wide_stats(scheduler_stats)  # the loggers see one engine
                 for stat_logger in loggers:
-                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
+                    stat_logger.record(scheduler_stats, iteration_stats)
         except EngineDeadError as error:
             processor.propagate_error(error)
             end = error if client.errored else None

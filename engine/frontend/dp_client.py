@@ -67,8 +67,9 @@ class _CoreGroup:
             if self.stopping:
                 return
             self.stopping = True
-        if unexpected:
-            error = EngineDeadError(f"Data-parallel engine core {sink.rank} died: {error}")
+        if unexpected:  # same type (EngineUnresponsiveError stays one), naming the core
+            error_type = type(error) if isinstance(error, EngineDeadError) else EngineDeadError
+            error = error_type(f"Data-parallel engine core {sink.rank}: {error}")
         self.shared.on_dead(error, unexpected)  # type: ignore[arg-type]
         for other in self.sinks:
             if other is not sink:
@@ -138,6 +139,7 @@ class DPClient(EngineCoreClient):
             for resources in launched:  # a core that failed closed itself; close() is idempotent
                 resources.close()
             raise
+        self._latest_stats: dict[int, SchedulerStats] = {}
         self.ready_info = self.cores[0].ready_info
         self.ready_infos = [core.ready_info for core in self.cores]
 
@@ -179,6 +181,16 @@ class DPClient(EngineCoreClient):
         futures = self.call_utility_futures(method, *args)
         results = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
         return merge_results(method, list(results))
+
+    def engine_wide_stats(self, stats: SchedulerStats) -> SchedulerStats:
+        """One core's step stats as the whole engine's, for stat loggers (gauges and totals over
+        every core's latest; this step's own counters as they are)."""
+        self._latest_stats[stats.engine_index] = stats
+        merged = merge_stats(list(self._latest_stats.values()))
+        for name in ("num_preempted_reqs", "num_scheduled_tokens", "prefix_cache", "step_time_s",
+                     "num_prompt_tokens", "num_generation_tokens", "timestamp", "kv_tiers", "encoder_cache"):
+            setattr(merged, name, getattr(stats, name))
+        return merged
 
     def get_stats_per_core(self) -> list[SchedulerStats]:
         return self.call_utility_per_core("get_stats")

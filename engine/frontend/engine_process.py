@@ -194,12 +194,18 @@ def _main_module_hidden() -> Iterator[None]:
 
 def _core_environment(engine_args: EngineArgs) -> dict[str, str]:
     """Variables the core needs from this process's present environment (a forkserver's is older)."""
-    if engine_args.distributed_executor_backend != "ray":
-        return {}
-    from engine.executor.ray_utils import cluster_address_for_core  # torch-free, ray-free
+    environment: dict[str, str] = {}
+    if engine_args.data_parallel_size > 1:
+        # Data parallelism over several GPUs: core i gets the i-th of CUDA_VISIBLE_DEVICES (with
+        # fewer listed, the cores share them and gpu_memory_utilization must leave room for all).
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if len(visible) >= engine_args.data_parallel_size:
+            environment["CUDA_VISIBLE_DEVICES"] = visible[engine_args.data_parallel_rank]
+    if engine_args.distributed_executor_backend == "ray":
+        from engine.executor.ray_utils import core_ray_environment  # torch-free, ray-free
 
-    address = cluster_address_for_core()
-    return {"RAY_ADDRESS": address} if address else {}
+        environment.update(core_ray_environment())
+    return environment
 
 
 def _run_engine_core(environment: dict[str, str], *args: Any) -> None:

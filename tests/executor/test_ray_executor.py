@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+# Set before Ray loads: a single-machine instance on 127.0.0.1 (Ray otherwise uses the machine's address).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -23,8 +25,8 @@ ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, devi
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray instance on loopback for this module; the engine core joins it (RAY_ADDRESS)."""
-    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     yield ray
     ray.shutdown()
 

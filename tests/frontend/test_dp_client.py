@@ -14,6 +14,8 @@ from engine import LLM, SamplingParams
 from engine.errors import EngineDeadError, InvalidEngineArgsError
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.dp_client import SyncDPClient
+from engine.metrics.loggers import StatLoggerBase
+from engine.metrics.stats import SchedulerStats
 from llm_helpers import random_prompts, text_prompts
 
 TINY_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=96, block_size=16)
@@ -101,10 +103,25 @@ def test_killing_one_core_fails_every_caller_within_2s_and_stops_the_other(tiny_
             os.kill(pid, 0)
 
 
+class _Recorder(StatLoggerBase):
+    interval_s = 3600.0
+
+    def __init__(self) -> None:
+        self.stats: list[SchedulerStats] = []
+
+    def record(self, scheduler_stats, iteration_stats) -> None:  # noqa: ANN001
+        if scheduler_stats is not None:
+            self.stats.append(scheduler_stats)
+
+    def log(self) -> None:
+        pass
+
+
 def test_async_llm_streams_tagged_stats_and_events_and_dies_with_a_core(tiny_llama_dir) -> None:
     async def main() -> None:
+        recorder = _Recorder()
         llm = AsyncLLM(str(tiny_llama_dir), data_parallel_size=2, distributed_executor_backend="fake",
-                       enable_kv_cache_events=True, stat_loggers=[], **TINY_ARGS)
+                       enable_kv_cache_events=True, stat_loggers=[recorder], **TINY_ARGS)
         try:
             stats_seen: set[int] = set()
             event_ranks: set[int | None] = set()
@@ -129,6 +146,9 @@ def test_async_llm_streams_tagged_stats_and_events_and_dies_with_a_core(tiny_lla
             assert await asyncio.gather(*(run(i) for i in range(4))) == [4] * 4
             assert stats_seen == {0, 1} and event_ranks == {0, 1}
             assert (await llm.get_block_pool_state()).all_free
+            # Stat loggers see one engine: both cores' blocks, every core's latest gauges.
+            per_core_blocks = llm.config.cache_config.num_blocks - 1
+            assert recorder.stats and recorder.stats[-1].num_total_blocks == 2 * per_core_blocks
 
             async def long_request() -> None:
                 params = SamplingParams(max_tokens=200, ignore_eos=True)
