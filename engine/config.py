@@ -63,7 +63,8 @@ class EngineArgs:
     # {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}.
     kv_transfer_config: Any = None
     # Parallelism (engine/executor/): one worker for now. "fake" runs no model (FakeExecutor).
-    distributed_executor_backend: str = "uni"  # uni | fake | ray (mp: not supported yet)
+    # uni | fake | mp (one worker process per tensor-parallel rank; tp > 1 with uni switches to mp) | ray
+    distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
     # Data parallelism (engine/frontend/dp_client.py): data_parallel_size engine cores behind one
     # frontend; each core's data_parallel_rank is set by the DP client (leave it at 0).
@@ -100,6 +101,7 @@ class EngineArgs:
             model_dir, model_name=self.model or "SmolLM2-135M-Instruct",
             tokenizer_dir=self.tokenizer or model_dir, dtype=resolve_dtype(self.dtype, device), seed=self.seed,
             max_model_len=self.max_model_len)
+        _verify_tensor_parallel(model_config, self.tensor_parallel_size)
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
@@ -124,11 +126,14 @@ class EngineArgs:
 
     def create_parallel_config(self) -> ParallelConfig:
         """The ParallelConfig (validated by _verify)."""
+        backend = self.distributed_executor_backend
+        if self.tensor_parallel_size > 1 and backend == "uni":
+            backend = "mp"  # one process cannot hold several ranks (as vLLM switches)
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               data_parallel_size=self.data_parallel_size,
                               data_parallel_rank=self.data_parallel_rank,
                               data_parallel_backend=self.data_parallel_backend,
-                              distributed_executor_backend=self.distributed_executor_backend)
+                              distributed_executor_backend=backend)
 
     def create_mm_config(self) -> MultiModalConfig:
         """The resolved MultiModalConfig (validated)."""
@@ -215,13 +220,16 @@ class EngineArgs:
                 f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
-        if self.distributed_executor_backend not in ("uni", "fake", "ray"):
-            not_yet = " is not supported yet" if self.distributed_executor_backend == "mp" else " is unknown"
+        if self.distributed_executor_backend not in ("uni", "fake", "mp", "ray"):
             raise InvalidEngineArgsError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r}{not_yet}; allowed: uni, fake, ray.")
-        if self.tensor_parallel_size != 1:
+                f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "
+                "allowed: uni, fake, mp, ray.")
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "it must be an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "fake":
             raise InvalidEngineArgsError(
-                f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported yet (one worker per core).")
+                f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "
+                "distributed_executor_backend='fake' runs no model.")
         self._verify_data_parallel()
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
 
@@ -366,7 +374,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake | ray
+    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake | mp | ray
     data_parallel_rank: int = 0  # this engine core's index among data_parallel_size
     data_parallel_backend: str = "mp"  # mp | ray
 
@@ -398,6 +406,16 @@ class EngineConfig:
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, num_blocks=num_blocks))
+
+
+def _verify_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
+    """Tensor parallelism splits the query and KV heads: both must divide by tp_size."""
+    for what, count in (("num_attention_heads", model.num_attention_heads), ("num_key_value_heads", model.num_kv_heads)):
+        if count % tp_size:
+            raise InvalidEngineArgsError(
+                f"tensor_parallel_size={tp_size} does not divide the model's {what}={count}: each rank "
+                f"holds an equal share of the heads; use a tensor_parallel_size that divides "
+                f"{model.num_attention_heads} and {model.num_kv_heads}.")
 
 
 def _physical_memory_bytes() -> int | None:

@@ -81,6 +81,9 @@ class EngineCoreProc:
         self.death_fd = death_fd
         if death_fd is not None:
             self.poller.register(death_fd, zmq.POLLIN)
+        # The executor's monitor thread wakes an idle loop through this pipe when a worker dies.
+        self.executor_failed_r, self.executor_failed_w = os.pipe()
+        self.poller.register(self.executor_failed_r, zmq.POLLIN)
         self.num_rejected_messages = 0
         self.num_rejected_requests = 0
         self.parent_died = False
@@ -134,6 +137,9 @@ class EngineCoreProc:
         if self.death_fd is not None and self.death_fd in events:
             logger.warning("The frontend process died; the engine core exits.")
             self.parent_died = True
+            return False
+        if self.executor_failed_r in events:
+            logger.error("A worker of the executor died; the engine core exits.")
             return False
         if self.input_socket not in events:
             return True
@@ -265,6 +271,11 @@ class EngineCoreProc:
         stats.num_scheduled_tokens = stats.num_prompt_tokens = stats.num_generation_tokens = 0
         self._send(0, EngineCoreOutputs(scheduler_stats=stats))
 
+    def on_executor_failed(self, reason: str) -> None:
+        """A worker died (executor monitor thread): tell the clients now, and stop the loop."""
+        self.send_dead(reason)
+        os.write(self.executor_failed_w, b"x")
+
     def send_dead(self, reason: str) -> None:
         """Tell every client why the core is about to exit."""
         for client_index in range(len(self.output_sockets)):
@@ -316,6 +327,7 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
         proc = EngineCoreProc(engine_core, context, input_socket, output_sockets, death_fd, publisher,
                               max_logprobs=engine_args.max_logprobs,
                               heartbeat_interval_s=heartbeat_interval(engine_args.liveness_timeout_s))
+        engine_core.model_executor.register_failure_callback(proc.on_executor_failed)
         proc.start_heartbeat()
         try:
             proc.run_busy_loop()

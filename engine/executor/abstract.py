@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 EXECUTOR_BACKENDS: dict[str, str] = {
     "uni": "engine.executor.uniproc:UniProcExecutor",
     "fake": "engine.executor.fake:FakeExecutor",
+    "mp": "engine.executor.multiproc:MultiprocExecutor",
     "ray": "engine.executor.ray_executor:RayDistributedExecutor",
 }
 
@@ -95,6 +96,9 @@ class Executor(ABC):
         return self.collective_rpc("sample_tokens")[0]
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Have callback(reason) called if a worker dies; in-process workers cannot die alone."""
+
     def check_health(self) -> None:
         """Raise if a worker is dead or unresponsive; in-process workers are alive while we are."""
 

@@ -8,13 +8,16 @@ every rank shares one node, else rank 0's node address). collective_rpc sends th
 every actor and returns the results in rank order; sample_tokens returns rank 0's.
 
 A worker actor that dies (its process killed, its node lost) fails the step in progress with
-EngineDeadError, which ends the engine core and reaches every caller. The actors are owned by
+EngineDeadError, and a monitor thread (one never-returning call per actor) reports it at once
+through the failure callback even when the engine is idle; either way the engine core ends
+and every caller gets EngineDeadError. The actors are owned by
 the engine core: Ray stops them when the core exits, however it exits.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +43,8 @@ class RayDistributedExecutor(Executor):
         parallel, device = self.config.parallel_config, self.config.device_config.device
         self.world_size = parallel.tensor_parallel_size
         self.workers: list[Any] = []
+        self.shutting_down = False
+        self.failure_callback: Callable[[str], None] | None = None
         self.placement_group: Any = None
         self.started_ray = connect()
         try:
@@ -49,7 +54,7 @@ class RayDistributedExecutor(Executor):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank)
                 self.workers.append(actor_class.options(
-                    num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0,
+                    num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0, max_concurrency=2,
                     scheduling_strategy=strategy, namespace=RAY_NAMESPACE,
                     name=f"lmc-worker-{os.getpid()}-dp{parallel.data_parallel_rank}-tp{rank}").remote())
             infos = [msgspec.msgpack.decode(raw, type=WorkerNodeInfo)
@@ -68,6 +73,8 @@ class RayDistributedExecutor(Executor):
                 for rank, worker in enumerate(self.workers)], timeout=_START_TIMEOUT_S)
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
+            self._watch_refs = [worker.wait_forever.remote() for worker in self.workers]
+            threading.Thread(target=self._monitor, name="RayWorkerMonitor", daemon=True).start()
         except BaseException:
             self._release(ray, remove_placement_group)
             raise
@@ -85,6 +92,23 @@ class RayDistributedExecutor(Executor):
             raise EngineUnresponsiveError(
                 f"The Ray worker actors did not answer {_name(method)} within {timeout} s.") from None
 
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Have callback(reason) called when a worker actor dies, busy or idle (the monitor thread)."""
+        self.failure_callback = callback
+
+    def _monitor(self) -> None:
+        ray = import_ray()
+        refs = self._watch_refs
+        done, _ = ray.wait(refs, num_returns=1)  # returns only when an actor is gone
+        rank = refs.index(done[0])
+        try:
+            ray.get(done)
+            reason = f"The Ray worker actor of rank {rank} ended."
+        except Exception as error:  # noqa: BLE001 - RayActorError: the actor died (or Ray went away)
+            reason = f"The Ray worker actor of rank {rank} died: {type(error).__name__}: {error}"
+        if not self.shutting_down and self.failure_callback is not None:
+            self.failure_callback(reason)
+
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker actor is gone."""
         self.collective_rpc(lambda worker: None, timeout=10.0)
@@ -99,6 +123,7 @@ class RayDistributedExecutor(Executor):
         self._release(ray, remove_placement_group)
 
     def _release(self, ray: Any, remove_placement_group: Callable[[Any], None]) -> None:
+        self.shutting_down = True  # the monitor sees the actors go: no failure
         workers, self.workers = self.workers, []
         for worker in workers:
             try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 from typing import Any
 
 import msgspec
@@ -136,11 +137,8 @@ class RayWorkerWrapper:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         from engine.worker.worker import Worker
 
-        if config.parallel_config.tensor_parallel_size == 1:
-            self.worker = Worker(config)
-        else:
-            self.worker = Worker(config, rank=rank, local_rank=local_rank,
-                                 distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
+        self.worker = Worker(config, rank=rank, local_rank=local_rank,
+                             distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
 
     def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a Worker method by name, or a function with the worker first (collective_rpc)."""
@@ -150,3 +148,8 @@ class RayWorkerWrapper:
 
     def getpid(self) -> int:
         return os.getpid()
+
+    def wait_forever(self) -> None:
+        """Never returns: the executor's monitor learns of the actor's death when this call fails
+        (the actor runs it in its second thread, max_concurrency=2)."""
+        threading.Event().wait()

@@ -27,8 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention
-from engine.models.layers import Embedding, Linear, RopeAngles, RotaryEmbedding, rope_parameters
+from engine.models.layers import RopeAngles, RotaryEmbedding, rope_parameters
 from engine.models.llama import LlamaForCausalLM
+from engine.models.parallel_layers import (
+    ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -86,14 +89,16 @@ class Gemma3Attention(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        # Tensor parallelism splits the heads (see LlamaAttention): the counts are this rank's.
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias, dtype)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias, dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias, dtype)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.is_sliding = layer_types(config)[layer_idx] == SLIDING
@@ -115,9 +120,11 @@ class Gemma3MLP(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, False, dtype, [inter, inter],
+                                                 "intermediate_size")
+        self.intermediate_size = self.gate_up_proj.local_sizes[0]  # this rank's
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, dtype, "intermediate_size")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -147,7 +154,7 @@ class Gemma3TextModel(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         # HF rounds sqrt(hidden_size) to the model dtype before multiplying (55.4256 -> 55.5 in bf16).
         self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5, dtype=dtype), persistent=False)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
@@ -180,7 +187,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model = Gemma3TextModel(hf_config, dtype)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        self.lm_head = ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

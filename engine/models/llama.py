@@ -14,8 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from engine.attention import Attention
-from engine.models.layers import (
-    Embedding, Linear, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters,
+from engine.models.layers import RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters
+from engine.models.parallel_layers import (
+    ColumnParallelLinear, LazyWeight, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+    VocabParallelEmbedding, as_tensor,
 )
 
 # HF checkpoint projection -> (our fused parameter, shard index); see _fused_shards.
@@ -41,7 +43,11 @@ def _sliding_window(config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention block: fused qkv projection, (optional per-head q/k norm), rope, o_proj."""
+    """Self-attention block: fused qkv projection, (optional per-head q/k norm), rope, o_proj.
+
+    Under tensor parallelism the heads are split: num_heads / num_kv_heads are this rank's,
+    its KV cache holds its KV heads only, and o_proj all-reduces the ranks' partial outputs.
+    """
 
     qkv_bias_default = False  # Qwen2 forces bias on q/k/v whatever the config says
     o_bias_default = False
@@ -49,15 +55,18 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          bias or self.qkv_bias_default, dtype)
+        self.num_heads = self.qkv_proj.num_local_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias or self.qkv_bias_default, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias or self.o_bias_default, dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
+                                        bias or self.o_bias_default, dtype)
         if self.use_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -80,9 +89,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias, dtype, [inter, inter],
+                                                 "intermediate_size")
         self.act_fn = SiluAndMul(dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, "intermediate_size")
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # via [T, 2 * intermediate]
@@ -123,7 +134,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer]):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             layer_cls(config, i, dtype) for i in range(config.num_hidden_layers)
         )
@@ -154,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(hf_config, dtype, self.layer_cls)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        self.lm_head = ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -167,11 +178,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every TP rank)."""
         return self.lm_head(hidden_states).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every param must load."""
+    def load_weights(self, weights: Iterable[tuple[str, Tensor | LazyWeight]]) -> None:
+        """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every param must load.
+
+        A parallel layer's parameter has a weight_loader that takes this rank's slice (of a
+        LazyWeight: reading only that slice); the others are copied whole.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         saw_lm_head = False
@@ -191,11 +206,14 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
-            if shard is None:
-                _copy(param.data, tensor, name)
+            weight_loader = getattr(param, "weight_loader", None)
+            if weight_loader is not None:
+                weight_loader(param, tensor, shard)
+            elif shard is None:
+                _copy(param.data, as_tensor(tensor), name)
             else:
                 start, size = self._fused_shards(target)[shard]
-                _copy(param.data.narrow(0, start, size), tensor, name)
+                _copy(param.data.narrow(0, start, size), as_tensor(tensor), name)
             loaded.add(target if shard is None else f"{target}#{shard}")
         if not saw_lm_head and not self.tie_word_embeddings:
             # A checkpoint without lm_head means the head is the (tied) embedding.

@@ -10,20 +10,34 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from engine.distributed.parallel_state import get_tp_group
 from engine.errors import ModelNotFoundError
+from engine.models.parallel_layers import LazyWeight
 from engine.models.prepack import prepack_linears
 from engine.models.registry import get_model_class
 
 
-def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in the directory."""
+# Checkpoint names of replicated towers: read whole even under tensor parallelism.
+_REPLICATED_PREFIXES = ("vision", "model.vision", "multi_modal_projector", "model.multi_modal_projector",
+                        "model.connector", "connector")
+
+
+def iterate_safetensors(model_dir: Path, lazy: bool = False) -> Iterator[tuple[str, Tensor | LazyWeight]]:
+    """(name, tensor) for every tensor of every *.safetensors file in the directory.
+
+    lazy (tensor parallelism): the language model's tensors come as LazyWeight slices, so each
+    rank reads only its rows or columns from disk; replicated towers still come whole.
+    """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if lazy and not name.startswith(_REPLICATED_PREFIXES):
+                    yield name, LazyWeight(f.get_slice(name))
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def load_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
@@ -32,7 +46,7 @@ def load_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
     model_cls = get_model_class(hf_config)
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype)
-        model.load_weights(iterate_safetensors(Path(model_dir)))
+        model.load_weights(iterate_safetensors(Path(model_dir), lazy=get_tp_group().world_size > 1))
         prepack_linears(model)
     model.requires_grad_(False)
     return model.eval()

@@ -14,6 +14,7 @@ from engine.attention.selector import load_attention_backend, resolve_attention_
 from engine.config import EngineConfig
 from engine.distributed.kv_transfer.base import KVConnectorBase
 from engine.distributed.kv_transfer.output import KVConnectorOutput
+from engine.distributed.parallel_state import get_tp_group
 from engine.forward_context import set_forward_context
 from engine.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from engine.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -59,7 +60,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = model.max_model_len
         self.num_layers = model.num_layers  # a VLM's facts are its language model's
-        self.num_kv_heads = model.num_kv_heads
+        # Tensor parallelism: this rank's KV heads only (its KV cache holds those).
+        self.num_kv_heads = model.num_kv_heads // config.parallel_config.tensor_parallel_size
         self.head_dim = model.head_dim
         self.vocab_size = model.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
@@ -246,6 +248,9 @@ class ModelRunner:
                                      kv_connector_output=kv_connector_output)
         batch = self.input_batch
         sampler_output = self.sampler(state.logits, self._get_sampling_metadata())
+        # Every TP rank samples from the same gathered logits; rank 0's tokens are taken by all,
+        # so no rank's state can drift (e.g. a sampler that draws from the global generator).
+        get_tp_group().broadcast(sampler_output.sampled_token_ids, src=0)
         sampled = sampler_output.sampled_token_ids.tolist()
         sampled_token_ids: list[list[int]] = []
         for row, token_id in enumerate(sampled):

@@ -7,6 +7,7 @@ import os
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.parallel_state import destroy_distributed, init_distributed
 from engine.kv_cache_interface import KVCacheSpec
 from engine.model_runner_output import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
@@ -20,14 +21,26 @@ _CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 class Worker:
     """Sets up the device, loads the model, sizes and allocates the KV cache, runs steps."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:
+        """rank: this worker's tensor-parallel rank (0 is the output rank); local_rank: its device
+        index on this machine; distributed_init_method: torch.distributed's rendezvous address
+        (None: a single worker, no process group)."""
         self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
         device = self.config.device_config
+        tp_size = self.config.parallel_config.tensor_parallel_size
         if device.device == "cpu":
-            torch.set_num_threads(device.num_threads or os.cpu_count() or 1)
+            # The ranks share the cores: each takes its share unless num_threads says otherwise.
+            torch.set_num_threads(device.num_threads or max(1, (os.cpu_count() or 1) // tp_size))
+        init_distributed(tp_size, self.rank, self.distributed_init_method,
+                         "nccl" if device.device == "cuda" else "gloo", self.local_rank)
         torch.manual_seed(self.config.model_config.seed)
         kv_connector = None
         if self.config.kv_transfer_config is not None:
@@ -90,3 +103,5 @@ class Worker:
         """Stop the worker-side KV connector's threads (idempotent)."""
         if self.model_runner is not None:
             self.model_runner.kv_transfer.shutdown()
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            destroy_distributed()

@@ -36,17 +36,21 @@ def test_fake_backend_names_the_fake_executor() -> None:
     assert Executor.get_class(_config("fake")) is FakeExecutor
 
 
+def test_tp_above_one_switches_uni_to_mp() -> None:
+    assert EngineArgs(tensor_parallel_size=2).create_parallel_config().distributed_executor_backend == "mp"
+    assert EngineArgs(distributed_executor_backend="mp").create_parallel_config().distributed_executor_backend == "mp"
+
+
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(InvalidEngineArgsError, match="distributed_executor_backend='bogus'.*allowed"):
         Executor.get_class(_config("bogus"))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"distributed_executor_backend": "mp"}, "'mp' is not supported yet"),
-    ({"distributed_executor_backend": "threads"}, "'threads' is unknown; allowed: uni, fake, ray"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: only 1 is supported yet"),
+    ({"distributed_executor_backend": "threads"}, "'threads' is unknown; allowed: uni, fake, mp, ray"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "fake"}, "needs real workers"),
     ({"data_parallel_size": 0}, r"data_parallel_size=0 is invalid: it must be an integer in \[1, 64\]"),
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0: only 1 is supported yet"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 is invalid: it must be an integer >= 1"),
 ])
 def test_engine_args_refuse_what_is_not_supported(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidEngineArgsError, match=message):

@@ -1,0 +1,277 @@
+"""MultiprocExecutor: one worker process per tensor-parallel rank (seed: Executor, lines 1393-1558).
+
+Calls go to every worker at once through one shared-memory MessageQueue (the executor writes,
+each rank reads); answers come back through each rank's own response MessageQueue, and only
+from the ranks a call asks (execute_model: none; sample_tokens: the output rank, 0). The
+workers start with forkserver (one server imports torch and the engine once, each rank forks
+from it) or spawn ($LMC_WORKER_START_METHOD), never plain fork: the core may hold CUDA state.
+
+Death. A monitor thread waits on every worker's process sentinel. When one dies while the
+executor is not shutting down, the executor is failed: every wait on a queue stops with
+EngineDeadError at once, and the failure callback (the engine-core process sends
+engine_dead_reason to its clients) runs. The workers watch a death pipe from this process, so
+they exit with it; shutdown() stops them (ShutdownCall, then SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait as wait_for_objects
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from engine.distributed.message_queue import Handle, MessageQueue
+from engine.errors import EngineDeadError, EngineStartupError, InvalidEngineArgsError
+from engine.executor.abstract import Executor
+from engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from engine.worker.rpc_protocol import (
+    ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, RPCReply, SampleReply, ShutdownCall, WorkerCodec,
+    method_name,
+)
+
+if TYPE_CHECKING:
+    from engine.model_runner_output import ModelRunnerOutput
+    from engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+BROADCAST_SLOTS = 8
+BROADCAST_CHUNK_BYTES = 4 << 20  # a SchedulerOutput is KBs; an image's pixels overflow to ZMQ
+STARTUP_TIMEOUT_S = float(os.environ.get("LMC_ENGINE_STARTUP_TIMEOUT", "900"))
+SHUTDOWN_TIMEOUT_S = 5.0
+# Imported once by the forkserver, so every rank starts in a fraction of a second.
+_FORKSERVER_PRELOAD = ["engine.worker.worker_proc", "engine.worker.worker"]
+
+
+class MultiprocExecutor(Executor):
+    """collective_rpc over tensor_parallel_size worker processes; rank 0 is the output rank."""
+
+    output_rank = 0
+
+    def _init_executor(self) -> None:
+        parallel = self.config.parallel_config
+        if self.config.kv_transfer_config is not None or self.config.ec_transfer_config is not None:
+            raise InvalidEngineArgsError(
+                "kv_transfer_config / ec_transfer_config run with distributed_executor_backend='uni' only "
+                "(their connector metadata does not cross to worker processes yet).")
+        self.world_size = parallel.tensor_parallel_size
+        self.codec = WorkerCodec()
+        self.is_failed = False
+        self.failure_reason: str | None = None
+        self._failure_callbacks: list[Callable[[str], None]] = []
+        self._shutting_down = False
+        self._call_id = 0
+        self._lock = threading.Lock()  # one call in flight at a time: the queues are ordered
+        self.procs: list[Any] = []
+        self.response_mqs: list[MessageQueue] = []
+        self._death_writers: list[Any] = []
+        self.broadcast_mq = MessageQueue(self.world_size, BROADCAST_SLOTS, BROADCAST_CHUNK_BYTES)
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._monitor_workers, name="MultiprocWorkerMonitor", daemon=True)
+        self._monitor.start()
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        from engine.worker.worker_proc import run_worker_process
+
+        context = _worker_context()
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ready_readers = []
+        for rank in range(self.world_size):
+            ready_reader, ready_writer = context.Pipe(duplex=False)
+            death_reader, death_writer = context.Pipe(duplex=False)
+            proc = context.Process(
+                target=run_worker_process, name=f"Worker_TP{rank}", daemon=True,
+                args=(self.config, rank, rank, init_method, self.broadcast_mq.export_handle(),
+                      ready_writer, death_reader))
+            with _children_allowed():
+                proc.start()
+            ready_writer.close()
+            death_reader.close()
+            self.procs.append(proc)
+            self._death_writers.append(death_writer)
+            ready_readers.append(ready_reader)
+        for rank, (proc, ready_reader) in enumerate(zip(self.procs, ready_readers)):
+            ready = wait_for_objects([ready_reader, proc.sentinel], STARTUP_TIMEOUT_S)
+            if ready_reader not in ready or not ready_reader.poll(0):
+                raise EngineStartupError(f"Worker rank {rank} exited (code {proc.exitcode}) before it was ready.")
+            info = msgspec.msgpack.decode(ready_reader.recv_bytes(), type=ReadyInfo)
+            ready_reader.close()
+            if info.failure is not None:
+                raise EngineStartupError(f"Worker rank {rank} failed to start: {info.failure}")
+            assert info.response_handle is not None
+            self.response_mqs.append(MessageQueue.create_reader(Handle(*info.response_handle), 0))
+        self.broadcast_mq.wait_until_ready(STARTUP_TIMEOUT_S, cancel=self._any_worker_dead)
+
+    def _any_worker_dead(self) -> bool:
+        return any(not proc.is_alive() for proc in self.procs)
+
+    # -- death ---------------------------------------------------------------------------------
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Call callback(reason) once if a worker dies (at once if one already has)."""
+        self._failure_callbacks.append(callback)
+        if self.is_failed and self.failure_reason is not None:
+            callback(self.failure_reason)
+
+    def _monitor_workers(self) -> None:
+        sentinels = {proc.sentinel: (rank, proc) for rank, proc in enumerate(self.procs)}
+        ready = wait_for_objects(list(sentinels))
+        if self._shutting_down:
+            return
+        rank, proc = sentinels[ready[0]]
+        proc.join(0.1)
+        reason = f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+        logger.error("The engine is dead: %s.", reason)
+        self.failure_reason = reason
+        self.is_failed = True
+        for callback in self._failure_callbacks:
+            try:
+                callback(reason)
+            except Exception:  # noqa: BLE001 - the other callbacks still run
+                logger.exception("A failure callback of the MultiprocExecutor raised")
+
+    def _check_alive(self) -> bool:
+        return self.is_failed
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"The engine's {self.failure_reason or 'worker processes are gone'}.")
+
+    def check_health(self) -> None:
+        if self.is_failed:
+            raise self._dead_error()
+
+    # -- calls ---------------------------------------------------------------------------------
+    def _broadcast(self, message: Any) -> None:
+        if self.is_failed:
+            raise self._dead_error()
+        try:
+            self.broadcast_mq.enqueue(self.codec.encode(message), cancel=self._check_alive)
+        except ConnectionAbortedError:
+            raise self._dead_error() from None
+
+    def _receive(self, rank: int, timeout: float | None) -> Any:
+        try:
+            reply = self.codec.decode_reply(self.response_mqs[rank].dequeue(timeout, cancel=self._check_alive))
+        except ConnectionAbortedError:
+            raise self._dead_error() from None
+        if isinstance(reply, RPCReply) and reply.failure is not None:
+            raise RuntimeError(f"Worker call failed: {reply.failure}")
+        return reply
+
+    def _next_call_id(self) -> int:
+        self._call_id += 1
+        return self._call_id
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       unique_reply_rank: int | None = None) -> list[Any]:
+        """Run `method` on every worker; their results in rank order (only unique_reply_rank's
+        when given). Arguments and results travel as msgpack: plain data, Structs, dataclasses."""
+        name = method_name(method)
+        reply_rank = ALL_RANKS if unique_reply_rank is None else unique_reply_rank
+        with self._lock:
+            call_id = self._next_call_id()
+            self._broadcast(RPCCall(call_id, name, list(args), kwargs or {}, reply_rank))
+            ranks = range(self.world_size) if reply_rank == ALL_RANKS else [reply_rank]
+            results = []
+            for rank in ranks:
+                reply = self._receive(rank, timeout)
+                assert reply.call_id == call_id, (reply.call_id, call_id)
+                results.append(msgspec.msgpack.decode(reply.result) if isinstance(reply.result, msgspec.Raw)
+                               else reply.result)
+            return results
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        wire = self.collective_rpc(_kv_cache_spec_wire, unique_reply_rank=self.output_rank)[0]
+        return {name: (FullAttentionSpec(block_size=block_size) if window is None
+                       else SlidingWindowSpec(block_size=block_size, sliding_window=window))
+                for name, (block_size, window) in wire.items()}
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Broadcast the step; no rank answers (a failure ends that worker, hence the engine)."""
+        with self._lock:
+            self._broadcast(ExecuteModelCall(self._next_call_id(), scheduler_output))
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        with self._lock:
+            call_id = self._next_call_id()
+            self._broadcast(RPCCall(call_id, "sample_tokens", reply_rank=self.output_rank))
+            reply = self._receive(self.output_rank, None)
+            assert isinstance(reply, SampleReply) and reply.call_id == call_id, reply
+            return reply.output
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every worker (ShutdownCall, then SIGTERM, then SIGKILL) and free the queues."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = self._shutting_down = True
+        if self.procs and not self.is_failed:
+            with contextlib.suppress(Exception):
+                self.broadcast_mq.enqueue(self.codec.encode(ShutdownCall()), timeout=1.0)
+        for proc in self.procs:
+            proc.join(SHUTDOWN_TIMEOUT_S if not self.is_failed else 0.5)
+        for stop in ("terminate", "kill"):
+            for proc in self.procs:
+                if proc.is_alive():
+                    getattr(proc, stop)()
+            for proc in self.procs:
+                proc.join(2.0)
+        for writer in self._death_writers:
+            writer.close()
+        for queue in (*self.response_mqs, self.broadcast_mq):
+            queue.close()
+
+
+def _kv_cache_spec_wire(worker: Any) -> dict[str, tuple[int, int | None]]:
+    """A worker's KV cache specs as plain data: name -> (block_size, sliding_window or None)."""
+    return {name: (spec.block_size, getattr(spec, "sliding_window", None))
+            for name, spec in worker.get_kv_cache_spec().items()}
+
+
+def _worker_context() -> Any:
+    default = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    method = os.environ.get("LMC_WORKER_START_METHOD", default)
+    if method not in ("forkserver", "spawn"):
+        raise InvalidEngineArgsError(f"LMC_WORKER_START_METHOD={method!r} must be forkserver or spawn.")
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return context
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Let a daemonic engine-core process start workers.
+
+    multiprocessing refuses children to daemonic processes because it cannot reap them when the
+    daemon is killed. Our workers reap themselves: each exits when its death pipe to this process
+    closes, which the kernel does whatever way this process ends.
+    """
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,180 @@
+"""MultiprocExecutor and tensor parallelism end to end: TP=2 over worker processes gives the
+greedy tokens of TP=1; a worker's SIGKILL is an EngineDeadError in every caller, with no orphan
+process and no shared-memory segment left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
+from engine.errors import EngineDeadError, InvalidEngineArgsError
+from engine.worker.rpc_protocol import method_name
+from llm_helpers import assert_no_leaked_blocks, text_prompts
+
+ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=256)
+MAX_TOKENS = 12
+
+
+def _shm() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    return text_prompts(AutoTokenizer.from_pretrained(str(model_dir)), 4, 5, 40)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+
+def _reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """TP=1: one worker in-process, the engine core in this process too."""
+    llm = LLM(str(model_dir), multiprocess=False, **ENGINE_ARGS)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+def _workers(core_pid: int) -> list[psutil.Process]:
+    """The worker processes under the engine core (children of its forkserver, or spawned)."""
+    descendants = psutil.Process(core_pid).children(recursive=True)
+    return [p for p in descendants
+            if p.ppid() != core_pid or "spawn_main" in " ".join(p.cmdline())]
+
+
+def _tree(core_pid: int) -> list[psutil.Process]:
+    return [psutil.Process(core_pid), *psutil.Process(core_pid).children(recursive=True)]
+
+
+def _assert_all_gone(procs: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive, f"orphan processes left: {alive}"
+
+
+def test_refusals_without_an_engine(tiny_llama_dir: Path) -> None:
+    with pytest.raises(InvalidEngineArgsError, match="tensor_parallel_size=3 does not divide.*num_attention_heads=4"):
+        EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=3, device="cpu").create_engine_config()
+    with pytest.raises(TypeError, match="cannot be sent without pickle"):
+        method_name(lambda worker: worker)
+    assert method_name(_shm) == f"{__name__}:_shm"
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(tiny_llama_dir: Path):
+    shm_before = _shm()
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE_ARGS)
+    yield llm, shm_before
+    llm.shutdown()
+
+
+def test_tp2_equals_tp1_on_llama_and_no_block_leaks(llama_tp2, tiny_llama_dir: Path) -> None:
+    llm, _ = llama_tp2
+    assert llm.config.parallel_config.distributed_executor_backend == "mp"  # tp > 1 switched uni to mp
+    prompts = _prompts(tiny_llama_dir)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == _reference(tiny_llama_dir, prompts)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) > 1  # not a degenerate model
+    assert_no_leaked_blocks(llm)
+
+
+def test_worker_sigkill_is_engine_dead_in_llm_caller(llama_tp2) -> None:
+    llm, shm_before = llama_tp2
+    core_pid = llm.engine_core.ready_info.pid
+    workers = _workers(core_pid)
+    assert len(workers) == 2
+    tree = _tree(core_pid)
+    assert not (_shm() - shm_before)  # the queues' names are unlinked once every reader attached
+    errors: list[BaseException] = []
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    def caller() -> None:
+        try:
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, long, use_tqdm=False)
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            errors.append(error)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    time.sleep(0.5)  # let the generation start (the test holds whatever the timing)
+    killed_at = time.monotonic()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    thread.join(60)
+    print(f"LLM caller: EngineDeadError {time.monotonic() - killed_at:.2f} s after SIGKILL")
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+    assert "worker rank 1" in str(errors[0])
+    with pytest.raises(EngineDeadError):  # and every later call
+        llm.generate("hello", use_tqdm=False)
+    llm.shutdown()
+    _assert_all_gone(tree)
+    assert not (_shm() - shm_before)
+
+
+@pytest.fixture(scope="module")
+def qwen3_async(tiny_qwen3_dir: Path):
+    engine = AsyncLLM(str(tiny_qwen3_dir), tensor_parallel_size=2, stat_loggers=[], **ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+def test_tp2_equals_tp1_on_qwen3_async_and_sigkill_is_engine_dead(qwen3_async, tiny_qwen3_dir: Path) -> None:
+    engine = qwen3_async
+    prompts = _prompts(tiny_qwen3_dir)
+
+    async def generate_all() -> list[list[int]]:
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            final = None
+            async for out in engine.generate({"prompt_token_ids": prompt}, _greedy(), f"r{i}"):
+                final = out
+            return final.outputs[0].token_ids
+
+        tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        assert_no_leaked_blocks(await engine.get_block_pool_state())
+        return list(tokens)
+
+    assert _run(generate_all()) == _reference(tiny_qwen3_dir, prompts)
+
+    core_pid = engine.engine_core.ready_info.pid
+    tree, workers = _tree(core_pid), _workers(core_pid)
+
+    async def killed_mid_stream() -> float:
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = engine.generate({"prompt_token_ids": [5, 6, 7]}, long, "victim")
+        await stream.__anext__()  # the request is running
+        killed_at = time.monotonic()
+        os.kill(workers[0].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="worker rank 0"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - killed_at
+
+    print(f"AsyncLLM caller: EngineDeadError {_run(killed_mid_stream()):.2f} s after SIGKILL")
+    engine.shutdown()
+    _assert_all_gone(tree)
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1_on_gemma3(tiny_gemma3_dir: Path) -> None:
+    prompts = _prompts(tiny_gemma3_dir)
+    llm = LLM(str(tiny_gemma3_dir), tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+        assert_no_leaked_blocks(llm)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == _reference(tiny_gemma3_dir, prompts)
