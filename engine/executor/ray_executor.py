@@ -88,9 +88,25 @@ class RayDistributedExecutor(Executor):
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.RayActorError as error:
             raise EngineDeadError(f"A Ray worker actor died during {_name(method)}: {error}") from None
+        except ray.exceptions.RayTaskError as error:
+            # A rank's collective fails when its peer dies: name the dead actor, the cause.
+            dead = self._dead_rank(wait_s=1.0)
+            if dead is not None:
+                raise EngineDeadError(
+                    f"The Ray worker actor of rank {dead} died during {_name(method)} (the other ranks' "
+                    f"collectives failed with it: {str(error).splitlines()[0] if str(error) else error!r})") from None
+            raise
         except ray.exceptions.GetTimeoutError:
             raise EngineUnresponsiveError(
                 f"The Ray worker actors did not answer {_name(method)} within {timeout} s.") from None
+
+    def _dead_rank(self, wait_s: float) -> int | None:
+        """The rank of a worker actor that is gone (its watch call ended), waiting up to wait_s."""
+        refs = getattr(self, "_watch_refs", None)
+        if not refs:
+            return None
+        done, _ = import_ray().wait(refs, num_returns=1, timeout=wait_s)
+        return refs.index(done[0]) if done else None
 
     def register_failure_callback(self, callback: Callable[[str], None]) -> None:
         """Have callback(reason) called when a worker actor dies, busy or idle (the monitor thread)."""

@@ -1,5 +1,5 @@
-"""RayDistributedExecutor over a local Ray instance: same greedy outputs as the uniproc executor,
-and a worker actor's death is an EngineDeadError in every caller."""
+"""RayDistributedExecutor over a local Ray instance: TP=2 over two worker actors gives the greedy
+tokens of TP=1 in one process, and a worker actor's death is an EngineDeadError in every caller."""
 
 from __future__ import annotations
 
@@ -37,18 +37,19 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
                                                          use_tqdm=False)]
 
 
-def test_ray_executor_equals_uniproc_and_a_dead_actor_fails_every_caller(local_ray, tiny_llama_dir) -> None:
+def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, tiny_llama_dir) -> None:
     single = LLM(str(tiny_llama_dir), multiprocess=False, **ARGS)
     prompts = random_prompts(single.config.model_config.vocab_size, 4, 5, 60, seed=7)
     expected = _greedy(single, prompts)
     single.shutdown()
-    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="ray", **ARGS)
+    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="ray", tensor_parallel_size=2, **ARGS)
     try:
         assert _greedy(llm, prompts) == expected
         assert llm.get_block_pool_state().all_free
-        names = ray.util.list_named_actors()
-        assert len(names) == 1 and names[0].startswith(f"lmc-worker-{llm.engine_core.proc.pid}-dp0-tp0")
-        actor_pid = ray.get(ray.get_actor(names[0]).getpid.remote())
+        names = sorted(ray.util.list_named_actors())
+        core_pid = llm.engine_core.proc.pid
+        assert names == [f"lmc-worker-{core_pid}-dp0-tp0", f"lmc-worker-{core_pid}-dp0-tp1"]
+        actor_pid = ray.get(ray.get_actor(names[1]).getpid.remote())
         errors: list[BaseException] = []
         caught_at: list[float] = []
 
@@ -67,7 +68,7 @@ def test_ray_executor_equals_uniproc_and_a_dead_actor_fails_every_caller(local_r
         killed = time.monotonic()
         thread.join(10)
         assert not thread.is_alive() and isinstance(errors[0], EngineDeadError)
-        assert "Ray worker actor died" in str(errors[0]) and caught_at[0] - killed < 2.0
+        assert "Ray worker actor" in str(errors[0]) and caught_at[0] - killed < 2.0
         with pytest.raises(EngineDeadError):
             llm.get_stats()
     finally:
