@@ -21,7 +21,9 @@ import multiprocessing
 import os
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for_objects
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +48,11 @@ BROADCAST_SLOTS = 8
 BROADCAST_CHUNK_BYTES = 4 << 20  # a SchedulerOutput is KBs; an image's pixels overflow to ZMQ
 STARTUP_TIMEOUT_S = float(os.environ.get("LMC_ENGINE_STARTUP_TIMEOUT", "900"))
 SHUTDOWN_TIMEOUT_S = 5.0
-# Imported once by the forkserver, so every rank starts in a fraction of a second.
-_FORKSERVER_PRELOAD = ["engine.worker.worker_proc", "engine.worker.worker"]
+# Imported once by the forkserver, so every rank starts in a fraction of a second (the
+# transformers config machinery alone takes seconds: every rank reads the model's config).
+_FORKSERVER_PRELOAD = ["engine.worker.worker_proc", "engine.worker.worker",
+                       "transformers.models.auto.configuration_auto",
+                       "transformers.models.llama.configuration_llama"]
 
 
 class MultiprocExecutor(Executor):
@@ -68,7 +73,10 @@ class MultiprocExecutor(Executor):
         self._failure_callbacks: list[Callable[[str], None]] = []
         self._shutting_down = False
         self._call_id = 0
-        self._lock = threading.Lock()  # one call in flight at a time: the queues are ordered
+        # One thread talks to the queues at a time; replies come back in call order, so
+        # non-blocking sample_tokens calls wait in _pending until a result is asked for.
+        self._lock = threading.RLock()
+        self._pending: deque[tuple[int, _ReplyFuture]] = deque()
         self.procs: list[Any] = []
         self.response_mqs: list[MessageQueue] = []
         self._death_writers: list[Any] = []
@@ -167,13 +175,29 @@ class MultiprocExecutor(Executor):
             reply = self.codec.decode_reply(self.response_mqs[rank].dequeue(timeout, cancel=self._check_alive))
         except ConnectionAbortedError:
             raise self._dead_error() from None
-        if isinstance(reply, RPCReply) and reply.failure is not None:
-            raise RuntimeError(f"Worker call failed: {reply.failure}")
         return reply
 
     def _next_call_id(self) -> int:
         self._call_id += 1
         return self._call_id
+
+    def _drain_pending(self, until: _ReplyFuture | None = None) -> None:
+        """Read the output rank's replies to earlier non-blocking calls, oldest first (all of
+        them, or up to `until`)."""
+        with self._lock:
+            while self._pending and (until is None or not until.done()):
+                call_id, future = self._pending.popleft()
+                try:
+                    reply = self._receive(self.output_rank, None)
+                    assert isinstance(reply, SampleReply) and reply.call_id == call_id, reply
+                    future.set_result(reply.output)
+                except BaseException as error:  # noqa: BLE001 - the caller of result() gets it
+                    future.set_exception(error)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight at once: 2 with async scheduling (a batch queue), else 1."""
+        return 2 if getattr(self.config.scheduler_config, "async_scheduling", False) else 1
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
@@ -183,6 +207,7 @@ class MultiprocExecutor(Executor):
         name = method_name(method)
         reply_rank = ALL_RANKS if unique_reply_rank is None else unique_reply_rank
         with self._lock:
+            self._drain_pending()
             call_id = self._next_call_id()
             self._broadcast(RPCCall(call_id, name, list(args), kwargs or {}, reply_rank))
             ranks = range(self.world_size) if reply_rank == ALL_RANKS else [reply_rank]
@@ -190,9 +215,13 @@ class MultiprocExecutor(Executor):
             for rank in ranks:
                 reply = self._receive(rank, timeout)
                 assert reply.call_id == call_id, (reply.call_id, call_id)
-                results.append(msgspec.msgpack.decode(reply.result) if isinstance(reply.result, msgspec.Raw)
-                               else reply.result)
-            return results
+                results.append(reply)
+            # Every rank's reply is read before raising, so the next call finds the queues in step.
+            failures = [reply.failure for reply in results if reply.failure is not None]
+            if failures:
+                raise RuntimeError(f"Worker call failed: {'; '.join(failures)}")
+            return [msgspec.msgpack.decode(reply.result) if isinstance(reply.result, msgspec.Raw) else reply.result
+                    for reply in results]
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         wire = self.collective_rpc(_kv_cache_spec_wire, unique_reply_rank=self.output_rank)[0]
@@ -200,18 +229,29 @@ class MultiprocExecutor(Executor):
                        else SlidingWindowSpec(block_size=block_size, sliding_window=window))
                 for name, (block_size, window) in wire.items()}
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Broadcast the step; no rank answers (a failure ends that worker, hence the engine)."""
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Future[None] | None:
+        """Broadcast the step; no rank answers (a failure ends that worker, hence the engine).
+
+        Never waits for the forward pass; non_block returns a completed Future for symmetry.
+        """
         with self._lock:
             self._broadcast(ExecuteModelCall(self._next_call_id(), scheduler_output))
+        if not non_block:
+            return None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """The output rank's ModelRunnerOutput; non_block: a Future of it (the batch queue)."""
         with self._lock:
             call_id = self._next_call_id()
             self._broadcast(RPCCall(call_id, "sample_tokens", reply_rank=self.output_rank))
-            reply = self._receive(self.output_rank, None)
-            assert isinstance(reply, SampleReply) and reply.call_id == call_id, reply
-            return reply.output
+            future = _ReplyFuture(self)
+            self._pending.append((call_id, future))
+        if non_block:
+            return future
+        return future.result()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -219,6 +259,8 @@ class MultiprocExecutor(Executor):
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = self._shutting_down = True
+        while self._pending:  # nobody will read these replies now
+            self._pending.popleft()[1].set_exception(EngineDeadError("The engine was shut down."))
         if self.procs and not self.is_failed:
             with contextlib.suppress(Exception):
                 self.broadcast_mq.enqueue(self.codec.encode(ShutdownCall()), timeout=1.0)
@@ -234,6 +276,19 @@ class MultiprocExecutor(Executor):
             writer.close()
         for queue in (*self.response_mqs, self.broadcast_mq):
             queue.close()
+
+
+class _ReplyFuture(Future):  # type: ignore[type-arg]
+    """A reply the executor reads from the queue when someone asks for it (result())."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._executor._drain_pending(until=self)
+        return super().result(timeout)
 
 
 def _kv_cache_spec_wire(worker: Any) -> dict[str, tuple[int, int | None]]:

@@ -178,3 +178,52 @@ def test_tp2_equals_tp1_on_gemma3(tiny_gemma3_dir: Path) -> None:
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == _reference(tiny_gemma3_dir, prompts)
+
+
+def _rank_and_threads(worker) -> tuple[int, int]:
+    import torch
+
+    return worker.rank, torch.get_num_threads()
+
+
+def _fail(worker) -> None:
+    raise ValueError(f"rank {worker.rank} refuses")
+
+
+def test_executor_rpc_replies_and_non_blocking_sample_tokens(tiny_llama_dir: Path) -> None:
+    from engine.executor.abstract import Executor
+    from engine.executor.multiproc import MultiprocExecutor
+    from engine.kv_cache_interface import FullAttentionSpec
+    from engine.model_runner_output import ModelRunnerOutput
+    from engine.scheduler_output import CachedRequestData, SchedulerOutput
+
+    config = EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+    shm_before = _shm()
+    executor = Executor.get_class(config)(config)
+    try:
+        assert isinstance(executor, MultiprocExecutor)
+        # A module-level function runs on every rank; each rank takes its share of the cores.
+        # (Results travel as msgpack: a tuple comes back as a list.)
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        assert executor.collective_rpc(_rank_and_threads) == [[0, threads], [1, threads]]
+        assert executor.collective_rpc(_rank_and_threads, unique_reply_rank=1) == [[1, threads]]
+        specs = executor.get_kv_cache_spec()
+        assert len(specs) == 2 and set(specs.values()) == {FullAttentionSpec(block_size=16)}
+        # Each rank's KV cache holds its half of the KV heads: half the bytes of a TP=1 block
+        # (K and V x 2 layers x 16 tokens x 2 KV heads x head_dim 16 x 4 bytes).
+        model = config.model_config
+        assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 16)
+        assert executor.get_kv_cache_block_bytes() * 2 == 2 * 2 * 16 * 2 * 16 * 4
+        with pytest.raises(RuntimeError, match="rank 0 refuses"):
+            executor.collective_rpc(_fail)
+        executor.initialize_kv_cache(32)
+        empty = SchedulerOutput([], CachedRequestData(), {}, 0, set(), set())
+        futures = []
+        for _ in range(2):  # two steps in flight: the replies come back in order
+            executor.execute_model(empty, non_block=True)
+            futures.append(executor.sample_tokens(non_block=True))
+        assert all(isinstance(f.result(timeout=60), ModelRunnerOutput) for f in reversed(futures))
+        executor.check_health()
+    finally:
+        executor.shutdown()
+    assert not (_shm() - shm_before)
