@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -28,6 +29,10 @@ from engine.executor.abstract import Executor
 from engine.executor.ray_utils import (
     RAY_NAMESPACE, RayWorkerWrapper, WorkerNodeInfo, connect, import_ray, make_placement_group,
 )
+
+if TYPE_CHECKING:
+    from engine.model_runner_output import ModelRunnerOutput
+    from engine.scheduler_output import SchedulerOutput
 
 _START_TIMEOUT_S = float(os.environ.get("LMC_RAY_WORKER_START_TIMEOUT", "300"))
 
@@ -49,12 +54,14 @@ class RayDistributedExecutor(Executor):
         self.started_ray = connect()
         try:
             self.placement_group = make_placement_group(self.world_size, device)
-            actor_class = ray.remote(RayWorkerWrapper)
+            # The worker's calls run one at a time in submission order; the monitor's
+            # never-returning call has a thread of its own.
+            actor_class = ray.remote(concurrency_groups={"monitor": 1})(RayWorkerWrapper)
             for rank in range(self.world_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank)
                 self.workers.append(actor_class.options(
-                    num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0, max_concurrency=2,
+                    num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0,
                     scheduling_strategy=strategy, namespace=RAY_NAMESPACE,
                     name=f"lmc-worker-{os.getpid()}-dp{parallel.data_parallel_rank}-tp{rank}").remote())
             infos = [msgspec.msgpack.decode(raw, type=WorkerNodeInfo)
@@ -73,7 +80,8 @@ class RayDistributedExecutor(Executor):
                 for rank, worker in enumerate(self.workers)], timeout=_START_TIMEOUT_S)
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
-            self._watch_refs = [worker.wait_forever.remote() for worker in self.workers]
+            self._watch_refs = [worker.wait_forever.options(concurrency_group="monitor").remote()
+                                for worker in self.workers]
             threading.Thread(target=self._monitor, name="RayWorkerMonitor", daemon=True).start()
         except BaseException:
             self._release(ray, remove_placement_group)
@@ -82,8 +90,42 @@ class RayDistributedExecutor(Executor):
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run `method` on every worker actor; results in rank order (Ray serializes the arguments)."""
+        return self._results(method, self._submit(method, args, kwargs), timeout)
+
+    def _submit(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [worker.execute_method.remote(method, *args, **(kwargs or {})) for worker in self.workers]
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Future[None] | None:
+        """The step's forward pass on every rank; non_block: a Future done when every rank is."""
+        refs = self._submit("execute_model", (scheduler_output,))
+        if not non_block:
+            self._results("execute_model", refs, None)
+            return None
+        return self._future(refs, lambda results: None)
+
+    def sample_tokens(self, non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Rank 0's ModelRunnerOutput; non_block: a Future of it (Ray runs each actor's calls in order)."""
+        refs = self._submit("sample_tokens")
+        if not non_block:
+            return self._results("sample_tokens", refs, None)[0]
+        return self._future(refs, lambda results: results[0])
+
+    def _future(self, refs: list[Any], pick: Callable[[list[Any]], Any]) -> Future[Any]:
+        """A concurrent Future of pick(results), errors translated as in collective_rpc."""
+        future: Future[Any] = Future()
+
+        def wait() -> None:
+            try:
+                future.set_result(pick(self._results("a step", refs, None)))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+        threading.Thread(target=wait, name="RayStepFuture", daemon=True).start()
+        return future
+
+    def _results(self, method: str | Callable[..., Any], refs: list[Any], timeout: float | None) -> list[Any]:
         ray = import_ray()
-        refs = [worker.execute_method.remote(method, *args, **(kwargs or {})) for worker in self.workers]
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.RayActorError as error:
