@@ -243,15 +243,16 @@ class AsyncDPClient(DPClient):
 
 # -- merging the cores' answers ---------------------------------------------------------------
 def merge_results(method: str, results: list[Any]) -> Any:
-    """One answer from every core's: merged stats and block pools, all() of booleans."""
+    """One answer from every core's: merged stats and block pools, all() of booleans, lists joined
+    (anything else: the list of the cores' answers, in rank order)."""
     if method == "get_stats":
         return merge_stats(results)
     if method == "get_block_pool_state":
         return merge_block_pool_states(results)
-    if method == "get_prefix_cache_hashes":
-        return [h for result in results for h in result]
     if all(isinstance(result, bool) for result in results):
         return all(results)
+    if all(isinstance(result, list) for result in results):  # e.g. prefix-cache hashes: every core's
+        return [item for result in results for item in result]
     return results
 
 

@@ -201,3 +201,23 @@ def test_dp2_equals_dp1_on_the_embedded_model(embedded_model_dir) -> None:
         _assert_no_leaks(llm)
     finally:
         llm.shutdown()
+
+
+def test_merged_answers_count_every_core() -> None:
+    from engine.frontend.dp_client import merge_results
+    from engine.metrics.stats import BlockPoolState
+
+    stats = [SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5, num_total_blocks=10,
+                            num_free_blocks=5, num_preemptions_total=3, engine_index=0),
+             SchedulerStats(num_running_reqs=1, kv_cache_usage=0.0, num_total_blocks=30, num_free_blocks=30,
+                            engine_index=1)]
+    merged = merge_results("get_stats", stats)
+    assert (merged.num_running_reqs, merged.num_waiting_reqs, merged.num_total_blocks) == (3, 1, 40)
+    assert merged.kv_cache_usage == pytest.approx(5 / 40) and merged.num_preemptions_total == 3
+    pools = [BlockPoolState(num_blocks=11, num_free_blocks=10, num_cached_blocks=2, num_running_reqs=0,
+                            num_waiting_reqs=0, block_states=b"\x03" + b"\x00" * 10, block_ref_counts=b"\x00" * 11)] * 2
+    assert merge_results("get_block_pool_state", pools).all_free
+    leaky = [pools[0], BlockPoolState(11, 9, 0, 1, 0, b"\x03" + b"\x01" + b"\x00" * 9, b"\x00" * 11)]
+    assert not merge_results("get_block_pool_state", leaky).all_free
+    assert merge_results("reset_prefix_cache", [True, False]) is False
+    assert merge_results("get_prefix_cache_hashes", [[b"a"], [b"b", b"c"]]) == [b"a", b"b", b"c"]
