@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
@@ -31,9 +31,6 @@ from engine.frontend.engine_process import EngineProcess
 from engine.ipc import MsgpackDecoder, MsgpackEncoder
 from engine.metrics.stats import BlockPoolState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall, UtilityOutput
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
