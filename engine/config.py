@@ -63,10 +63,15 @@ class EngineArgs:
     # {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}.
     kv_transfer_config: Any = None
     # Parallelism (engine/executor/): one worker for now. "fake" runs no model (FakeExecutor).
-    # uni | fake | mp (one worker process per tensor-parallel rank; tp > 1 with uni switches to mp)
+    # uni | fake | mp (one worker process per tensor-parallel rank; tp > 1 with uni switches to mp) | ray
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
+    # Data parallelism (engine/frontend/dp_client.py): data_parallel_size engine cores behind one
+    # frontend; each core's data_parallel_rank is set by the DP client (leave it at 0).
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_backend: str = "mp"  # mp (one process per core) | ray (not supported yet)
+    data_parallel_routing: str = "least_loaded"  # least_loaded | prefix (prefer the longest cached prefix)
     # Reliability (issue 18): logprobs per token a request may ask for (vLLM's max_logprobs;
     # -1: no limit), and how long the frontend waits for the engine core's heartbeat before it
     # declares the core unresponsive (EngineUnresponsiveError; None: never).
@@ -126,6 +131,8 @@ class EngineArgs:
             backend = "mp"  # one process cannot hold several ranks (as vLLM switches)
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               data_parallel_size=self.data_parallel_size,
+                              data_parallel_rank=self.data_parallel_rank,
+                              data_parallel_backend=self.data_parallel_backend,
                               distributed_executor_backend=backend)
 
     def create_mm_config(self) -> MultiModalConfig:
@@ -213,22 +220,51 @@ class EngineArgs:
                 f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
-        if self.distributed_executor_backend not in ("uni", "fake", "mp"):
-            not_yet = " is not supported yet" if self.distributed_executor_backend == "ray" else " is unknown"
+        if self.distributed_executor_backend not in ("uni", "fake", "mp", "ray"):
             raise InvalidEngineArgsError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r}{not_yet}; allowed: uni, fake, mp.")
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                fail(name, "it must be an integer >= 1")
-        if self.data_parallel_size != 1:
-            raise InvalidEngineArgsError(
-                f"data_parallel_size={self.data_parallel_size!r}: only 1 is supported yet (one engine core).")
+                f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "
+                "allowed: uni, fake, mp, ray.")
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "it must be an integer >= 1")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "fake":
             raise InvalidEngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "
                 "distributed_executor_backend='fake' runs no model.")
+        self._verify_data_parallel()
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
+
+    def _verify_data_parallel(self) -> None:
+        """data_parallel_size / _rank / _backend / _routing (InvalidEngineArgsError)."""
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 64:
+            raise InvalidEngineArgsError(f"data_parallel_size={size!r} is invalid: it must be an integer in [1, 64].")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+            raise InvalidEngineArgsError(
+                f"data_parallel_rank={rank!r} is invalid: it must be in [0, data_parallel_size={size}) "
+                "(the DP client sets it for each core; leave it at 0).")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise InvalidEngineArgsError(
+                f"data_parallel_backend={self.data_parallel_backend!r} is unknown; allowed: mp, ray.")
+        if self.data_parallel_routing not in ("least_loaded", "prefix"):
+            raise InvalidEngineArgsError(
+                f"data_parallel_routing={self.data_parallel_routing!r} is unknown; allowed: least_loaded, prefix.")
+        if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
+            raise InvalidEngineArgsError(
+                "data_parallel_routing='prefix' needs enable_prefix_caching=True (it follows each core's prefix cache).")
+        if size > 1:
+            if self.data_parallel_backend == "ray":
+                raise InvalidEngineArgsError(
+                    "data_parallel_backend='ray' is not supported yet: the engine cores run as local processes "
+                    "(data_parallel_backend='mp'); distributed_executor_backend='ray' spreads each core's workers "
+                    "over a Ray cluster.")
+            if not self.multiprocess:
+                raise InvalidEngineArgsError(
+                    f"data_parallel_size={size} needs multiprocess=True: each engine core runs in its own process.")
+            if self.kv_events_endpoint is not None:
+                raise InvalidEngineArgsError(
+                    f"kv_events_endpoint={self.kv_events_endpoint!r} cannot be shared by {size} engine cores: leave "
+                    "it unset (each core publishes on its own private endpoint, and its events reach the frontend "
+                    "tagged with its data_parallel_rank).")
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
         """The frontend's EngineConfig: the core's resolved configs from its ready handshake
@@ -338,7 +374,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake | mp
+    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake | mp | ray
+    data_parallel_rank: int = 0  # this engine core's index among data_parallel_size
+    data_parallel_backend: str = "mp"  # mp | ray
 
 
 @dataclass(frozen=True)

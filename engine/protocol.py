@@ -149,6 +149,9 @@ class EngineCoreReadyInfo(msgspec.Struct, array_like=True, gc=False):
     kv_events_endpoint: str | None = None
     pid: int = 0
     kv_events_server_key: str | None = None  # z85 CURVE public key of a tcp KV-events PUB
+    # The root of the core's prefix-cache hash chain (kv_cache_hashing.NONE_HASH), so that a
+    # data-parallel frontend can compute a request's block hashes as this core does.
+    none_hash: bytes | None = None
 
 
 class EngineCoreStartupFailure(msgspec.Struct, array_like=True, gc=False):

@@ -9,8 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
-    BlockSizeOpt, DtypeOpt, FakeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
-    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, console_threads, engine_args, parse_range,
+    BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt, MaxModelLenOpt,
+    MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt,
+    TensorParallelOpt, console_threads, engine_args, parallel_args, parse_range,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -40,7 +41,8 @@ def make_client(fake: bool, model: str | None, args: dict, url: str | None = Non
         return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
                                  block_size=args.get("block_size", 16),
                                  max_num_seqs=min(args.get("max_num_seqs", 16), 32),
-                                 max_model_len=args.get("max_model_len"))
+                                 max_model_len=args.get("max_model_len"),
+                                 data_parallel_size=args.get("data_parallel_size", 1))
     require(command, "engine")  # here, before the engine would fail inside the app or its process
     return AsyncLLMConsoleClient(model, **args)
 
@@ -83,6 +85,8 @@ def tui(
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
+    distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
     refuse_local_flags(ctx, url)
@@ -92,6 +96,8 @@ def tui(
                        max_num_batched_tokens, enable_prefix_caching, console_threads(num_threads))
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
+    args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
+                              data_parallel_routing))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))

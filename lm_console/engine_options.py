@@ -21,6 +21,30 @@ PrefixCachingOpt = Annotated[bool, typer.Option(
 NumThreadsOpt = Annotated[Optional[int], typer.Option(
     help="torch threads on CPU (default: all cores; tui/chat/events: all but one, which the console uses).")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
+# Scaling out (README "Scaling out: data parallelism and Ray").
+TensorParallelOpt = Annotated[int, typer.Option(help="Workers per engine core, each holding a slice of the model.")]
+DataParallelOpt = Annotated[int, typer.Option(
+    help="Engine cores behind one frontend, each with the whole model and its own KV cache (the console: c cycles).")]
+ExecutorBackendOpt = Annotated[str, typer.Option(
+    help="Where a core's workers run: uni (in the core) | ray (Ray actors, across a Ray cluster).")]
+DataParallelRoutingOpt = Annotated[str, typer.Option(
+    help="least_loaded | prefix (prefer the core holding the request's longest cached prefix).")]
+
+
+def parallel_args(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                  distributed_executor_backend: str = "uni",
+                  data_parallel_routing: str = "least_loaded") -> dict[str, Any]:
+    """EngineArgs keyword arguments of the scale-out flags (defaults left out; the engine checks them)."""
+    args: dict[str, Any] = {}
+    if tensor_parallel_size != 1:
+        args["tensor_parallel_size"] = tensor_parallel_size
+    if data_parallel_size != 1:
+        args["data_parallel_size"] = data_parallel_size
+    if distributed_executor_backend != "uni":
+        args["distributed_executor_backend"] = distributed_executor_backend
+    if data_parallel_routing != "least_loaded":
+        args["data_parallel_routing"] = data_parallel_routing
+    return args
 
 
 def engine_args(dtype: str = "auto", max_model_len: int | None = None, num_blocks: int | None = None,

@@ -153,6 +153,7 @@ class EngineCore:
         """This step's SchedulerStats; the block map joins at most every BLOCK_MAP_INTERVAL_S."""
         stats = self.scheduler.make_stats()
         stats.num_steps = self.num_steps
+        stats.engine_index = self.config.parallel_config.data_parallel_rank
         now = time.monotonic()
         if force_block_map or now - self._last_block_map_time >= BLOCK_MAP_INTERVAL_S:
             self._last_block_map_time = now
@@ -165,7 +166,11 @@ class EngineCore:
         events = self.kv_cache_manager.take_events()
         if self.kv_connector is not None:
             events.extend(self.kv_connector.take_events())
-        return KVEventBatch(ts=time.time(), events=events) if events else None
+        if not events:
+            return None
+        parallel = self.config.parallel_config
+        return KVEventBatch(ts=time.time(), events=events,
+                            data_parallel_rank=parallel.data_parallel_rank if parallel.data_parallel_size > 1 else None)
 
     def attach_kv_events(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Put the pending KV cache events on client 0's outputs."""
@@ -181,6 +186,7 @@ class EngineCore:
         """The current gauges, without draining the per-step counters."""
         stats = self.scheduler.make_stats(drain=False)
         stats.num_steps = self.num_steps
+        stats.engine_index = self.config.parallel_config.data_parallel_rank
         return stats
 
     def get_block_pool_state(self) -> BlockPoolState:

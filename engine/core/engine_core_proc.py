@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine import kv_cache_hashing
 from engine.admission import error_for_path, read_request_ids
 from engine.config import EngineArgs
 from engine.core.engine_core import EngineCore
@@ -68,6 +69,7 @@ class EngineCoreProc:
         self.publisher = publisher
         self.max_logprobs = max_logprobs
         self.vocab_size = engine_core.config.model_config.vocab_size
+        self.engine_index = engine_core.config.parallel_config.data_parallel_rank
         self.encoder = MsgpackEncoder()
         # ADD payloads decode one request at a time, so a bad request fails alone.
         self.add_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -257,6 +259,7 @@ class EngineCoreProc:
             self._send(client_index, client_outputs)
 
     def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        outputs.engine_index = self.engine_index
         with self.send_lock:
             frames = self.encoder.encode(outputs)
             self.output_sockets[client_index].send_multipart(frames, copy=False)
@@ -317,7 +320,8 @@ def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identit
             scheduler_config=config.scheduler_config, device_config=config.device_config,
             kv_events_endpoint=publisher.endpoint if publisher else None, pid=os.getpid(),
             kv_events_server_key=(addresses.curve.kv_events_public.decode()
-                                  if publisher is not None and publisher.curve and addresses.curve else None))
+                                  if publisher is not None and publisher.curve and addresses.curve else None),
+            none_hash=kv_cache_hashing.NONE_HASH)
         input_socket.send_multipart([EngineCoreRequestType.READY.frame(), *encoder.encode(info)])
         death_fd = death_reader.fileno() if death_reader is not None else None
         proc = EngineCoreProc(engine_core, context, input_socket, output_sockets, death_fd, publisher,

@@ -31,6 +31,7 @@ EXECUTOR_BACKENDS: dict[str, str] = {
     "uni": "engine.executor.uniproc:UniProcExecutor",
     "fake": "engine.executor.fake:FakeExecutor",
     "mp": "engine.executor.multiproc:MultiprocExecutor",
+    "ray": "engine.executor.ray_executor:RayDistributedExecutor",
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
 from engine.frontend.input_processor import InputProcessor, PromptType
-from engine.frontend.mp_client import AsyncMPClient
+from engine.frontend.client_factory import make_async_client
 from engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor
@@ -43,7 +43,8 @@ class AsyncLLM:
                  **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         # The tokenizer code imports while the engine core process starts.
-        self.engine_core = AsyncMPClient(self.engine_args, while_starting=preload_tokenizer_modules)
+        # AsyncMPClient, or AsyncDPClient for data_parallel_size > 1 (engine/frontend/dp_client.py).
+        self.engine_core = make_async_client(self.engine_args, while_starting=preload_tokenizer_modules)
         self.config = self.engine_args.create_frontend_config(self.engine_core.ready_info)
         self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
         eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
@@ -251,8 +252,11 @@ class AsyncLLM:
                     self._stats.publish(outputs.scheduler_stats)
                 if outputs.kv_events is not None:
                     self._kv_events.publish(outputs.kv_events)
+                scheduler_stats = outputs.scheduler_stats
+                if scheduler_stats is not None and loggers and self.engine_args.data_parallel_size > 1:
+                    scheduler_stats = client.engine_wide_stats(scheduler_stats)  # the loggers see one engine
                 for stat_logger in loggers:
-                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
+                    stat_logger.record(scheduler_stats, iteration_stats)
         except EngineDeadError as error:
             processor.propagate_error(error)
             end = error if client.errored else None

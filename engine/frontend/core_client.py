@@ -2,8 +2,8 @@
 
 InprocClient runs the core in this process (tests, debugging, `multiprocess=False`);
 SyncMPClient (LLM's default) and AsyncMPClient (AsyncLLM) run it in its own process
-(engine/frontend/mp_client.py, which also holds make_client). All share this interface; utility
-calls behave the same.
+(engine/frontend/mp_client.py), SyncDPClient / AsyncDPClient several cores (dp_client.py);
+engine/frontend/client_factory.py picks one. All share this interface; utility calls behave the same.
 """
 
 from __future__ import annotations

@@ -80,22 +80,27 @@ class EngineProcess:
 
         while_starting runs in this thread while the core starts (e.g. frontend imports).
         """
+        self.launch()
+        if while_starting is not None:
+            while_starting()
+        return self.wait_for_ready()
+
+    def launch(self) -> None:
+        """Start the core process without waiting for it (several cores start side by side)."""
         context = mp_context()
         death_reader, self.death_writer = context.Pipe(duplex=False)
         proc = context.Process(
             target=_run_engine_core, name="EngineCore", daemon=True,
-            args=(self.engine_args, self.addresses, self.core_identity, death_reader))
+            args=(_core_environment(self.engine_args), self.engine_args, self.addresses, self.core_identity,
+                  death_reader))
         try:
             with _main_module_hidden():
                 proc.start()
         finally:
             death_reader.close()
         self.proc = proc
-        if while_starting is not None:
-            while_starting()
-        return self._wait_for_ready()
 
-    def _wait_for_ready(self) -> EngineCoreReadyInfo:
+    def wait_for_ready(self) -> EngineCoreReadyInfo:
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         poller.register(self.proc.sentinel, zmq.POLLIN)
@@ -187,7 +192,24 @@ def _main_module_hidden() -> Iterator[None]:
             main.__file__ = saved_file
 
 
-def _run_engine_core(*args: Any) -> None:
+def _core_environment(engine_args: EngineArgs) -> dict[str, str]:
+    """Variables the core needs from this process's present environment (a forkserver's is older)."""
+    environment: dict[str, str] = {}
+    if engine_args.data_parallel_size > 1:
+        # Data parallelism over several GPUs: core i gets the i-th of CUDA_VISIBLE_DEVICES (with
+        # fewer listed, the cores share them and gpu_memory_utilization must leave room for all).
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if len(visible) >= engine_args.data_parallel_size:
+            environment["CUDA_VISIBLE_DEVICES"] = visible[engine_args.data_parallel_rank]
+    if engine_args.distributed_executor_backend == "ray":
+        from engine.executor.ray_utils import core_ray_environment  # torch-free, ray-free
+
+        environment.update(core_ray_environment())
+    return environment
+
+
+def _run_engine_core(environment: dict[str, str], *args: Any) -> None:
+    os.environ.update(environment)
     # A torch-free module holds the process target, so the frontend never imports the core.
     from engine.core.engine_core_proc import run_engine_core
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
 from engine.frontend.core_client import EngineCoreClient
-from engine.frontend.mp_client import make_client
+from engine.frontend.client_factory import make_client
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor

@@ -19,21 +19,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, EngineError, EngineUnresponsiveError, fresh_error
-from engine.frontend.core_client import EngineCoreClient, InprocClient
+from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import MsgpackDecoder, MsgpackEncoder
 from engine.metrics.stats import BlockPoolState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall, UtilityOutput
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,16 +96,20 @@ class MPClient(EngineCoreClient):
     """Starts the core process, sends inputs, and reads outputs on a background thread."""
 
     def __init__(self, engine_args: EngineArgs, sink: OutputSink, client_index: int = 0,
-                 while_starting: Callable[[], None] | None = None) -> None:
+                 while_starting: Callable[[], None] | None = None, launched: EngineProcess | None = None) -> None:
+        """launched: a core process already started with EngineProcess.launch() (data parallelism)."""
         self.sink = sink
         self.client_index = client_index
         self.encoder = MsgpackEncoder()
         self._call_ids = itertools.count()
-        self.resources = EngineProcess(engine_args)
+        self.resources = launched if launched is not None else EngineProcess(engine_args)
         # From here on the finalizer owns the process; it runs at shutdown(), GC or exit.
         self._finalizer = weakref.finalize(self, self.resources.close, sink)
         try:
-            self.ready_info = self.resources.start(while_starting)
+            if launched is None:
+                self.ready_info = self.resources.start(while_starting)
+            else:
+                self.ready_info = self.resources.wait_for_ready()
         except BaseException:
             self._finalizer()
             raise
@@ -306,17 +307,4 @@ def _read_outputs(resources: EngineProcess, sink: OutputSink, liveness_timeout_s
             sink.on_dead(EngineDeadError("The engine was shut down."), unexpected=False)
 
 
-def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
-                ) -> tuple[EngineCoreClient, EngineConfig]:
-    """The client LLM uses (SyncMPClient unless multiprocess=False) and the frontend config.
-
-    while_starting runs while a separate core process starts (not for the in-process core).
-    """
-    if engine_args.multiprocess:
-        client = SyncMPClient(engine_args, while_starting=while_starting)
-        return client, engine_args.create_frontend_config(client.ready_info)
-    client = InprocClient(engine_args.create_engine_config())
-    return client, client.engine_core.config  # the core's config, with num_blocks decided
-
-
-__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient", "make_client"]
+__all__ = ["AsyncMPClient", "MPClient", "OutputSink", "SyncMPClient"]

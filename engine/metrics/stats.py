@@ -84,6 +84,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     block_ref_counts: bytes | None = None
     encoder_cache: EncoderCacheStats | None = None  # multimodal models only
     kv_tiers: list[KVTierStats] | None = None  # KV offload tiers (kv_transfer_config), else None
+    engine_index: int = 0  # the engine core's data_parallel_rank (several cores: data parallelism)
 
 
 class BlockPoolState(msgspec.Struct, array_like=True, gc=False):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.core.engine_core import EngineCore
+from engine.errors import DuplicateRequestError
 from engine.executor.fake import FakeExecutor, FakeModelConfig, fake_engine_config
+from engine.frontend.dp_router import DPRouter
 from engine.frontend.input_processor import InputProcessor
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.stats import SchedulerStats
@@ -60,13 +63,20 @@ class FakeConsoleClient:
                  max_num_seqs: int = 16, auto_step: bool = True, step_interval: float = 0.05,
                  clock: Callable[[], float] = time.time, fail_start: str | None = None,
                  start_delay: float = 0.0, reply: Callable[[list[dict[str, Any]]], str] = default_reply,
-                 seed: int = 0, max_model_len: int | None = None) -> None:
+                 seed: int = 0, max_model_len: int | None = None, data_parallel_size: int = 1) -> None:
         if max_model_len is None:  # as long as the pool allows (the engine insists one request fits)
             max_model_len = min(FAKE_MODEL.max_position_embeddings, (num_blocks - 1) * block_size)
         config = fake_engine_config(FAKE_MODEL, num_blocks=num_blocks, block_size=block_size,
                                     max_model_len=max_model_len, max_num_batched_tokens=token_budget,
                                     max_num_seqs=max_num_seqs, seed=seed)
-        self.core = EngineCore(config)
+        # data_parallel_size > 1: that many engine cores, each tagging its stats with its index,
+        # requests routed to the least loaded as engine/frontend/dp_client.py does.
+        self.cores = [EngineCore(dataclasses.replace(config, parallel_config=dataclasses.replace(
+            config.parallel_config, data_parallel_size=data_parallel_size, data_parallel_rank=rank)))
+            for rank in range(data_parallel_size)]
+        self.core = self.cores[0]
+        self.router = DPRouter(data_parallel_size)
+        self._core_of: dict[str, int] = {}
         executor = self.core.model_executor
         assert isinstance(executor, FakeExecutor)
         self.executor = executor
@@ -132,14 +142,15 @@ class FakeConsoleClient:
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None and not stream.finished:
-            self.core.abort_requests([request_id])
+            self._core_for(request_id).abort_requests([request_id])
             stream.finished = True
             stream.queue.put_nowait(self._chunk(request_id, stream, "", 0, self.clock(), "abort"))
 
     async def reset_prefix_cache(self) -> bool:
         self._raise_if_dead()
-        done = self.core.reset_prefix_cache()
-        self._publish_events(self.core.take_kv_events(), self.clock())  # AllBlocksCleared, now
+        done = all([core.reset_prefix_cache() for core in self.cores])
+        for core in self.cores:
+            self._publish_events(core.take_kv_events(), self.clock())  # AllBlocksCleared, now
         return done
 
     async def shutdown(self) -> None:
@@ -148,24 +159,32 @@ class FakeConsoleClient:
             self._ticker = None
         if not self._is_shut_down:
             self._is_shut_down = True
-            self.core.shutdown()
+            for core in self.cores:
+                core.shutdown()
 
     # -- test hooks -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return any(core.has_unfinished_requests() for core in self.cores)
 
     def step(self) -> None:
-        """Run one engine step (if there is work) and publish its stats, KV events and tokens."""
+        """Run one step of every engine core (with work) and publish its stats, KV events and tokens."""
+        for index in range(len(self.cores)):
+            self._step_core(index)
+
+    def _step_core(self, index: int) -> None:
         if self.dead_error is not None or self._is_shut_down:
             return
-        outputs, _ = self.core.step()
+        core = self.cores[index]
+        outputs, _ = core.step()
         if not outputs:
             return
+        executor = core.model_executor
         now = self.clock()
-        done = now + self.executor.last_step_time_s  # tokens leave when the simulated compute ends
+        done = now + executor.last_step_time_s  # tokens leave when the simulated compute ends
         stats: SchedulerStats | None = None
         events: KVEventBatch | None = None
         for client_outputs in outputs.values():
+            self.router.observe(index, client_outputs)
             stats = client_outputs.scheduler_stats or stats
             events = client_outputs.kv_events or events
             for output in client_outputs.outputs:
@@ -174,10 +193,10 @@ class FakeConsoleClient:
             # The fake's own time: its clock, the simulated compute, and the block map every step
             # (the core sends it a few times a second of wall time, which a hand-moved clock lacks).
             stats.timestamp = now
-            stats.step_time_s = self.executor.last_step_time_s
+            stats.step_time_s = executor.last_step_time_s
             if stats.block_states is None:
-                stats.block_states = self.core.kv_cache_manager.get_block_states()
-                stats.block_ref_counts = self.core.kv_cache_manager.get_block_ref_counts()
+                stats.block_states = core.kv_cache_manager.get_block_states()
+                stats.block_ref_counts = core.kv_cache_manager.get_block_ref_counts()
             self.push_stats(stats)
         self._publish_events(events, now)
 
@@ -222,7 +241,15 @@ class FakeConsoleClient:
             output_kind=RequestOutputKind.DELTA)
         now = self.clock()
         _, request = self.input_processor.process_inputs(request_id, prompt, sampling, arrival_time=now)
-        self.core.add_request(request)  # raises on a duplicate id, before any stream exists
+        if request_id in self._core_of:
+            raise DuplicateRequestError(f"Request id {request_id!r} is already in the engine.")
+        index = next(iter(self.router.assign([request])))
+        try:
+            self.cores[index].add_request(request)  # raises on a bad request, before any stream exists
+        except BaseException:
+            self.router.release([request_id])
+            raise
+        self._core_of[request_id] = index
         stream = _Stream(asyncio.Queue(), now, len(request.prompt_token_ids), script)
         self._streams[request_id] = stream
         self.submitted.append(request_id)
@@ -237,8 +264,11 @@ class FakeConsoleClient:
                     return
         finally:
             del self._streams[request_id]
+            core = self._core_for(request_id)
+            self.router.release([request_id])
+            del self._core_of[request_id]
             if not self._is_shut_down:
-                self.core.abort_requests([request_id])  # a no-op once it finished
+                core.abort_requests([request_id])  # a no-op once it finished
 
     def _deliver(self, output: EngineCoreOutput, now: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -283,13 +313,16 @@ class FakeConsoleClient:
         self._num_event_batches += 1
         self.push_events([KVEventRecord(now, event, self._num_event_batches) for event in batch.events])
 
+    def _core_for(self, request_id: str) -> EngineCore:
+        return self.cores[self._core_of.get(request_id, 0)]
+
     def _raise_if_dead(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
 
     async def _tick(self) -> None:
         while self.dead_error is None:
-            if not self.core.has_unfinished_requests():
+            if not self.has_unfinished_requests():
                 self._wake.clear()
                 await self._wake.wait()
             try:

@@ -32,7 +32,7 @@ from lm_console.tui.widgets.engine_status import EngineStatus
 from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
 
 DASHBOARD_ACTIONS = {"toggle_load", "rate_up", "rate_down", "cycle_share", "shape_load",
-                     "pause_events", "filter_events", "reset_prefix_cache", "pause"}
+                     "pause_events", "filter_events", "reset_prefix_cache", "pause", "next_core"}
 
 
 class ConsoleApp(App[None]):
@@ -55,6 +55,7 @@ class ConsoleApp(App[None]):
         Binding("space", "pause_events", "events"),
         Binding("slash", "filter_events", "filter", key_display="/"),
         Binding("r", "reset_prefix_cache", "reset cache"),
+        Binding("c", "next_core", "core", show=False),  # data parallelism: the next engine core's gauges and map
     ]
 
     def __init__(self, client: ConsoleClient, *, load: bool = False, shape: LoadShape | None = None,
@@ -248,6 +249,14 @@ class ConsoleApp(App[None]):
 
     def action_filter_events(self) -> None:
         self.query_one(KVEventsPanel).open_filter()
+
+    def action_next_core(self) -> None:
+        """Data parallelism: show the next engine core's gauges and block map."""
+        if self.telemetry.view.num_cores < 2:
+            self.notify("This engine has one core (lmc tui --data-parallel-size N runs more).", timeout=2)
+            return
+        core = self.telemetry.next_core()
+        self.notify(f"Showing engine core {core + 1} of {self.telemetry.view.num_cores}.", timeout=2)
 
     async def action_reset_prefix_cache(self) -> None:
         try:

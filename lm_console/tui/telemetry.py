@@ -60,6 +60,11 @@ class DashboardView:
     encoder_cache: EncoderCacheStats | None = None  # latest; None for a text-only engine
     kv_tiers: list[KVTierStats] = field(default_factory=list)  # latest, cumulative counters
     kv_tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # medium -> (in, out) B/s
+    # Data parallelism: the gauges and the block map are one core's (selected_core; `c` cycles);
+    # the token rates count every core. cores: index -> (running, waiting, KV usage), latest.
+    num_cores: int = 1
+    selected_core: int = 0
+    cores: dict[int, tuple[int, int, float]] = field(default_factory=dict)
 
 
 class Telemetry:
@@ -84,6 +89,8 @@ class Telemetry:
         self._prefix_sums = [0, 0, 0]
         self._prefix_all = [0, 0]
         self._tier_points: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()  # ts, medium -> (in, out)
+        self._core_maps: dict[int, tuple[bytes, bytes | None]] = {}  # each core's latest block map
+        self._core_latest: dict[int, SchedulerStats] = {}
 
     def add_stats(self, sample: SchedulerStats) -> None:
         self.pending_stats.append(sample)
@@ -129,9 +136,40 @@ class Telemetry:
         view.tpot_p50, view.tpot_p95 = percentile(tpots, 50), percentile(tpots, 95)
         return view
 
+    def next_core(self) -> int:
+        """Show the next engine core (data parallelism); its latest block map at once."""
+        view = self.view
+        indices = sorted(view.cores) or [0]
+        later = [i for i in indices if i > view.selected_core]
+        view.selected_core = later[0] if later else indices[0]
+        latest = self._core_latest.get(view.selected_core)
+        if latest is not None:  # its gauges and map now, not at its next step
+            view.num_running, view.num_waiting = latest.num_running_reqs, latest.num_waiting_reqs
+            view.kv_usage, view.num_total_blocks = latest.kv_cache_usage, latest.num_total_blocks
+            view.num_free_blocks = latest.num_free_blocks
+            view.num_used_blocks = max(latest.num_total_blocks - latest.num_free_blocks, 0)
+            view.num_cached_blocks = None
+        states, ref_counts = self._core_maps.get(view.selected_core, (None, None))
+        view.block_states, view.block_ref_counts = states, ref_counts
+        if states is not None:
+            view.num_cached_blocks = states.count(BLOCK_STATE_CACHED)
+            view.num_used_blocks = states.count(BLOCK_STATE_IN_USE)
+            view.num_free_blocks = states.count(BLOCK_STATE_FREE) + view.num_cached_blocks
+        return view.selected_core
+
     def _fold(self, sample: SchedulerStats, view: DashboardView) -> None:
         is_step = not isinstance(sample, StatsSnapshot)
         view.num_stats += 1
+        core = sample.engine_index
+        view.cores[core] = (sample.num_running_reqs, sample.num_waiting_reqs, sample.kv_cache_usage)
+        self._core_latest[core] = sample
+        view.num_cores = max(view.num_cores, len(view.cores))
+        if sample.block_states is not None:
+            self._core_maps[core] = (sample.block_states, sample.block_ref_counts)
+        if core != view.selected_core:  # another core: its tokens count in the rates, nothing else
+            self._steps.append((sample.timestamp, 0, sample.num_prompt_tokens, sample.num_generation_tokens,
+                                sample.num_preempted_reqs, 0))
+            return
         view.num_running = sample.num_running_reqs
         view.num_waiting = sample.num_waiting_reqs
         view.num_preempted_total = sample.num_preemptions_total  # exact even when samples were dropped

@@ -47,10 +47,9 @@ def test_unknown_backend_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
-    ({"distributed_executor_backend": "threads"}, "'threads' is unknown; allowed: uni, fake, mp"),
+    ({"distributed_executor_backend": "threads"}, "'threads' is unknown; allowed: uni, fake, mp, ray"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "fake"}, "needs real workers"),
-    ({"data_parallel_size": 4}, "data_parallel_size=4: only 1 is supported yet"),
+    ({"data_parallel_size": 0}, r"data_parallel_size=0 is invalid: it must be an integer in \[1, 64\]"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 is invalid: it must be an integer >= 1"),
 ])
 def test_engine_args_refuse_what_is_not_supported(kwargs: dict, message: str) -> None:

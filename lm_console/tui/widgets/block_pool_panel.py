@@ -30,8 +30,9 @@ class BlockPoolPanel(Vertical):
         block_map = self.query_one(BlockMap)
         block_map.set_blocks(view.block_states, view.block_ref_counts)
         cached = "?" if view.num_cached_blocks is None else fmt_count(view.num_cached_blocks)
+        core = f" · core {view.selected_core + 1}/{view.num_cores} (c: next)" if view.num_cores > 1 else ""
         self.border_title = (
-            f"KV block pool ─ usage {view.kv_usage * 100:.0f}% · in use {fmt_count(view.num_used_blocks)}"
+            f"KV block pool{core} ─ usage {view.kv_usage * 100:.0f}% · in use {fmt_count(view.num_used_blocks)}"
             f" · cached {cached} · free {fmt_count(view.num_free_blocks)} of {fmt_count(view.num_total_blocks)}"
         )
         first, last = block_map.blocks_in_view()

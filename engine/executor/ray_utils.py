@@ -1,0 +1,155 @@
+"""Ray plumbing for RayDistributedExecutor: the cluster connection, the placement group, the worker actor.
+
+Which cluster: the one this process already joined (ray.is_initialized()), else RAY_ADDRESS
+(the frontend hands its own to the engine core, see core_ray_environment), else one that
+`ray start` runs on this machine, else a private local instance that the executor starts and stops.
+Placement: one bundle per rank ({"CPU": 1} on CPU, {"GPU": 1} on CUDA), PACK strategy, so the
+ranks fill one node before spilling to the next. Nothing here imports ray at module level:
+the frontend calls core_ray_environment without Ray installed.
+
+What crosses Ray: the worker methods' arguments and results, serialized by Ray itself (its
+pickle-based object store, over Ray's own channels, not one of the engine's sockets); the
+worker's node report, which is ours, is msgspec.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+import msgspec
+
+from engine.errors import EngineStartupError, InvalidEngineArgsError
+
+RAY_NAMESPACE = "lm-console"
+PLACEMENT_TIMEOUT_S = float(os.environ.get("LMC_RAY_PLACEMENT_TIMEOUT", "60"))
+
+
+def import_ray() -> Any:
+    """The ray module, or a clear error naming the extra to install."""
+    try:
+        import ray
+    except ImportError:
+        raise InvalidEngineArgsError(
+            "distributed_executor_backend='ray' needs Ray: pip install 'lm-console[ray]' (or pip install ray).") from None
+    return ray
+
+
+# Ray's own switch: "0" makes a single-machine instance use 127.0.0.1 instead of the machine's address.
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def core_ray_environment() -> dict[str, str]:
+    """The Ray settings of the frontend that the engine core needs: the cluster it joined (else
+    $RAY_ADDRESS) and Ray's loopback switch.
+
+    The core starts from a forkserver that predates a later ray.init or os.environ change in
+    the frontend, so they are handed on explicitly.
+    """
+    environment = {}
+    ray = sys.modules.get("ray")
+    address = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        environment["RAY_ADDRESS"] = address
+    if _LOOPBACK_SWITCH in os.environ:
+        environment[_LOOPBACK_SWITCH] = os.environ[_LOOPBACK_SWITCH]
+    return environment
+
+
+def connect() -> bool:
+    """Join the cluster (see the module docstring); True when this call started a local instance."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        return False
+    try:  # a cluster that `ray start` runs on this machine
+        ray.init(address="auto", namespace=RAY_NAMESPACE, log_to_driver=False)
+        return False
+    except ConnectionError:
+        pass
+    ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def worker_bundle(device: str) -> dict[str, float]:
+    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+
+
+def make_placement_group(world_size: int, device: str) -> Any:
+    """One bundle per rank, reserved before any actor starts; a clear error when the cluster is too small."""
+    ray = import_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = worker_bundle(device)
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise EngineStartupError(
+            f"The Ray cluster cannot place {world_size} workers with {bundle} each within "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s: it has {ray.cluster_resources()} in all and "
+            f"{ray.available_resources()} free. Add nodes (ray start --address ...) or lower tensor_parallel_size."
+        ) from None
+    return group
+
+
+class WorkerNodeInfo(msgspec.Struct, array_like=True):
+    """Where one worker actor runs (its report to the executor)."""
+
+    node_id: str
+    ip: str
+    pid: int
+    gpu_ids: list[str] = []
+
+
+class RayWorkerWrapper:
+    """The body of one worker actor: the engine's Worker, built once the executor knows the ranks."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def node_info(self) -> bytes:
+        import ray
+
+        context = ray.get_runtime_context()
+        gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+        return msgspec.msgpack.encode(WorkerNodeInfo(context.get_node_id(), ray.util.get_node_ip_address(),
+                                                     os.getpid(), gpu_ids))
+
+    def free_port(self) -> int:
+        """A free TCP port on this node (torch.distributed's rendezvous, served by rank 0)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def init_worker(self, config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
+                    cuda_visible_devices: str | None) -> None:
+        if cuda_visible_devices is not None:
+            # Every rank on a node sees all of the node's workers' GPUs and picks its own by local_rank.
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        from engine.worker.worker import Worker
+
+        self.worker = Worker(config, rank=rank, local_rank=local_rank,
+                             distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
+
+    def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a Worker method by name, or a function with the worker first (collective_rpc)."""
+        if isinstance(method, str):
+            return getattr(self.worker, method)(*args, **kwargs)
+        return method(self.worker, *args, **kwargs)
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+    def wait_forever(self) -> None:
+        """Never returns: the executor's monitor learns of the actor's death when this call fails
+        (the actor runs it in its second thread, max_concurrency=2)."""
+        threading.Event().wait()

@@ -1,0 +1,76 @@
+"""RayDistributedExecutor over a local Ray instance: TP=2 over two worker actors gives the greedy
+tokens of TP=1 in one process, and a worker actor's death is an EngineDeadError in every caller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+# Set before Ray loads: a single-machine instance on 127.0.0.1 (Ray otherwise uses the machine's address).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.errors import EngineDeadError  # noqa: E402
+from engine.executor.ray_utils import RAY_NAMESPACE  # noqa: E402
+from llm_helpers import random_prompts  # noqa: E402
+
+ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance on loopback for this module; the engine core joins it (RAY_ADDRESS)."""
+    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    yield ray
+    ray.shutdown()
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, tiny_llama_dir) -> None:
+    single = LLM(str(tiny_llama_dir), multiprocess=False, **ARGS)
+    prompts = random_prompts(single.config.model_config.vocab_size, 4, 5, 60, seed=7)
+    expected = _greedy(single, prompts)
+    single.shutdown()
+    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="ray", tensor_parallel_size=2, **ARGS)
+    try:
+        assert _greedy(llm, prompts) == expected
+        assert llm.get_block_pool_state().all_free
+        names = sorted(ray.util.list_named_actors())
+        core_pid = llm.engine_core.proc.pid
+        assert names == [f"lmc-worker-{core_pid}-dp0-tp0", f"lmc-worker-{core_pid}-dp0-tp1"]
+        actor_pid = ray.get(ray.get_actor(names[1]).getpid.remote())
+        errors: list[BaseException] = []
+        caught_at: list[float] = []
+
+        def generate() -> None:
+            try:
+                llm.generate(["long"] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+            except BaseException as error:  # noqa: BLE001
+                caught_at.append(time.monotonic())
+                errors.append(error)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        while llm.get_stats().num_running_reqs == 0:
+            time.sleep(0.01)
+        os.kill(actor_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(10)
+        assert not thread.is_alive() and isinstance(errors[0], EngineDeadError)
+        assert "Ray worker actor" in str(errors[0]) and caught_at[0] - killed < 2.0
+        with pytest.raises(EngineDeadError):
+            llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert not ray.util.list_named_actors()  # the core's actors went with it
