@@ -16,7 +16,7 @@ import typer
 
 from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
-    NumThreadsOpt, PrefixCachingOpt, engine_args,
+    AsyncSchedulingOpt, NumThreadsOpt, PrefixCachingOpt, engine_args,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -33,7 +33,7 @@ def serve(
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None,
+    num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
@@ -78,7 +78,7 @@ def serve(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads)
+                       enable_prefix_caching, num_threads, async_scheduling)
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
