@@ -19,8 +19,8 @@ Corner cases, each covered by tests/core/sched/test_async_scheduler.py:
   request is re-admitted only once no token of it is in flight, so its recomputation starts from
   every token it has.
 - prefix caching: block hashes cover real tokens only (Request.block_hashes grows on append),
-  and allocate_slots caches blocks up to num_tokens; update_from_output caches the blocks the
-  arrived tokens complete.
+  and allocate_slots caches blocks up to num_tokens; update_from_output (and the final free)
+  caches the blocks the arrived tokens complete.
 
 Invariant: for every request, num_output_placeholders == the number of steps in flight that
 sample for it; `_num_steps_in_flight[req_id]` counts the steps in flight that compute any token of
@@ -96,16 +96,20 @@ class AsyncScheduler(Scheduler):
             num_sampled = len(sampled[index[request_id]])
             assert request.num_output_placeholders >= num_sampled, (request_id, request.num_output_placeholders)
             request.num_output_placeholders -= num_sampled
-        was_running = {r for r in scheduler_output.num_scheduled_tokens
-                       if (req := self.requests.get(r)) is not None and req.status == RequestStatus.RUNNING}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for request_id in scheduler_output.num_scheduled_tokens:
             self._step_returned(request_id)
             request = self.requests.get(request_id)
-            if request is not None and request_id in was_running and request.status == RequestStatus.RUNNING:
-                # The blocks the arrived tokens complete (KV of real tokens only) join the prefix cache.
-                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._cache_computed_blocks(request)
         return outputs
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Enter the blocks whose tokens are all known into the prefix cache: allocate_slots
+        stopped at the real tokens, and the tokens that arrived since may complete a block."""
+        if request.num_computed_tokens > 0:  # it holds blocks (a preempted request holds none)
+            num_tokens = min(request.num_computed_tokens - request.num_output_placeholders, request.num_tokens)
+            self.kv_cache_manager.cache_blocks(request, num_tokens)
 
     def _step_returned(self, request_id: str) -> None:
         """One step that computed tokens of request_id is done: free deferred blocks at the last."""
@@ -118,6 +122,12 @@ class AsyncScheduler(Scheduler):
         request = self._deferred_frees.pop(request_id, None)
         if request is not None:
             self.kv_cache_manager.free(request)
+
+    def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
+        """Cache the finished request's completed blocks (its last tokens may have completed
+        one since its last allocate_slots), then free it as the base scheduler does."""
+        self._cache_computed_blocks(request)
+        super()._free_request(request, delay_free)
 
     def _free_blocks(self, request: Request, delay_free: bool) -> None:
         """Defer the free while a step in flight still writes the request's blocks."""
