@@ -1,12 +1,16 @@
 """Greedy outputs (fp32) with async_scheduling on equal those with it off, on the tiny Llama and
 the embedded model: max_tokens, stop token ids, stop strings, EOS, n > 1, prefix hits, forced
-preemption; no KV block leaks (the engine core in its own process, as by default)."""
+preemption, aborts mid-stream; no KV block leaks. The tiny-model engines run in-process (cheap),
+so the tests also drive the async LLM's EngineCore directly (its UniProcExecutor's worker thread
+and the runner's device-side placeholder inputs); the slow test runs the core in its own process."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.protocol import EngineCoreRequest
 from llm_helpers import assert_no_leaked_blocks, random_prompts, text_prompts
 
 
@@ -102,6 +106,97 @@ def test_forced_preemption_does_not_change_outputs(prompts, free_outputs, make_l
                      **ENGINE)
     assert _outputs(small, prompts, FREE) == free_outputs
     assert small.get_stats().num_preemptions_total > 0
+
+
+# -- the async LLM's EngineCore, driven directly ------------------------------------------------
+def _core(llm: LLM) -> EngineCore:
+    return llm.engine_core.engine_core  # InprocClient
+
+
+def _drain(core: EngineCore, on_step=None) -> dict[str, list[int]]:  # noqa: ANN001
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while core.has_work():
+        outputs, _ = core.step()
+        for client_outputs in outputs.values():
+            for output in client_outputs.outputs:
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if on_step is not None:
+            on_step(step, tokens)
+        step += 1
+    return tokens
+
+
+def _add(core: EngineCore, prompts: list[list[int]]) -> list[str]:
+    ids = [f"core-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        core.add_request(EngineCoreRequest(request_id, prompt, FREE, eos_token_id=None, arrival_time=0.0))
+    return ids
+
+
+def _assert_core_idle_and_no_leak(core: EngineCore) -> None:
+    state = core.get_block_pool_state()
+    assert state.num_free_blocks == state.num_blocks - 1 and not core.batch_queue
+
+
+def test_uniproc_runs_the_worker_on_its_own_thread(llms) -> None:  # noqa: ANN001
+    executor = _core(llms[1]).model_executor
+    assert executor.max_concurrent_batches == 2 and executor.worker_thread is not None
+    names = executor.collective_rpc(lambda worker: __import__("threading").current_thread().name)
+    assert names[0].startswith("lmc-worker")
+    assert _core(llms[0]).batch_queue is None and _core(llms[0]).model_executor.worker_thread is None
+
+
+def test_placeholder_inputs_come_from_the_previous_samples_on_the_device(llms, prompts, free_outputs) -> None:  # noqa: ANN001
+    """The host copy of each sampled token is overwritten with garbage right after sampling: the
+    outputs stay right only if the next step takes its input from the device-side samples."""
+    core = _core(llms[1])
+    runner = core.model_executor.worker.model_runner
+    sample_tokens, copy = runner.sample_tokens, runner._copy_prev_sampled_token_ids
+    num_copied: list[int] = []
+
+    def poisoning_sample_tokens():  # noqa: ANN202
+        output = sample_tokens()
+        for row, position in runner.prev_sampled.values():
+            runner.input_batch.token_ids_cpu[row, position] = 0
+        return output
+
+    def counting_copy(inputs):  # noqa: ANN001, ANN202
+        copy(inputs)
+        num_copied.append(sum(1 for r in inputs.req_ids if r in runner.prev_sampled))
+
+    runner.sample_tokens, runner._copy_prev_sampled_token_ids = poisoning_sample_tokens, counting_copy
+    try:
+        ids = _add(core, prompts)
+        tokens = _drain(core)
+    finally:
+        del runner.sample_tokens, runner._copy_prev_sampled_token_ids
+    assert [tokens[i] for i in ids] == [out[0][0] for out in free_outputs]
+    assert sum(num_copied) >= len(prompts) * 14  # every decode input (15 a request) but the last few
+    _assert_core_idle_and_no_leak(core)
+
+
+def test_abort_mid_stream_emits_nothing_more_and_frees_every_block(llms, prompts, free_outputs) -> None:  # noqa: ANN001
+    core = _core(llms[1])
+    emitted_at_abort: dict[str, int] = {}
+
+    def abort(step: int, tokens: dict[str, list[int]]) -> None:
+        if step == 4:
+            for request_id in ("core-1", "core-3"):
+                emitted_at_abort[request_id] = len(tokens.get(request_id, []))
+            core.abort_requests(list(emitted_at_abort))
+            assert core.scheduler.num_deferred_frees == 2  # both were in the batch in flight
+
+    ids = _add(core, prompts)
+    tokens = _drain(core, abort)
+    for request_id, out in zip(ids, free_outputs):
+        full = out[0][0]
+        if request_id in emitted_at_abort:
+            got = tokens.get(request_id, [])
+            assert got == full[:emitted_at_abort[request_id]] and len(got) < len(full)
+        else:
+            assert tokens[request_id] == full
+    _assert_core_idle_and_no_leak(core)
 
 
 @pytest.mark.slow
