@@ -2,6 +2,8 @@
 
 EngineCore.step() calls execute_model() then sample_tokens(); each is a collective_rpc() that
 runs the same Worker method on every worker and returns the output rank's result (rank 0).
+With async scheduling, EngineCore.step_with_batch_queue() calls both with non_block=True (each
+returns a Future at once) and keeps max_concurrent_batches batches in flight.
 The KV cache is sized and allocated through the executor too, so the core never touches a
 worker. Implementations: UniProcExecutor (the worker in this process, the default) and
 FakeExecutor (no torch, no model: the console's demo engine and tests); a multiprocess and a
