@@ -145,9 +145,6 @@ class AsyncScheduler(Scheduler):
                 "step in flight (async scheduling); use a fresh id, or resubmit after its final output.")
         super().add_request(request)
 
-    def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self._deferred_frees)
-
     @property
     def num_deferred_frees(self) -> int:
         """Finished requests whose blocks wait for a step in flight."""
