@@ -151,6 +151,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.model_executor.execute_model(scheduler_output)
         model_output = self.model_executor.sample_tokens()
+        assert not isinstance(model_output, Future)  # a blocking call returns the output itself
         return self._finish_step(scheduler_output, model_output, start)
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -167,6 +168,7 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
             sample_future = self.model_executor.sample_tokens(non_block=True)
+            assert isinstance(exec_future, Future) and isinstance(sample_future, Future)
             batch_queue.appendleft((exec_future, sample_future, scheduler_output))
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
             if model_executed and len(batch_queue) < self.batch_queue_size and not batch_queue[-1][1].done():

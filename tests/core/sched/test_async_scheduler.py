@@ -18,7 +18,6 @@ from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.errors import DuplicateRequestError, InvalidEngineArgsError
 from engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
 from engine.protocol import EngineCoreRequest, FinishReason
-from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
 VOCAB = 1000
