@@ -203,8 +203,8 @@ def test_abort_mid_stream_emits_nothing_more_and_frees_every_block(llms, prompts
 def test_embedded_model_greedy_equal(embedded_model_dir, make_llm) -> None:  # noqa: ANN001
     # The async engine core runs in its own process here (the default), as under `lmc serve`.
     sync = make_llm(None, **ENGINE)
-    prompts = text_prompts(sync.get_tokenizer(), 4, 5, 200)
-    params = SamplingParams(temperature=0.0, max_tokens=32)
+    prompts = text_prompts(sync.get_tokenizer(), 3, 5, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
     expected = _outputs(sync, prompts, params)
     async_ = make_llm(None, dtype="float32", async_scheduling=True)
     assert _outputs(async_, prompts, params) == expected
