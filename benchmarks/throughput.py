@@ -7,6 +7,7 @@ ignore_eos; HF at batch 8/16/32 in fp32 and bf16; prints the ratio against HF's 
     python benchmarks/throughput.py [--num-requests 64] [--hf-batch-sizes 8,16,32]
                                     [--hf-dtypes float32,bfloat16] [--engine-dtype auto]
                                     [--data-parallel-size N]  # N engine cores, --threads split among them
+                                    [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="8,16,32")
     parser.add_argument("--hf-dtypes", default="float32,bfloat16")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true", help="the engine with async scheduling")
     parser.add_argument("--save-result", default=None, help="write all figures as JSON")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine cores (data parallelism); each gets --threads / N torch threads")
@@ -47,7 +49,8 @@ def main() -> None:
                         tuple(args.hf_dtypes.split(",")))
     engine = engine_args(args.engine_dtype, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         num_threads=max(args.threads // args.data_parallel_size, 1))
+                         num_threads=max(args.threads // args.data_parallel_size, 1),
+                         async_scheduling=args.async_scheduling)
     if args.data_parallel_size > 1:
         engine["data_parallel_size"] = args.data_parallel_size
     sys.exit(1 if bench_throughput(None, engine, workload, baseline, args.save_result) else 0)

@@ -39,6 +39,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core/sched/async_scheduler.py)
     kv_cache_memory: int | None = None  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -115,7 +116,8 @@ class EngineArgs:
                 enable_kv_cache_events=self.enable_kv_cache_events),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                enable_chunked_prefill=self.enable_chunked_prefill, log_stats=self.log_stats),
+                enable_chunked_prefill=self.enable_chunked_prefill, log_stats=self.log_stats,
+                async_scheduling=self.async_scheduling),
             parallel_config=self.create_parallel_config(),
             device_config=DeviceConfig(device=device, num_threads=self.num_threads,
                                        attention_backend=self.attention_backend, enforce_eager=self.enforce_eager),
@@ -191,7 +193,7 @@ class EngineArgs:
             if hasattr(self, name) and not isinstance(getattr(self, name), str):
                 fail(name, "it must be a str")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_kv_cache_events",
-                     "log_stats", "multiprocess", "disable_chunked_mm_input"):
+                     "log_stats", "multiprocess", "disable_chunked_mm_input", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "it must be True or False")
         if not is_int(self.seed):
@@ -232,6 +234,12 @@ class EngineArgs:
                 "distributed_executor_backend='fake' runs no model.")
         self._verify_data_parallel()
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
+        for name in ("kv_transfer_config", "ec_transfer_config"):
+            if self.async_scheduling and getattr(self, name) is not None:
+                raise InvalidEngineArgsError(
+                    f"async_scheduling=True cannot be combined with {name}: a connector plans each step from "
+                    "the previous step's finished output, which async scheduling does not wait for. "
+                    "Drop one of the two.")
 
     def _verify_data_parallel(self) -> None:
         """data_parallel_size / _rank / _backend / _routing (InvalidEngineArgsError)."""
@@ -366,6 +374,9 @@ class SchedulerConfig:
     max_num_seqs: int = 128  # requests per step
     enable_chunked_prefill: bool = True
     log_stats: bool = True  # SchedulerStats on every step's outputs
+    # Schedule step N+1 while step N runs (AsyncScheduler: placeholders for the tokens in flight;
+    # the executor then keeps max_concurrent_batches = 2 batches in EngineCore's batch queue).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

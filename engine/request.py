@@ -71,6 +71,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens scheduled to be sampled by steps still in flight (their ids are
+        # not known yet); num_computed_tokens counts them, num_tokens does not.
+        self.num_output_placeholders = 0
         # Tokens found in the prefix cache at first scheduling (reported to the user).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

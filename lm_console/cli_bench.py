@@ -9,7 +9,7 @@ import typer
 
 from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
-    NumThreadsOpt, PrefixCachingOpt, engine_args,
+    AsyncSchedulingOpt, NumThreadsOpt, PrefixCachingOpt, engine_args,
 )
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, refuse_local_flags
 
@@ -61,7 +61,7 @@ def throughput(
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None,
+    num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
     dataset_name: Annotated[str, typer.Option(help="random | prefix (shared prefixes).")] = "random",
     num_prompts: NumPromptsOpt = 64, random_input_len: InputLenOpt = 128, random_output_len: OutputLenOpt = 64,
     random_range_ratio: RangeRatioOpt = 0.5, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
@@ -75,7 +75,7 @@ def throughput(
     workload = Workload(dataset_name, num_prompts, random_input_len, random_output_len, random_range_ratio,
                         prefix_len, suffix_len, num_prefixes, seed)
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads)
+                       enable_prefix_caching, num_threads, async_scheduling)
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     _finish(lambda: bench_throughput(model, args, workload, hf, save_result, progress))
 

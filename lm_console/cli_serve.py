@@ -15,9 +15,9 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
-    BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, MaxModelLenOpt,
-    MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt,
-    TensorParallelOpt, engine_args, parallel_args,
+    AsyncSchedulingOpt, BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt,
+    MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt,
+    PrefixCachingOpt, TensorParallelOpt, engine_args, parallel_args,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -34,7 +34,7 @@ def serve(
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
     num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None,
+    num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
     tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
     distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
@@ -81,7 +81,7 @@ def serve(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads)
+                       enable_prefix_caching, num_threads, async_scheduling)
     args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
                               data_parallel_routing))
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,

@@ -20,6 +20,8 @@ PrefixCachingOpt = Annotated[bool, typer.Option(
     "--enable-prefix-caching/--no-enable-prefix-caching", help="Share the KV blocks of common prefixes.")]
 NumThreadsOpt = Annotated[Optional[int], typer.Option(
     help="torch threads on CPU (default: all cores; tui/chat/events: all but one, which the console uses).")]
+AsyncSchedulingOpt = Annotated[bool, typer.Option(
+    "--async-scheduling", help="Schedule step N+1 while step N runs (placeholders for the tokens in flight).")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
 # Scaling out (README "Scaling out: data parallelism and Ray").
 TensorParallelOpt = Annotated[int, typer.Option(help="Workers per engine core, each holding a slice of the model.")]
@@ -49,7 +51,8 @@ def parallel_args(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
 
 def engine_args(dtype: str = "auto", max_model_len: int | None = None, num_blocks: int | None = None,
                 block_size: int = 16, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                enable_prefix_caching: bool = True, num_threads: int | None = None) -> dict[str, Any]:
+                enable_prefix_caching: bool = True, num_threads: int | None = None,
+                async_scheduling: bool = False) -> dict[str, Any]:
     """EngineArgs keyword arguments from the shared flags (unset ones left to the engine)."""
     args: dict[str, Any] = {
         "dtype": dtype, "block_size": block_size, "max_num_seqs": max_num_seqs,
@@ -61,6 +64,8 @@ def engine_args(dtype: str = "auto", max_model_len: int | None = None, num_block
         args["num_gpu_blocks_override"] = num_blocks
     if num_threads is not None:
         args["num_threads"] = num_threads
+    if async_scheduling:
+        args["async_scheduling"] = True
     return args
 
 

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
+from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.core.sched.scheduler import Scheduler
-from engine.errors import DuplicateRequestError, InsufficientKVCacheError
+from engine.errors import DuplicateRequestError, InsufficientKVCacheError, InvalidEngineArgsError
 from engine.executor.abstract import Executor
 from engine.kv_cache_hashing import get_hash_fn_by_name, get_request_block_hasher, init_none_hash
 from engine.kv_cache_interface import KVCacheConfig, get_kv_cache_config
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.stats import BlockPoolState, SchedulerStats
+from engine.model_runner_output import ModelRunnerOutput
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import SchedulerOutput
 
 # The block map (one byte a block) rides on SchedulerStats at most this often.
 BLOCK_MAP_INTERVAL_S = 0.25
@@ -50,7 +55,10 @@ class EngineCore:
             from engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 
             self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
-        self.scheduler = Scheduler(
+        async_scheduling = config.scheduler_config.async_scheduling
+        if async_scheduling and (self.kv_connector is not None or config.ec_transfer_config is not None):
+            raise InvalidEngineArgsError("async_scheduling=True cannot be combined with a KV or EC connector.")
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
             self.kv_cache_manager,
             connector=self.kv_connector,
             max_num_seqs=config.scheduler_config.max_num_seqs,
@@ -65,6 +73,11 @@ class EngineCore:
             get_request_block_hasher(cache.block_size, hash_fn) if cache.enable_prefix_caching else None
         )
         self.num_steps = 0
+        # The seed's batch queue: batches in flight, newest first, when the executor runs more
+        # than one at a time (async scheduling); None keeps the plain step().
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[None], Future[ModelRunnerOutput], SchedulerOutput]] | None = (
+            deque() if self.batch_queue_size > 1 else None)
         self.is_sleeping_flag = False
         self._last_block_map_time = float("-inf")
 
@@ -124,18 +137,51 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Whether step() would run the model (requests present and not sleeping)."""
-        return not self.is_sleeping_flag and self.scheduler.has_unfinished_requests()
+        """Whether step() would run the model or return a batch in flight (and not sleeping)."""
+        return not self.is_sleeping_flag and (self.scheduler.has_unfinished_requests() or bool(self.batch_queue))
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """schedule -> execute_model -> sample_tokens -> update_from_output."""
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         if not self.has_work():
             return {}, False
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self.model_executor.execute_model(scheduler_output)
         model_output = self.model_executor.sample_tokens()
+        assert not isinstance(model_output, Future)  # a blocking call returns the output itself
+        return self._finish_step(scheduler_output, model_output, start)
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Schedule and submit a batch without waiting for the ones in flight; return the
+        oldest batch's outputs once the queue is full, or when nothing new was scheduled
+        (seed: step_with_batch_queue). The second element: whether a batch ran the model."""
+        if not self.has_work():
+            return {}, False
+        start = time.perf_counter()
+        batch_queue = self.batch_queue
+        assert batch_queue is not None
+        model_executed = False
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
+            sample_future = self.model_executor.sample_tokens(non_block=True)
+            assert isinstance(exec_future, Future) and isinstance(sample_future, Future)
+            batch_queue.appendleft((exec_future, sample_future, scheduler_output))
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            if model_executed and len(batch_queue) < self.batch_queue_size and not batch_queue[-1][1].done():
+                return {}, True  # room for another batch: schedule it before waiting on this one
+        exec_future, sample_future, scheduler_output = batch_queue.pop()
+        exec_future.result()  # a forward pass's error surfaces here, before its sample's
+        model_output = sample_future.result()
+        outputs, _ = self._finish_step(scheduler_output, model_output, start)
+        return outputs, model_executed
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
+                     start: float) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """update_from_output, then this step's stats and KV events on the outputs."""
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
         if self.config.scheduler_config.log_stats:

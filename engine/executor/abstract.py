@@ -2,6 +2,8 @@
 
 EngineCore.step() calls execute_model() then sample_tokens(); each is a collective_rpc() that
 runs the same Worker method on every worker and returns the output rank's result (rank 0).
+With async scheduling, EngineCore.step_with_batch_queue() calls both with non_block=True (each
+returns a Future at once) and keeps max_concurrent_batches batches in flight.
 The KV cache is sized and allocated through the executor too, so the core never touches a
 worker. Implementations: UniProcExecutor (the worker in this process, the default) and
 FakeExecutor (no torch, no model: the console's demo engine and tests); a multiprocess and a
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidEngineArgsError
@@ -44,6 +47,7 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._deferred: Any = None  # DeferredCalls, made on the first non-blocking call
         self._init_executor()
 
     @staticmethod
@@ -87,13 +91,44 @@ class Executor(ABC):
         self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
 
     # -- the step ------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Run the forward pass of this step on every worker; the logits stay there."""
-        self.collective_rpc("execute_model", args=(scheduler_output,))
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches EngineCore keeps in flight: 2 with async scheduling (step N+1 is scheduled
+        while step N runs), else 1 (the plain step())."""
+        return 2 if self.config.scheduler_config.async_scheduling else 1
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        """Sample from the stored logits; the output rank's ModelRunnerOutput."""
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> None | Future[None]:
+        """Run the forward pass of this step on every worker; the logits stay there.
+
+        non_block=True returns a Future at once. This default defers the call until the Future
+        (or a later call's) is awaited, keeping the calls in order; executors with workers
+        elsewhere (a thread, processes) override it to run the step while the caller goes on.
+        """
+        if non_block:
+            return self._submit_deferred(self.execute_model, scheduler_output)
+        self._run_deferred()
+        self.collective_rpc("execute_model", args=(scheduler_output,))
+        return None
+
+    def sample_tokens(self, non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Sample from the stored logits; the output rank's ModelRunnerOutput (a Future of it
+        with non_block=True, as for execute_model)."""
+        if non_block:
+            return self._submit_deferred(self.sample_tokens)
+        self._run_deferred()
         return self.collective_rpc("sample_tokens")[0]
+
+    def _submit_deferred(self, method: Callable[..., Any], *args: Any) -> Future[Any]:
+        from engine.executor.deferred import DeferredCalls
+
+        if self._deferred is None:
+            self._deferred = DeferredCalls()
+        return self._deferred.submit(method, *args)
+
+    def _run_deferred(self) -> None:
+        """Run the deferred calls submitted before a blocking one (order is kept)."""
+        if self._deferred is not None and self._deferred.num_pending:
+            self._deferred.run_until(None)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def register_failure_callback(self, callback: Callable[[str], None]) -> None:

@@ -15,6 +15,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -81,7 +82,7 @@ def fake_engine_config(
     model: FakeModelConfig | None = None, *, num_blocks: int | None = 512, block_size: int = 16,
     max_model_len: int | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
     kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
-    enable_kv_cache_events: bool = True, log_stats: bool = True, seed: int = 0,
+    enable_kv_cache_events: bool = True, log_stats: bool = True, seed: int = 0, async_scheduling: bool = False,
 ) -> EngineConfig:
     """The EngineConfig of an engine over the FakeExecutor (no model directory, no torch).
 
@@ -117,7 +118,7 @@ def fake_engine_config(
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=1.0, num_gpu_blocks_override=num_blocks,
             enable_kv_cache_events=enable_kv_cache_events),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                         log_stats=log_stats),
+                                         log_stats=log_stats, async_scheduling=async_scheduling),
         parallel_config=ParallelConfig(distributed_executor_backend="fake"),
         device_config=DeviceConfig(device="cpu"),
     )
@@ -204,8 +205,12 @@ class FakeExecutor(Executor):
         """Lay out num_blocks blocks (nothing to allocate: the fake model reads no cache)."""
         self.kv_cache_config = get_kv_cache_config(self.get_kv_cache_spec(), num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Apply the scheduler's diffs, note which requests sample, and spend the step time."""
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> None | Future[None]:
+        """Apply the scheduler's diffs, note which requests sample, and spend the step time
+        (non_block=True: deferred until awaited, see Executor.execute_model)."""
+        if non_block:
+            return self._submit_deferred(self.execute_model, scheduler_output)
+        self._run_deferred()
         self._check_alive()
         self._update_states(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
@@ -222,8 +227,11 @@ class FakeExecutor(Executor):
         if model.sleep and self.last_step_time_s > 0:
             time.sleep(self.last_step_time_s)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """The next token of every request that finished its prefill in this step."""
+        if non_block:
+            return self._submit_deferred(self.sample_tokens)
+        self._run_deferred()
         req_ids, self._sample_req_ids = self._sample_req_ids, None
         if not req_ids:
             return EMPTY_MODEL_RUNNER_OUTPUT

@@ -96,6 +96,12 @@ class ModelRunner:
         self.kv_transfer: KVConnectorLifecycle | NoKVConnectorLifecycle = (
             NoKVConnectorLifecycle() if kv_connector is None else KVConnectorLifecycle(kv_connector))
         self._kv_connector_output: KVConnectorOutput | None = None
+        # Async scheduling: the previous step's samples stay on the device; the next step takes
+        # a request's input token from here when the scheduler only had a placeholder for it
+        # (seed: async_scheduling; vLLM's prev_sampled_token_ids), not from the host copy.
+        self.async_scheduling = sched.async_scheduling
+        self.prev_sampled_token_ids: torch.Tensor | None = None  # [num_prev_reqs] int64, device
+        self.prev_sampled: dict[str, tuple[int, int]] = {}  # req_id -> (row there, token position)
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -187,10 +193,29 @@ class ModelRunner:
         """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
         batch = self.input_batch
         inputs = prepare_inputs(batch, self.buffers, scheduler_output.num_scheduled_tokens)
+        if self.prev_sampled:
+            self._copy_prev_sampled_token_ids(inputs)
         if self.encoder_runner is not None:
             inputs.inputs_embeds = self.encoder_runner.get_inputs_embeds(
                 inputs.input_ids, batch.states[:inputs.num_reqs], inputs.num_computed, inputs.num_scheduled)
         return inputs
+
+    def _copy_prev_sampled_token_ids(self, inputs: StepInputs) -> None:
+        """Input ids of the tokens the previous step sampled, copied on the device from its
+        samples: a decoding request's last scheduled token is the one sampled just before."""
+        src_rows: list[int] = []
+        dst_indices: list[int] = []
+        last_indices = inputs.cu_num_tokens - 1
+        for i, req_id in enumerate(inputs.req_ids):
+            prev = self.prev_sampled.get(req_id)
+            if prev is not None and inputs.positions[last_indices[i]] == prev[1]:
+                src_rows.append(prev[0])
+                dst_indices.append(int(last_indices[i]))
+        if dst_indices:
+            assert self.prev_sampled_token_ids is not None
+            src = torch.tensor(src_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            dst = torch.tensor(dst_indices, dtype=torch.int64).to(self.device, non_blocking=True)
+            inputs.input_ids.index_copy_(0, dst, self.prev_sampled_token_ids.index_select(0, src))
 
     def _encoder_only_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[bool]]:
         """(request ids, whether each request's prompt is complete after this step)."""
@@ -240,6 +265,7 @@ class ModelRunner:
         """Sample from the stored logits; append the new tokens to the worker's own state."""
         state, self._state = self._state, None
         kv_connector_output, self._kv_connector_output = self._kv_connector_output, None
+        self.prev_sampled = {}  # only the step just before the next one counts
         if self._encoder_only_output is not None:
             output, self._encoder_only_output = self._encoder_only_output, None
             return output
@@ -253,6 +279,8 @@ class ModelRunner:
         # Every TP rank samples from the same gathered logits; rank 0's tokens are taken by all,
         # so no rank's state can drift (e.g. a sampler that draws from the global generator).
         get_tp_group().broadcast(sampler_output.sampled_token_ids, src=0)
+        if self.async_scheduling:
+            self.prev_sampled_token_ids = sampler_output.sampled_token_ids.reshape(-1)  # [num_reqs]
         sampled = sampler_output.sampled_token_ids.tolist()
         sampled_token_ids: list[list[int]] = []
         for row, token_id in enumerate(sampled):
@@ -261,6 +289,8 @@ class ModelRunner:
                 continue
             req_state = batch.states[row]
             assert req_state is not None
+            if self.async_scheduling:
+                self.prev_sampled[req_state.req_id] = (row, int(batch.num_tokens[row]))
             req_state.output_token_ids.append(token_id)
             batch.append_token(row, token_id)
             sampled_token_ids.append([token_id])

@@ -45,6 +45,8 @@ def serve_flags(engine_args: dict[str, Any]) -> list[str]:
     if "enable_prefix_caching" in engine_args:
         flags.append("--enable-prefix-caching" if engine_args["enable_prefix_caching"]
                      else "--no-enable-prefix-caching")
+    if engine_args.get("async_scheduling"):
+        flags.append("--async-scheduling")
     return flags
 
 

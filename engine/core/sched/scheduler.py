@@ -167,7 +167,7 @@ class Scheduler:
             request = self.running[req_index]
             req_index += 1
             num_new_tokens = min(
-                request.num_tokens - request.num_computed_tokens,
+                self._num_tokens_to_compute(request) - request.num_computed_tokens,
                 step.token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
@@ -185,6 +185,11 @@ class Scheduler:
             step.cached_reqs.append(request)
             step.new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
             step.add(request, num_new_tokens)
+
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """The tokens a running request's KV should cover after its next step (the async
+        scheduler adds the tokens still in flight)."""
+        return request.num_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
                              preempted: list[Request]) -> KVCacheBlocks | None:
@@ -339,6 +344,8 @@ class Scheduler:
         # Insertion-ordered (not a set of objects hashed by address): finished requests free
         # their blocks in step order, so block placement is reproducible from run to run.
         stopped: dict[Request, None] = {}
+        # Async scheduling only: requests preempted while a step that samples for them ran.
+        stopped_preempted: set[Request] = set()
         num_generation_tokens = 0
         failed_loads = self.kv_transfer.update_from_output(model_runner_output.kv_connector_output)
         for request_id in failed_loads:
@@ -353,11 +360,14 @@ class Scheduler:
             req_index = model_runner_output.req_id_to_index[request_id]
             generated = sampled[req_index]
             new_token_ids: list[int] = []
+            was_preempted = request.status == RequestStatus.PREEMPTED
             for token_id in generated:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
                     stopped[request] = None
+                    if was_preempted:
+                        stopped_preempted.add(request)
                     break
             if not new_token_ids:
                 continue
@@ -383,6 +393,8 @@ class Scheduler:
             )
         if stopped:
             self.running = [r for r in self.running if r not in stopped]
+            if stopped_preempted:
+                self.waiting.remove_requests(stopped_preempted)
             for request in stopped:
                 self._free_request(request, delay_frees.get(request, False))
         self._last_num_generation_tokens = num_generation_tokens
@@ -415,13 +427,17 @@ class Scheduler:
         """Release the request's blocks (unless a KV connector still needs them) and forget it."""
         if delay_free is None:
             delay_free, _ = self.kv_transfer.request_finished(request)
+        self._free_blocks(request, delay_free)
+        self.encoder_scheduler.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _free_blocks(self, request: Request, delay_free: bool) -> None:
+        """Give a finished request's KV blocks back (the KV connector may hold them a while)."""
         if delay_free:
             self.kv_transfer.delay_free(request)
         else:
             self.kv_cache_manager.free(request)
-        self.encoder_scheduler.free(request)
-        self.finished_req_ids.add(request.request_id)
-        del self.requests[request.request_id]
 
     def _restart_request(self, request: Request) -> None:
         """Recompute a request from scratch after a failed synchronous load (not a preemption)."""
