@@ -35,7 +35,7 @@ from engine.errors import EngineDeadError, EngineStartupError, InvalidEngineArgs
 from engine.executor.abstract import Executor
 from engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from engine.worker.rpc_protocol import (
-    ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, RPCReply, SampleReply, ShutdownCall, WorkerCodec,
+    ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, SampleReply, ShutdownCall, WorkerCodec,
     method_name,
 )
 
@@ -194,11 +194,6 @@ class MultiprocExecutor(Executor):
                     future.set_result(reply.output)
                 except BaseException as error:  # noqa: BLE001 - the caller of result() gets it
                     future.set_exception(error)
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Batches in flight at once: 2 with async scheduling (a batch queue), else 1."""
-        return 2 if getattr(self.config.scheduler_config, "async_scheduling", False) else 1
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
