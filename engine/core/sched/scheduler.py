@@ -12,7 +12,7 @@ from engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
-from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestError
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from engine.core.sched.encoder_scheduling import EncoderPlan, EncoderScheduler
     from engine.distributed.kv_transfer.base import KVConnectorBase
     from engine.model_runner_output import ModelRunnerOutput
+    from engine.structured_output import StructuredOutputManager
+    from engine.structured_output.backend_xgrammar import XgrammarGrammar
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -82,6 +84,7 @@ class Scheduler:
         log_stats: bool = True,
         encoder_scheduler: EncoderScheduler | None = None,
         connector: KVConnectorBase | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_running_reqs = max_num_seqs
@@ -103,6 +106,10 @@ class Scheduler:
         self._last_num_generation_tokens = 0
         self.kv_transfer: KVConnectorScheduling | NoKVConnector = NoKVConnector()
         self._init_kv_connector_state(connector)
+        # Structured outputs: fills the step's grammar bitmask (None: no structured requests).
+        self.structured_output_manager = structured_output_manager
+        # Failed in the core since the last update (a grammar that did not compile): answered there.
+        self._failed_requests: list[Request] = []
 
     def _init_kv_connector_state(self, connector: KVConnectorBase | None) -> None:
         """Use `connector` for KV transfer (None: no connector)."""
@@ -208,6 +215,19 @@ class Scheduler:
         unparked = False
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                so_request = request.structured_output_request
+                assert so_request is not None
+                if not so_request.is_grammar_ready():
+                    skipped.append(self.waiting.pop_request())  # still compiling: ask next step
+                    continue
+                if so_request.compile_error is not None:
+                    self.waiting.pop_request()
+                    self._fail_request(request, "InvalidStructuredOutputError",
+                                       f"the structured output constraint ({so_request.params.kind}) "
+                                       f"does not compile: {so_request.compile_error}")
+                    continue
+                request.status = RequestStatus.WAITING
             admission = self._get_computed_tokens(request)
             if admission is None:
                 skipped.append(self.waiting.pop_request())
@@ -299,10 +319,26 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
         )
+        self._add_grammar_bitmask(scheduler_output, step)
         self.encoder_scheduler.finish_step(scheduler_output)
         # Before _update_after_schedule: the connector plans from the progress before this step.
         scheduler_output.kv_connector_metadata = self.kv_transfer.build_connector_meta(scheduler_output)
         return scheduler_output
+
+    def _add_grammar_bitmask(self, scheduler_output: SchedulerOutput, step: _StepSchedule) -> None:
+        """The structured requests that sample a token this step (their prompt done after it),
+        in step order, and their grammar bitmask rows; prompt chunks get none."""
+        if self.structured_output_manager is None:
+            return
+        structured_req_ids = [
+            r.request_id for r in (*step.cached_reqs, *step.new_reqs)
+            if r.structured_output_request is not None
+            and r.num_computed_tokens + step.num_scheduled_tokens[r.request_id] >= r.num_tokens
+        ]
+        if structured_req_ids:
+            scheduler_output.structured_output_request_ids = structured_req_ids
+            scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                self.requests, structured_req_ids)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput, num_preempted: int) -> None:
         """The worker advances by what was scheduled; so does the scheduler, before the step
@@ -344,6 +380,9 @@ class Scheduler:
         for request_id in failed_loads:
             self._restart_request(self.requests[request_id])
         delay_frees: dict[Request, bool] = {}
+        for request in self._failed_requests:
+            outputs.setdefault(request.client_index, []).append(self._error_output(request))
+        self._failed_requests = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished() or request_id in failed_loads:
@@ -379,6 +418,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     events=request.take_events(),
                     kv_transfer_params=kv_transfer_params,
+                    error=RequestError(*request.error) if request.error is not None else None,
                 )
             )
         if stopped:
@@ -392,7 +432,11 @@ class Scheduler:
         }
 
     def _check_stop(self, request: Request) -> bool:
-        """Stop checks after one appended token: length, min_tokens, EOS, stop_token_ids."""
+        """Stop checks after one appended token: the grammar, length, min_tokens, EOS, stop_token_ids."""
+        so_request = request.structured_output_request
+        if so_request is not None and so_request.grammar is not None and self._advance_grammar(
+                request, so_request.grammar):
+            return True
         params = request.sampling_params
         if request.num_tokens >= self.max_model_len or (
             request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
@@ -410,6 +454,34 @@ class Scheduler:
             request.stop_reason = last_token_id
             return True
         return False
+
+    def _advance_grammar(self, request: Request, grammar: XgrammarGrammar) -> bool:
+        """Advance the request's matcher over its last token; True when that ends the request
+        (the grammar terminated, or it refused a token the bitmask should have masked)."""
+        token_id = request.output_token_ids[-1]
+        if not grammar.accept_token(token_id):
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.error = ("RequestRejectedError",
+                             f"structured output: the grammar refused sampled token {token_id} "
+                             f"after {request.num_output_tokens - 1} output tokens (an engine bug).")
+            return True
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    def _fail_request(self, request: Request, exc_type: str, message: str) -> None:
+        """Finish a request the core cannot serve (it holds no blocks); update_from_output answers it."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.error = (exc_type, message)
+        self._free_request(request)
+        self._failed_requests.append(request)
+
+    def _error_output(self, request: Request) -> EngineCoreOutput:
+        assert request.error is not None
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+            stop_reason=request.error[1], events=request.take_events(), error=RequestError(*request.error))
 
     def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
         """Release the request's blocks (unless a KV connector still needs them) and forget it."""
