@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING
 from engine.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from engine.config import EngineConfig
     from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
     from engine.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
 logger = logging.getLogger(__name__)
@@ -88,18 +87,26 @@ class StructuredOutputManager:
             wait(pending, timeout=timeout_s, return_when="FIRST_COMPLETED")
 
     # -- the step's bitmask -------------------------------------------------------------------
-    def grammar_bitmask(self, requests: dict[str, Request], structured_req_ids: list[str]) -> np.ndarray:
-        """[len(structured_req_ids), ceil(vocab / 32)] int32: row i allows the tokens the i-th
-        request's grammar accepts next."""
+    def add_grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Put on the step's output the structured requests that sample a token this step (in
+        step order; a prompt chunk that does not finish its prompt samples nothing) and their
+        bitmask rows: [num_ids, ceil(vocab / 32)] int32, bit t of row i set if the i-th request's
+        grammar allows token t next. Runs before the scheduler advances num_computed_tokens."""
+        req_ids, grammars = [], []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = requests[req_id]
+            so_request = request.structured_output_request
+            if (so_request is not None and so_request.grammar is not None
+                    and request.num_computed_tokens + num_tokens >= request.num_tokens):
+                req_ids.append(req_id)
+                grammars.append(so_request.grammar)
+        if not req_ids:
+            return
         backend = self._get_backend()
-        grammars = []
-        for req_id in structured_req_ids:
-            so_request = requests[req_id].structured_output_request
-            assert so_request is not None and so_request.grammar is not None
-            grammars.append(so_request.grammar)
         bitmask = backend.allocate_bitmask(len(grammars))
         backend.fill_bitmask(grammars, bitmask)
-        return bitmask
+        scheduler_output.structured_output_request_ids = req_ids
+        scheduler_output.grammar_bitmask = bitmask
 
     def shutdown(self) -> None:
         if self._executor is not None:

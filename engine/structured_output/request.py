@@ -10,6 +10,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.request import RequestStatus
+
 if TYPE_CHECKING:
     from engine.sampling_params import StructuredOutputsParams
     from engine.structured_output.backend_xgrammar import XgrammarGrammar
@@ -27,7 +29,8 @@ class StructuredOutputRequest:
     params: StructuredOutputsParams
     future: Future[XgrammarGrammar] | None = None
     grammar: XgrammarGrammar | None = None
-    compile_error: str | None = None  # why the constraint did not compile
+    # Why the constraint did not compile: (engine.errors class name, message) for the frontend.
+    error: tuple[str, str] | None = None
     _done: bool = field(default=False, repr=False)
 
     def is_grammar_ready(self) -> bool:
@@ -42,5 +45,22 @@ class StructuredOutputRequest:
         if error is None:
             self.grammar = future.result()
         else:
-            self.compile_error = str(error).strip() or type(error).__name__
+            reason = str(error).strip() or type(error).__name__
+            self.error = ("InvalidStructuredOutputError",
+                          f"the structured output constraint ({self.params.kind}) does not compile: {reason}")
         return True
+
+    def accept_token(self, token_id: int) -> tuple[RequestStatus, tuple[str, str] | None] | None:
+        """Advance the matcher over one sampled token. None: the request goes on; else how it
+        ends: FINISHED_STOPPED (the grammar is complete), or FINISHED_ABORTED with an error (the
+        grammar refused the token, which its bitmask should have masked: an engine bug)."""
+        grammar = self.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept_token(token_id):
+            return RequestStatus.FINISHED_ABORTED, (
+                "RequestRejectedError", f"structured output: the grammar refused sampled token {token_id} after "
+                f"{grammar.num_processed_tokens} accepted tokens (an engine bug).")
+        if grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED, None
+        return None

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from engine.distributed.kv_transfer.base import KVConnectorBase
     from engine.model_runner_output import ModelRunnerOutput
     from engine.structured_output import StructuredOutputManager
-    from engine.structured_output.backend_xgrammar import XgrammarGrammar
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -108,8 +107,8 @@ class Scheduler:
         self._init_kv_connector_state(connector)
         # Structured outputs: fills the step's grammar bitmask (None: no structured requests).
         self.structured_output_manager = structured_output_manager
-        # Failed in the core since the last update (a grammar that did not compile): answered there.
-        self._failed_requests: list[Request] = []
+        # (client, output) of requests failed since the last update (a grammar that did not compile).
+        self._failed_outputs: list[tuple[int, EngineCoreOutput]] = []
 
     def _init_kv_connector_state(self, connector: KVConnectorBase | None) -> None:
         """Use `connector` for KV transfer (None: no connector)."""
@@ -221,11 +220,8 @@ class Scheduler:
                 if not so_request.is_grammar_ready():
                     skipped.append(self.waiting.pop_request())  # still compiling: ask next step
                     continue
-                if so_request.compile_error is not None:
-                    self.waiting.pop_request()
-                    self._fail_request(request, "InvalidStructuredOutputError",
-                                       f"the structured output constraint ({so_request.params.kind}) "
-                                       f"does not compile: {so_request.compile_error}")
+                if so_request.error is not None:
+                    self._fail_request(self.waiting.pop_request(), so_request.error)
                     continue
                 request.status = RequestStatus.WAITING
             admission = self._get_computed_tokens(request)
@@ -319,26 +315,12 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
         )
-        self._add_grammar_bitmask(scheduler_output, step)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.add_grammar_bitmask(scheduler_output, self.requests)
         self.encoder_scheduler.finish_step(scheduler_output)
         # Before _update_after_schedule: the connector plans from the progress before this step.
         scheduler_output.kv_connector_metadata = self.kv_transfer.build_connector_meta(scheduler_output)
         return scheduler_output
-
-    def _add_grammar_bitmask(self, scheduler_output: SchedulerOutput, step: _StepSchedule) -> None:
-        """The structured requests that sample a token this step (their prompt done after it),
-        in step order, and their grammar bitmask rows; prompt chunks get none."""
-        if self.structured_output_manager is None:
-            return
-        structured_req_ids = [
-            r.request_id for r in (*step.cached_reqs, *step.new_reqs)
-            if r.structured_output_request is not None
-            and r.num_computed_tokens + step.num_scheduled_tokens[r.request_id] >= r.num_tokens
-        ]
-        if structured_req_ids:
-            scheduler_output.structured_output_request_ids = structured_req_ids
-            scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-                self.requests, structured_req_ids)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput, num_preempted: int) -> None:
         """The worker advances by what was scheduled; so does the scheduler, before the step
@@ -380,9 +362,9 @@ class Scheduler:
         for request_id in failed_loads:
             self._restart_request(self.requests[request_id])
         delay_frees: dict[Request, bool] = {}
-        for request in self._failed_requests:
-            outputs.setdefault(request.client_index, []).append(self._error_output(request))
-        self._failed_requests = []
+        for client_index, failed in self._failed_outputs:
+            outputs.setdefault(client_index, []).append(failed)
+        self._failed_outputs = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished() or request_id in failed_loads:
@@ -434,9 +416,11 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Stop checks after one appended token: the grammar, length, min_tokens, EOS, stop_token_ids."""
         so_request = request.structured_output_request
-        if so_request is not None and so_request.grammar is not None and self._advance_grammar(
-                request, so_request.grammar):
-            return True
+        if so_request is not None:  # advance its matcher: it may end the request
+            ended = so_request.accept_token(request.output_token_ids[-1])
+            if ended is not None:
+                request.status, request.error = ended
+                return True
         params = request.sampling_params
         if request.num_tokens >= self.max_model_len or (
             request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
@@ -455,33 +439,13 @@ class Scheduler:
             return True
         return False
 
-    def _advance_grammar(self, request: Request, grammar: XgrammarGrammar) -> bool:
-        """Advance the request's matcher over its last token; True when that ends the request
-        (the grammar terminated, or it refused a token the bitmask should have masked)."""
-        token_id = request.output_token_ids[-1]
-        if not grammar.accept_token(token_id):
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.error = ("RequestRejectedError",
-                             f"structured output: the grammar refused sampled token {token_id} "
-                             f"after {request.num_output_tokens - 1} output tokens (an engine bug).")
-            return True
-        if grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
-
-    def _fail_request(self, request: Request, exc_type: str, message: str) -> None:
+    def _fail_request(self, request: Request, error: tuple[str, str]) -> None:
         """Finish a request the core cannot serve (it holds no blocks); update_from_output answers it."""
         request.status = RequestStatus.FINISHED_ABORTED
-        request.error = (exc_type, message)
         self._free_request(request)
-        self._failed_requests.append(request)
-
-    def _error_output(self, request: Request) -> EngineCoreOutput:
-        assert request.error is not None
-        return EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-            stop_reason=request.error[1], events=request.take_events(), error=RequestError(*request.error))
+        self._failed_outputs.append((request.client_index, EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT, stop_reason=error[1],
+            events=request.take_events(), error=RequestError(*error))))
 
     def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
         """Release the request's blocks (unless a KV connector still needs them) and forget it."""

@@ -4,10 +4,12 @@ requests that sample, matcher advance, termination, and per-request compile erro
 from __future__ import annotations
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 from engine.protocol import FinishReason
 from engine.request import RequestStatus
 from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output import StructuredOutputManager
 from engine.structured_output.request import StructuredOutputRequest
 from test_scheduler import assert_no_leak, make_request, make_scheduler, run_step
 
@@ -17,6 +19,10 @@ class FakeGrammar:
 
     def __init__(self, allowed: set[int], length: int) -> None:
         self.allowed, self.length, self.accepted = allowed, length, []
+
+    @property
+    def num_processed_tokens(self) -> int:
+        return len(self.accepted)
 
     def accept_token(self, token_id: int) -> bool:
         if token_id not in self.allowed:
@@ -28,11 +34,13 @@ class FakeGrammar:
         return len(self.accepted) >= self.length
 
 
-class FakeManager:
-    """Records each step's structured requests; the 'bitmask' is their ids."""
+class FakeManager(StructuredOutputManager):
+    """The real step logic; the 'bitmask' is the list of the step's structured request ids."""
 
-    def grammar_bitmask(self, requests, req_ids):
-        return list(req_ids)
+    def __init__(self) -> None:
+        backend = SimpleNamespace(allocate_bitmask=lambda num_rows: [],
+                                  fill_bitmask=lambda grammars, bitmask: bitmask.extend(grammars))
+        self._get_backend = lambda: backend
 
 
 def structured_request(request_id: str, prompt: list[int], future: Future, **params):
@@ -56,7 +64,7 @@ def test_waits_for_its_grammar_while_others_run_and_masks_only_sampling_steps() 
     out, _ = run_step(scheduler)  # "s" admitted: its first 7-token prompt chunk samples nothing
     assert out.num_scheduled_tokens["s"] == 7 and out.structured_output_request_ids == []
     out, outputs = run_step(scheduler)  # the last 5 prompt tokens: it samples, under its bitmask
-    assert out.structured_output_request_ids == ["s"] and out.grammar_bitmask == ["s"]
+    assert out.structured_output_request_ids == ["s"] and out.grammar_bitmask == [grammar]
     run_step(scheduler)
     _, outputs = run_step(scheduler)
     [final] = [o for o in outputs[0].outputs if o.request_id == "s"]
