@@ -85,12 +85,14 @@ def test_free_requests_unchanged_next_to_structured_ones(llm) -> None:
     free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The history of computing", "Gardens teach a lesson", "Cities are layered"]
     alone = llm.generate(prompts, free, use_tqdm=False)
-    structured = [SamplingParams(temperature=t, seed=1, max_tokens=200, structured_outputs=_json(s))
-                  for t, s in zip((0.0, 1.0), make_schemas(2, seed=3))]
+    # Constrained through all 24 steps of the free ones (the schema needs more than 24 tokens).
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 100}}, "required": ["a"]}
+    structured = [SamplingParams(temperature=t, seed=1, max_tokens=24, structured_outputs=_json(schema))
+                  for t in (0.0, 1.0)]
     mixed = llm.generate(prompts + ["{", "{"], [free] * 3 + structured, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:3]] == [o.outputs[0].token_ids for o in alone]
-    for schema, output in zip(make_schemas(2, seed=3), mixed[3:]):
-        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    for output in mixed[3:]:
+        assert re.match(r'\{"a": ?"', output.outputs[0].text) and len(output.outputs[0].token_ids) == 24
 
 
 @pytest.mark.parametrize("constraint, words", [
@@ -110,9 +112,9 @@ def test_bad_constraint_is_a_per_request_error(llm, constraint, words) -> None:
 
 def test_n_children_each_follow_the_schema_and_stop_strings_end_early(llm) -> None:
     schema = make_schemas(1, seed=11)[0]
-    [output] = llm.generate(["Many:"], SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=400,
+    [output] = llm.generate(["Many:"], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=400,
                                                       structured_outputs=_json(schema)), use_tqdm=False)
-    assert len(output.outputs) == 4
+    assert len(output.outputs) == 3
     for completion in output.outputs:
         jsonschema.validate(json.loads(completion.text), schema)
     # A stop string ends a structured request in the frontend (the core aborts it).
@@ -124,11 +126,11 @@ def test_n_children_each_follow_the_schema_and_stop_strings_end_early(llm) -> No
 
 
 def test_chunked_prefill_preemption_and_prefix_hits_keep_outputs(make_llm, tiny_llama_dir, llm) -> None:
-    schemas = make_schemas(6, seed=5)
+    schemas = make_schemas(5, seed=5)
     tokenizer = llm.get_tokenizer()
     body = tokenizer.encode(" A preamble that spans several blocks of the KV cache." * 7)
     prompts = [{"prompt_token_ids": tokenizer.encode(f"Item {i}:") + body} for i in range(len(schemas))]
-    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=_json(s)) for s in schemas]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=_json(s)) for s in schemas]
     reference = llm.generate(prompts, params, use_tqdm=False)
     # 64-token steps split every ~90-token prompt; 20 blocks of 16 tokens hold 3 requests at most.
     small = make_llm(str(tiny_llama_dir), dtype="float32", max_model_len=192, num_gpu_blocks_override=20,
