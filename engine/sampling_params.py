@@ -31,7 +31,7 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
     regular expression the whole output matches; choice: the output is one of these strings;
     grammar: an EBNF grammar (GBNF style, its start rule named `root`). disable_any_whitespace:
-    JSON is generated without optional whitespace. The engine core compiles the constraint
+    JSON without optional whitespace (only the fixed separators ", " and ": "). The engine core compiles the constraint
     (xgrammar); one it cannot compile fails that request with InvalidStructuredOutputError.
     """
 

@@ -101,3 +101,17 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error() -> None:
     [output] = outputs[0].outputs
     assert output.finish_reason == FinishReason.ABORT and "refused sampled token 7" in output.error.message
     assert_no_leak(scheduler)
+
+
+def test_abort_while_compiling_frees_everything_and_a_late_grammar_is_ignored() -> None:
+    scheduler = make_scheduler()
+    scheduler.structured_output_manager = FakeManager()
+    future: Future = Future()
+    scheduler.add_request(structured_request("s", [1, 2, 3], future))
+    run_step(scheduler)
+    scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
+    future.set_result(FakeGrammar({7}, length=1))  # the compile ends after the abort
+    assert not scheduler.has_unfinished_requests() and "s" not in scheduler.requests
+    out, outputs = run_step(scheduler)
+    assert out.is_empty and not outputs
+    assert_no_leak(scheduler)
