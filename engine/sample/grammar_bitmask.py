@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels import cpu_grammar_bitmask
+
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, req_ids: list[str],
                           req_id_to_row: dict[str, int]) -> None:
@@ -19,24 +21,29 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, req_ids: li
 
     logits: [num_reqs, vocab] float32. bitmask: [len(req_ids), ceil(bits / 32)] int32, where
     bits may differ from vocab (a padded embedding): tokens past the bitmask are masked too.
+    CPU float32 logits take our C kernel (kernels/cpu/grammar_bitmask.c); others xgrammar's.
     """
     rows = [req_id_to_row[r] for r in req_ids]
+    if cpu_grammar_bitmask.supports(logits):
+        cpu_grammar_bitmask.apply_token_bitmask(logits, torch.from_numpy(np.ascontiguousarray(bitmask)),
+                                                torch.tensor(rows, dtype=torch.int64))
+        return
+    _apply_xgrammar(logits, bitmask, rows)
+
+
+def _apply_xgrammar(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """xgrammar's kernel (Triton/CUDA on GPU), then the columns past the bitmask's width."""
+    import xgrammar as xgr
+
     num_reqs, vocab_size = logits.shape
     num_words = (vocab_size + 31) // 32
     full = np.zeros((num_reqs, max(num_words, bitmask.shape[1])), dtype=np.int32)
-    full[rows, :bitmask.shape[1]] = bitmask
-    _apply(logits, torch.from_numpy(full[:, :num_words]).to(logits.device, non_blocking=True), rows,
-           min(vocab_size, bitmask.shape[1] * 32))
-
-
-def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """xgrammar's kernel (a C++ loop on CPU, Triton/CUDA on GPU), then the columns past vocab_size."""
-    import xgrammar as xgr
-
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
-    if vocab_size < logits.shape[1]:
-        index = torch.tensor(rows, device=logits.device)
-        logits[index, vocab_size:] = float("-inf")
+    full[rows, :bitmask.shape[1]] = bitmask  # xgrammar indexes the bitmask by logits row
+    masked_vocab = min(vocab_size, bitmask.shape[1] * 32)
+    xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(full[:, :num_words]).to(logits.device),
+                                    vocab_size=masked_vocab, indices=rows)
+    if masked_vocab < vocab_size:
+        logits[torch.tensor(rows, device=logits.device), masked_vocab:] = float("-inf")
 
 
 def apply_grammar_bitmask_reference(logits: torch.Tensor, bitmask: Any, rows: list[int]) -> None:
