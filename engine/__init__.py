@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from engine.frontend.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
            "CompletionOutput"]
 
 

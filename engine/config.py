@@ -401,6 +401,13 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Constrained decoding (engine/structured_output/): the grammar backend."""
+
+    backend: str = "xgrammar"  # the only backend
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every resolved setting, one frozen sub-config per concern (vLLM: VllmConfig)."""
 
@@ -413,6 +420,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None
     ec_transfer_config: ECTransferConfig | None = None
     mm_config: MultiModalConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""

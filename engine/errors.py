@@ -101,6 +101,14 @@ class RequestRejectedError(InvalidRequestError):
     """
 
 
+class InvalidStructuredOutputError(InvalidSamplingParamsError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) cannot be compiled.
+
+    Raised for that one request (at submission for a malformed value, or by the engine core's
+    grammar compiler); other requests and the engine are unaffected.
+    """
+
+
 def error_type_named(name: str) -> type[EngineError]:
     """The engine.errors class called `name` (an error sent over the wire); EngineError if unknown."""
     cls = globals().get(name)

@@ -14,12 +14,14 @@ if TYPE_CHECKING:
     from engine.kv_cache_hashing import BlockHash
     from engine.protocol import EngineCoreEventType
     from engine.sampling_params import SamplingParams
+    from engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request; every status above PREEMPTED is finished."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is being compiled
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -83,6 +85,11 @@ class Request:
         self.update_block_hashes()
         # Lifecycle events (QUEUED, SCHEDULED, PREEMPTED) not yet sent to the frontend.
         self.events: list[EngineCoreEvent] = []
+        # Constrained decoding: its grammar and matcher (set by the StructuredOutputManager).
+        self.structured_output_request: StructuredOutputRequest | None = None
+        # Why the engine core failed the request (a grammar that does not compile): the
+        # engine.errors class name and its message, sent on the request's final output.
+        self.error: tuple[str, str] | None = None
 
     # -- token bookkeeping -------------------------------------------------------------
     @property

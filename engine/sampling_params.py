@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,95 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # everything generated so far (default)
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # one output when the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint for a request (vLLM's names); exactly one of the first five is set.
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
+    regular expression the whole output matches; choice: the output is one of these strings;
+    grammar: an EBNF grammar (GBNF style, its start rule named `root`). disable_any_whitespace:
+    JSON without optional whitespace (only the fixed separators ", " and ": "). The engine core compiles the constraint
+    (xgrammar); one it cannot compile fails that request with InvalidStructuredOutputError.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Exactly one constraint, each of the right type (InvalidStructuredOutputError otherwise)."""
+        from engine.errors import InvalidStructuredOutputError
+
+        def fail(message: str) -> None:
+            raise InvalidStructuredOutputError(f"StructuredOutputsParams: {message}")
+
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            fail(f"json_object={_short_repr(self.json_object)} must be True, False or None.")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            fail("set exactly one of json, regex, choice, grammar, json_object=True; got "
+                 f"{', '.join(given) if given else 'none'}.")
+        if not isinstance(self.disable_any_whitespace, bool):
+            fail(f"disable_any_whitespace={_short_repr(self.disable_any_whitespace)} must be True or False.")
+        if self.json is not None:
+            self._verify_json_schema(fail)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or not _is_utf8(value)):
+                fail(f"{name}={_short_repr(value)} must be a non-empty string.")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or any(not isinstance(c, str) or not _is_utf8(c) for c in self.choice)):
+            fail(f"choice={_short_repr(self.choice)} must be a non-empty list of strings.")
+
+    def _verify_json_schema(self, fail: Callable[[str], None]) -> None:
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = _json.loads(schema)
+            except ValueError as error:
+                fail(f"json is not valid JSON text ({error}); pass a JSON schema as a dict or its JSON text.")
+        if not isinstance(schema, dict):
+            fail(f"json={_short_repr(self.json)} must be a JSON schema object (a dict or its JSON text).")
+        try:
+            _json.dumps(schema)
+        except (TypeError, ValueError) as error:
+            fail(f"json schema is not JSON-serialisable: {error}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json | json_object | regex | choice | grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def grammar_key(self) -> tuple[str, str]:
+        """(kind, spec): what the grammar compiler compiles, and the key of its cache."""
+        kind = self.kind
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+        elif kind == "choice":
+            spec = _json.dumps(self.choice)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = getattr(self, kind)
+        if kind in ("json", "json_object") and self.disable_any_whitespace:
+            kind += ":compact"
+        return kind, spec
 
 
 @dataclass
@@ -51,6 +141,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (engine/structured_output/): JSON schema, regex, choice, grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     # Free-form per-request extras; "kv_transfer_params" reaches the KV connector (P/D).
     extra_args: dict[str, Any] | None = None
     # Filled by the InputProcessor from the tokenizer; not user-facing.
@@ -80,6 +172,13 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as error:
+                raise InvalidSamplingParamsError(
+                    f"SamplingParams.structured_outputs: {error}; allowed keys: json, regex, choice, "
+                    "grammar, json_object, disable_any_whitespace.") from None
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
         if isinstance(self.all_stop_token_ids, (set, frozenset, list, tuple)) and isinstance(self.stop_token_ids, list):
@@ -145,6 +244,11 @@ class SamplingParams:
             if kv_params is not None and not (isinstance(kv_params, dict)
                                               and all(isinstance(k, str) for k in kv_params)):
                 fail("extra_args", self.extra_args, "extra_args['kv_transfer_params'] must be a dict with str keys")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", self.structured_outputs,
+                     "structured_outputs must be a StructuredOutputsParams (or a dict of its fields) or None")
+            self.structured_outputs.verify()
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", self.output_kind, "output_kind must be a RequestOutputKind")
 
@@ -165,6 +269,8 @@ class SamplingParams:
                     setattr(clone, name, type(value)(value))
             if self.extra_args is not None:
                 clone.extra_args = copy.deepcopy(self.extra_args)
+            if self.structured_outputs is not None:
+                clone.structured_outputs = copy.deepcopy(self.structured_outputs)
             return clone
         except Exception as error:  # noqa: BLE001 - e.g. an uncopyable object in extra_args
             raise InvalidSamplingParamsError(

@@ -74,6 +74,10 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     ec_connector_metadata: Any = None
     kv_connector_metadata: Any = None  # KVConnectorMetadata from the scheduler-side connector
+    # Structured outputs: the requests that sample under a grammar this step, and their rows of
+    # the token bitmask (int32 numpy [len(ids), ceil(vocab / 32)]; bit t set: token t allowed).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

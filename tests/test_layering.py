@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("console", ("lm_console",)),
     # The public API: engine/__init__.py re-exports LLM and AsyncLLM (lazily).
     ("frontend", ("engine", "engine.frontend", "engine.entrypoints")),
-    ("core", ("engine.core",)),
+    # The structured-output manager runs in the engine core (its scheduler consults it).
+    ("core", ("engine.core", "engine.structured_output")),
     ("executor", ("engine.executor",)),
     # The sampler runs inside the worker's step (vLLM: v1/sample beside v1/worker).
     ("worker", ("engine.worker", "engine.sample")),

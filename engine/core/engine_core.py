@@ -22,9 +22,12 @@ from engine.model_runner_output import ModelRunnerOutput
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
+from engine.structured_output import StructuredOutputManager
 
 # The block map (one byte a block) rides on SchedulerStats at most this often.
 BLOCK_MAP_INTERVAL_S = 0.25
+# A step with nothing to run but grammars compiling waits this long for one (not a busy spin).
+GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
@@ -58,6 +61,7 @@ class EngineCore:
         async_scheduling = config.scheduler_config.async_scheduling
         if async_scheduling and (self.kv_connector is not None or config.ec_transfer_config is not None):
             raise InvalidEngineArgsError("async_scheduling=True cannot be combined with a KV or EC connector.")
+        self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
             self.kv_cache_manager,
             connector=self.kv_connector,
@@ -66,6 +70,7 @@ class EngineCore:
             max_model_len=model.max_model_len,
             log_stats=config.scheduler_config.log_stats,
             encoder_scheduler=self.mm.encoder_scheduler,
+            structured_output_manager=self.structured_output_manager,
         )
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -128,6 +133,7 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")
         self.mm.validate_request(request)
+        self.structured_output_manager.grammar_init(request)  # WAITING_FOR_FSM while it compiles
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -149,6 +155,8 @@ class EngineCore:
             return {}, False
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.structured_output_manager.has_pending_compiles():
+            self.structured_output_manager.wait_for_compiles(GRAMMAR_WAIT_S)
         self.model_executor.execute_model(scheduler_output)
         model_output = self.model_executor.sample_tokens()
         assert not isinstance(model_output, Future)  # a blocking call returns the output itself
@@ -274,6 +282,7 @@ class EngineCore:
         return self.is_sleeping_flag
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()

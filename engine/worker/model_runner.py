@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from engine.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOut
 from engine.models.loader import load_model
 from engine.platform import torch_device, torch_dtype
 from engine.protocol import LogprobsLists
+from engine.sample.grammar_bitmask import apply_grammar_bitmask
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
@@ -40,6 +42,9 @@ class ExecuteModelState:
     req_ids: list[str]
     logits: torch.Tensor  # [num_reqs, vocab_size] float32
     sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
+    # Structured outputs: the constrained requests and their bitmask rows (SchedulerOutput's).
+    structured_output_request_ids: list[str] | None = None
+    grammar_bitmask: Any = None
 
 
 class ModelRunner:
@@ -187,7 +192,9 @@ class ModelRunner:
         hidden_states = self._forward(inputs)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
-        self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows)
+        self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows,
+                                        structured_output_request_ids=scheduler_output.structured_output_request_ids,
+                                        grammar_bitmask=scheduler_output.grammar_bitmask)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
@@ -275,6 +282,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                      kv_connector_output=kv_connector_output)
         batch = self.input_batch
+        if state.grammar_bitmask is not None:
+            apply_grammar_bitmask(state.logits, state.grammar_bitmask, state.structured_output_request_ids or [],
+                                  {r: i for i, r in enumerate(state.req_ids)})
         sampler_output = self.sampler(state.logits, self._get_sampling_metadata())
         # Every TP rank samples from the same gathered logits; rank 0's tokens are taken by all,
         # so no rank's state can drift (e.g. a sampler that draws from the global generator).

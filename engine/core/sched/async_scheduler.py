@@ -54,10 +54,14 @@ class AsyncScheduler(Scheduler):
     # -- schedule ---------------------------------------------------------------------------
     def _num_tokens_to_compute(self, request: Request) -> int:
         """Known tokens plus those in flight; no more once the tokens in flight reach the
-        request's max_tokens or max_model_len (its last token is already being sampled)."""
+        request's max_tokens or max_model_len (its last token is already being sampled), or
+        while a structured request has a token in flight."""
         num_tokens = request.num_tokens + request.num_output_placeholders
         if request.num_output_placeholders > 0 and (
-                num_tokens >= self.max_model_len
+                # A structured request's bitmask needs its grammar advanced over every token, so
+                # its next step waits for the token in flight (no overlap for it).
+                request.structured_output_request is not None
+                or num_tokens >= self.max_model_len
                 or (request.max_tokens is not None
                     and request.num_output_tokens + request.num_output_placeholders >= request.max_tokens)):
             return request.num_computed_tokens  # nothing new to schedule

@@ -12,7 +12,7 @@ from engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
-from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestError
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.core.sched.encoder_scheduling import EncoderPlan, EncoderScheduler
     from engine.distributed.kv_transfer.base import KVConnectorBase
     from engine.model_runner_output import ModelRunnerOutput
+    from engine.structured_output import StructuredOutputManager
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -82,6 +83,7 @@ class Scheduler:
         log_stats: bool = True,
         encoder_scheduler: EncoderScheduler | None = None,
         connector: KVConnectorBase | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_running_reqs = max_num_seqs
@@ -103,6 +105,10 @@ class Scheduler:
         self._last_num_generation_tokens = 0
         self.kv_transfer: KVConnectorScheduling | NoKVConnector = NoKVConnector()
         self._init_kv_connector_state(connector)
+        # Structured outputs: fills the step's grammar bitmask (None: no structured requests).
+        self.structured_output_manager = structured_output_manager
+        # (client, output) of requests failed since the last update (a grammar that did not compile).
+        self._failed_outputs: list[tuple[int, EngineCoreOutput]] = []
 
     def _init_kv_connector_state(self, connector: KVConnectorBase | None) -> None:
         """Use `connector` for KV transfer (None: no connector)."""
@@ -213,6 +219,16 @@ class Scheduler:
         unparked = False
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                so_request = request.structured_output_request
+                assert so_request is not None
+                if not so_request.is_grammar_ready():
+                    skipped.append(self.waiting.pop_request())  # still compiling: ask next step
+                    continue
+                if so_request.error is not None:
+                    self._fail_request(self.waiting.pop_request(), so_request.error)
+                    continue
+                request.status = RequestStatus.WAITING
             admission = self._get_computed_tokens(request)
             if admission is None:
                 skipped.append(self.waiting.pop_request())
@@ -304,6 +320,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
         )
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.add_grammar_bitmask(scheduler_output, self.requests)
         self.encoder_scheduler.finish_step(scheduler_output)
         # Before _update_after_schedule: the connector plans from the progress before this step.
         scheduler_output.kv_connector_metadata = self.kv_transfer.build_connector_meta(scheduler_output)
@@ -351,6 +369,9 @@ class Scheduler:
         for request_id in failed_loads:
             self._restart_request(self.requests[request_id])
         delay_frees: dict[Request, bool] = {}
+        for client_index, failed in self._failed_outputs:
+            outputs.setdefault(client_index, []).append(failed)
+        self._failed_outputs = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished() or request_id in failed_loads:
@@ -389,6 +410,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     events=request.take_events(),
                     kv_transfer_params=kv_transfer_params,
+                    error=RequestError(*request.error) if request.error is not None else None,
                 )
             )
         if stopped:
@@ -404,7 +426,13 @@ class Scheduler:
         }
 
     def _check_stop(self, request: Request) -> bool:
-        """Stop checks after one appended token: length, min_tokens, EOS, stop_token_ids."""
+        """Stop checks after one appended token: the grammar, length, min_tokens, EOS, stop_token_ids."""
+        so_request = request.structured_output_request
+        if so_request is not None:  # advance its matcher: it may end the request
+            ended = so_request.accept_token(request.output_token_ids[-1])
+            if ended is not None:
+                request.status, request.error = ended
+                return True
         params = request.sampling_params
         if request.num_tokens >= self.max_model_len or (
             request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
@@ -422,6 +450,14 @@ class Scheduler:
             request.stop_reason = last_token_id
             return True
         return False
+
+    def _fail_request(self, request: Request, error: tuple[str, str]) -> None:
+        """Finish a request the core cannot serve (it holds no blocks); update_from_output answers it."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self._failed_outputs.append((request.client_index, EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT, stop_reason=error[1],
+            events=request.take_events(), error=RequestError(*error))))
 
     def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
         """Release the request's blocks (unless a KV connector still needs them) and forget it."""

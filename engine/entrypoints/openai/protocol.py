@@ -109,8 +109,6 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), "the engine does not compute prompt logprobs"),
     "use_beam_search": ((False,), "the engine has no beam search"),
     "length_penalty": ((1.0, 1), "length_penalty applies to beam search, which the engine lacks"),
-    "response_format": (({"type": "text"},), "the engine has no structured (guided) output"),
-    "structured_outputs": ((), "the engine has no structured (guided) output"),
     "priority": ((0,), "the scheduler is first-come first-served (no priority scheduling)"),
     "kv_transfer_params": ((), "pass KV transfer parameters through the Python API"),
     "vllm_xargs": ((), "no custom extensions are installed"),
@@ -145,6 +143,13 @@ class SamplingFields(RequestModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # Output constraints (structured_outputs.py): OpenAI's, vLLM's, vLLM's legacy guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Known fields the engine cannot honour (see SAMPLING_UNSUPPORTED).
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -152,8 +157,6 @@ class SamplingFields(RequestModel):
     prompt_logprobs: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
     priority: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None

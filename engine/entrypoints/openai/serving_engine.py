@@ -23,6 +23,7 @@ from engine.entrypoints.openai.media import MediaLoader
 from engine.entrypoints.openai.protocol import SamplingFields, check_model
 from engine.entrypoints.openai.settings import ServerSettings
 from engine.outputs import RequestOutput
+from engine.entrypoints.openai.structured_outputs import to_structured_outputs_params
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -246,6 +247,7 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, log
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         logprobs=logprobs,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=to_structured_outputs_params(request),
     )
 
 

@@ -1,0 +1,117 @@
+"""Scheduler with structured outputs (torch-free): WAITING_FOR_FSM, bitmask rows only for
+requests that sample, matcher advance, termination, and per-request compile errors."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+from engine.protocol import FinishReason
+from engine.request import RequestStatus
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output import StructuredOutputManager
+from engine.structured_output.request import StructuredOutputRequest
+from test_scheduler import assert_no_leak, make_request, make_scheduler, run_step
+
+
+class FakeGrammar:
+    """Allows the tokens in `allowed`; terminates after `length` accepted tokens."""
+
+    def __init__(self, allowed: set[int], length: int) -> None:
+        self.allowed, self.length, self.accepted = allowed, length, []
+
+    @property
+    def num_processed_tokens(self) -> int:
+        return len(self.accepted)
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id not in self.allowed:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+class FakeManager(StructuredOutputManager):
+    """The real step logic; the 'bitmask' is the list of the step's structured request ids."""
+
+    def __init__(self) -> None:
+        backend = SimpleNamespace(allocate_bitmask=lambda num_rows: [],
+                                  fill_bitmask=lambda grammars, bitmask: bitmask.extend(grammars))
+        self._get_backend = lambda: backend
+
+
+def structured_request(request_id: str, prompt: list[int], future: Future, **params):
+    request = make_request(request_id, prompt, **params)
+    request.structured_output_request = StructuredOutputRequest(StructuredOutputsParams(regex="x"), future)
+    request.status = RequestStatus.WAITING_FOR_FSM
+    return request
+
+
+def test_waits_for_its_grammar_while_others_run_and_masks_only_sampling_steps() -> None:
+    scheduler = make_scheduler(budget=8)
+    scheduler.structured_output_manager = FakeManager()
+    future: Future = Future()
+    scheduler.add_request(structured_request("s", list(range(10, 22)), future, max_tokens=10))
+    scheduler.add_request(make_request("free", [5, 6, 7]))
+    out, _ = run_step(scheduler)
+    assert list(out.num_scheduled_tokens) == ["free"]  # "s" still compiling: "free" goes ahead
+    assert scheduler.requests["s"].status == RequestStatus.WAITING_FOR_FSM
+    grammar = FakeGrammar({7}, length=3)
+    future.set_result(grammar)
+    out, _ = run_step(scheduler)  # "s" admitted: its first 7-token prompt chunk samples nothing
+    assert out.num_scheduled_tokens["s"] == 7 and out.structured_output_request_ids == []
+    out, outputs = run_step(scheduler)  # the last 5 prompt tokens: it samples, under its bitmask
+    assert out.structured_output_request_ids == ["s"] and out.grammar_bitmask == [grammar]
+    run_step(scheduler)
+    _, outputs = run_step(scheduler)
+    [final] = [o for o in outputs[0].outputs if o.request_id == "s"]
+    assert grammar.accepted == [7, 7, 7] and final.finish_reason == FinishReason.STOP  # the grammar ended it
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert_no_leak(scheduler)
+
+
+def test_a_grammar_that_does_not_compile_fails_only_its_request() -> None:
+    scheduler = make_scheduler()
+    scheduler.structured_output_manager = FakeManager()
+    future: Future = Future()
+    future.set_exception(RuntimeError("Regex parsing error at position 2"))
+    scheduler.add_request(structured_request("bad", [1, 2, 3], future))
+    scheduler.add_request(make_request("ok", [4, 5, 6]))
+    out, outputs = run_step(scheduler)
+    [error] = [o for o in outputs[0].outputs if o.request_id == "bad"]
+    assert error.finish_reason == FinishReason.ABORT and error.error.exc_type == "InvalidStructuredOutputError"
+    assert "does not compile" in error.error.message and "position 2" in error.error.message
+    assert "bad" not in scheduler.requests and list(out.num_scheduled_tokens) == ["ok"]
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert_no_leak(scheduler)
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error() -> None:
+    scheduler = make_scheduler()
+    scheduler.structured_output_manager = FakeManager()
+    future: Future = Future()
+    future.set_result(FakeGrammar({9}, length=5))
+    scheduler.add_request(structured_request("s", [1, 2, 3], future))
+    _, outputs = run_step(scheduler, next_token=lambda r: 7)
+    [output] = outputs[0].outputs
+    assert output.finish_reason == FinishReason.ABORT and "refused sampled token 7" in output.error.message
+    assert_no_leak(scheduler)
+
+
+def test_abort_while_compiling_frees_everything_and_a_late_grammar_is_ignored() -> None:
+    scheduler = make_scheduler()
+    scheduler.structured_output_manager = FakeManager()
+    future: Future = Future()
+    scheduler.add_request(structured_request("s", [1, 2, 3], future))
+    run_step(scheduler)
+    scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
+    future.set_result(FakeGrammar({7}, length=1))  # the compile ends after the abort
+    assert not scheduler.has_unfinished_requests() and "s" not in scheduler.requests
+    out, outputs = run_step(scheduler)
+    assert out.is_empty and not outputs
+    assert_no_leak(scheduler)
