@@ -144,3 +144,22 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_outputs(make_llm, tiny_
     [again] = small.generate(prompts[-1:], params[-1:], use_tqdm=False)  # its blocks are cached
     assert again.num_cached_tokens > 0
     assert again.outputs[0].token_ids == reference[-1].outputs[0].token_ids
+
+
+def test_async_scheduling_gives_the_same_structured_and_free_outputs(llm, tiny_llama_dir) -> None:
+    """Under async scheduling a structured request waits for its token in flight (its grammar must
+    accept it before the next bitmask), while free requests in the same batch overlap steps."""
+    schemas = make_schemas(6, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=_json(s)) for s in schemas]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in range(4)]
+    prompts = [f"Item {i}:" for i in range(len(params))]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    overlapped = LLM(str(tiny_llama_dir), async_scheduling=True, **ENGINE_ARGS)
+    try:
+        outputs = overlapped.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        for schema, output in zip(schemas, outputs):
+            jsonschema.validate(json.loads(output.outputs[0].text), schema)
+        assert_no_leaked_blocks(overlapped)
+    finally:
+        overlapped.shutdown()
