@@ -35,7 +35,7 @@ from engine.errors import EngineDeadError, EngineStartupError, InvalidEngineArgs
 from engine.executor.abstract import Executor
 from engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from engine.worker.rpc_protocol import (
-    ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, RPCReply, SampleReply, ShutdownCall, WorkerCodec,
+    ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, SampleReply, ShutdownCall, WorkerCodec,
     method_name,
 )
 
