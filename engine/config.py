@@ -224,6 +224,12 @@ class EngineArgs:
         if self.data_parallel_size != 1:
             raise InvalidEngineArgsError(
                 f"data_parallel_size={self.data_parallel_size!r}: only 1 is supported yet (one engine core).")
+        if self.tensor_parallel_size > 1 and getattr(self, "quantization", None) is not None:
+            # A .gguf model is dequantized to safetensors, which TP slices; kept-quantized
+            # weights (int8 / packed GGUF blocks) have no per-rank slicing yet.
+            raise InvalidEngineArgsError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs unquantized safetensors weights; "
+                f"quantization={getattr(self, 'quantization')!r} runs with tensor_parallel_size=1.")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "fake":
             raise InvalidEngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "
