@@ -6,6 +6,7 @@ on CPU); TP=1 runs over it too (--tp1-backend mp, the default) so the ratio isol
 itself, or in-process (--tp1-backend uni). Prints tok/s per size and the ratio to the first.
 
     PYTHONPATH=$PWD python benchmarks/tp_throughput.py [--model PATH] [--tp 1 3] [--num-requests 16]
+        [--num-threads N]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def run(model: str | None, tp: int, backend: str, workload, args) -> float:
     from engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=args.dtype, tensor_parallel_size=tp, distributed_executor_backend=backend,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=1 << 28)
+              max_num_seqs=args.max_num_seqs, kv_cache_memory=1 << 28, num_threads=args.num_threads)
     try:
         prompts = [{"prompt_token_ids": p} for p, _ in workload]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per rank (default: cores // tp)")
     args = parser.parse_args()
     vocab_size = 49152
     if args.model:

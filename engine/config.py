@@ -228,6 +228,12 @@ class EngineArgs:
                 "allowed: uni, fake, mp, ray.")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "it must be an integer >= 1")
+        if self.tensor_parallel_size > 1 and getattr(self, "quantization", None) is not None:
+            # A .gguf model is dequantized to safetensors, which TP slices; kept-quantized
+            # weights (int8 / packed GGUF blocks) have no per-rank slicing yet.
+            raise InvalidEngineArgsError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs unquantized safetensors weights; "
+                f"quantization={getattr(self, 'quantization')!r} runs with tensor_parallel_size=1.")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "fake":
             raise InvalidEngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "

@@ -81,11 +81,12 @@ class MessageQueue:
         self.reader_rank = -1
         self._flags_offset = num_slots * max_chunk_bytes
         self._shm = shared_memory.SharedMemory(create=True, size=self._flags_offset + num_slots * (1 + num_readers))
+        assert self._shm.buf is not None
         self._buf: memoryview = self._shm.buf
         self._buf[self._flags_offset:] = bytes(num_slots * (1 + num_readers))
         self._unlinked = False
         self._context = zmq.Context()
-        self._ipc_dir = tempfile.mkdtemp(prefix="lmc-mq-")
+        self._ipc_dir: str | None = tempfile.mkdtemp(prefix="lmc-mq-")
         self._socket = self._context.socket(zmq.XPUB)
         self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per reader
         self._socket.setsockopt(zmq.SNDHWM, 0)
@@ -108,6 +109,7 @@ class MessageQueue:
         self.reader_rank = reader_rank
         self._flags_offset = handle.num_slots * handle.max_chunk_bytes
         self._shm = _attach(handle.shm_name)
+        assert self._shm.buf is not None
         self._buf = self._shm.buf
         self._unlinked = True  # the writer's to unlink
         self._context = zmq.Context()

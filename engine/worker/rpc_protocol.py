@@ -29,9 +29,9 @@ from engine.scheduler_output import SchedulerOutput
 
 # SchedulerOutput and ModelRunnerOutput name these types only for type checkers; msgspec
 # resolves a dataclass's annotations in its module's globals when it builds a typed decoder.
-_model_runner_output_module.KVConnectorOutput = KVConnectorOutput  # type: ignore[attr-defined]
-_scheduler_output_module.SamplingParams = SamplingParams  # type: ignore[attr-defined]
-_scheduler_output_module.MultiModalFeatureSpec = MultiModalFeatureSpec  # type: ignore[attr-defined]
+setattr(_model_runner_output_module, "KVConnectorOutput", KVConnectorOutput)  # noqa: B010
+setattr(_scheduler_output_module, "SamplingParams", SamplingParams)  # noqa: B010
+setattr(_scheduler_output_module, "MultiModalFeatureSpec", MultiModalFeatureSpec)  # noqa: B010
 
 ALL_RANKS = -1  # reply_rank: every rank answers
 NO_REPLY = -2  # reply_rank: no rank answers (execute_model: a failure ends the worker)
