@@ -233,7 +233,7 @@ class EngineArgs:
             # weights (int8 / packed GGUF blocks) have no per-rank slicing yet.
             raise InvalidEngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs unquantized safetensors weights; "
-                f"quantization={getattr(self, 'quantization')!r} runs with tensor_parallel_size=1.")
+                f"quantization={self.quantization!r} runs with tensor_parallel_size=1.")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "fake":
             raise InvalidEngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "
