@@ -15,7 +15,10 @@ KEYS = (
                    ("+ / -", "load rate x1.5 / ÷1.5"), ("s", "shared-prefix share 0 → 25 → 50 → 75 → 100%"),
                    ("L", "shape the load: rate, lengths, shared prefix"),
                    ("space", "pause / resume the KV-event log"), ("/", "filter the KV-event log (substring)"),
-                   ("r", "reset the prefix cache"))),
+                   ("r", "reset the prefix cache"),
+                   ("t", "the request table: ↑↓ pgup pgdn scroll, enter (or click) inspects a request"),
+                   ("m", "the block map: arrows move the cursor (the block's hash, refs, age, holders), "
+                         "z / Z zoom out / in"))),
     ("chat", (("enter", "send"), ("shift+enter, ctrl+j", "new line"), ("escape", "stop the reply"),
               ("ctrl+l", "clear the conversation"))),
 )
