@@ -31,9 +31,23 @@ IN_USE_CHAR = "█"
 HIGHLIGHT = Style(color="#ff79c6", bold=True)  # the inspected request's blocks
 CURSOR = Style(reverse=True)
 ZOOMS = (1, 4, 16, 64, 256, 1024)
-GROUP_GLYPHS = "·░▒▓█"  # share of the group occupied: none, <1/3, <2/3, <1, all
-GROUP_STYLES = {BLOCK_STATE_IN_USE: Style(color="#5fd35f"), BLOCK_STATE_CACHED: Style(color="#4fa3e0"),
-                BLOCK_STATE_FREE: Style(color="#5c6370")}
+GROUP_GLYPHS = "·░▒▓█"  # share of the group occupied: none, <1/3, <2/3, less than all, all
+GROUP_COLOURS = (Style(color="#5fd35f"), Style(color="#4fa3e0"), Style(color="#5c6370"))  # in use, cached, free
+
+# Cell codes -> (char, style): in use by ref count, the other states, the marked ones, then groups.
+CODE_OTHER = len(IN_USE_STYLES)  # + the block state
+CODE_MARK_IN_USE = CODE_OTHER + 4
+CODE_MARK_OTHER = CODE_MARK_IN_USE + 1
+CODE_GROUP = CODE_MARK_OTHER + 1  # + glyph * 3 + colour
+CODE_GROUP_MARK = CODE_GROUP + len(GROUP_GLYPHS) * 3  # + glyph
+CODES: list[tuple[str, Style]] = (
+    [(IN_USE_CHAR, style) for style in IN_USE_STYLES]
+    + [CELL[BLOCK_STATE_FREE], (IN_USE_CHAR, IN_USE_STYLES[0]), CELL[BLOCK_STATE_CACHED], CELL[BLOCK_STATE_NULL]]
+    + [(IN_USE_CHAR, HIGHLIGHT), ("▒", HIGHLIGHT)]
+    + [(glyph, colour) for glyph in GROUP_GLYPHS for colour in GROUP_COLOURS]
+    + [(glyph, HIGHLIGHT) for glyph in GROUP_GLYPHS]
+)
+ALL_CODES = CODES + [(char, style + CURSOR) for char, style in CODES]  # code + len(CODES): under the cursor
 
 
 def legend_text(zoom: int = 1) -> str:
@@ -71,6 +85,7 @@ class BlockMap(ScrollView, can_focus=True):
         self.zoom = 1
         self.selected: int | None = None
         self.highlight: frozenset[int] = frozenset()
+        self._highlight_mask: np.ndarray | None = None
         self._array = np.zeros(0, dtype=np.uint8)
 
     # -- data -----------------------------------------------------------------------------
@@ -90,6 +105,7 @@ class BlockMap(ScrollView, can_focus=True):
         block_ids = frozenset(block_ids)
         if block_ids != self.highlight:
             self.highlight = block_ids
+            self._highlight_mask = None
             self.refresh()
 
     def set_zoom(self, zoom: int) -> None:
@@ -170,62 +186,70 @@ class BlockMap(ScrollView, can_focus=True):
             self.select(block)
 
     # -- drawing --------------------------------------------------------------------------
+    # Each cell becomes a small integer code (state and shade, or glyph and colour); a row is cut
+    # into runs of equal codes with numpy, and Python only touches one Segment per run: a frame
+    # costs O(rows x columns x zoom) in numpy and O(runs) in Python, whatever the pool's size.
     def render_line(self, y: int) -> Strip:
         """Row y of the visible region: cells [row * columns, (row + 1) * columns)."""
         row = y + int(self.scroll_offset.y)
         start = row * self.blocks_per_row
         if start >= len(self.states):
             return Strip.blank(self.size.width)
-        cells = self._block_cells(start) if self.zoom == 1 else self._group_cells(start)
+        codes = self._block_codes(start) if self.zoom == 1 else self._group_codes(start)
+        if self.selected is not None and start <= self.selected < start + self.blocks_per_row:
+            codes[(self.selected - start) // self.zoom] += len(CODES)  # the cursor's variant
+        values = codes.tolist()
         segments: list[Segment] = []
-        run_text: list[str] = []
-        run_style: Style | None = None
-        for char, style in cells:
-            if style is not run_style and run_text:
-                segments.append(Segment("".join(run_text), run_style))
-                run_text = []
-            run_style = style
-            run_text.append(char)
-        if run_text:
-            segments.append(Segment("".join(run_text), run_style))
-        return Strip(segments).extend_cell_length(self.size.width)
+        begin = 0
+        for stop in [*(np.flatnonzero(np.diff(codes)) + 1).tolist(), len(values)]:
+            char, style = ALL_CODES[values[begin]]
+            segments.append(Segment(char * (stop - begin), style))
+            begin = stop
+        # Every glyph is one cell wide: the strip's length is known (no per-segment measuring).
+        return Strip(segments, len(values)).extend_cell_length(self.size.width)
 
-    def _block_cells(self, start: int) -> list[tuple[str, Style]]:
-        states, refs, marked, cursor = self.states, self.ref_counts, self.highlight, self.selected
-        cells = []
-        for index in range(start, min(start + self.columns, len(states))):
-            char, style = self._cell(states[index], refs[index] if refs is not None and index < len(refs) else 1)
-            if index in marked:
-                style = HIGHLIGHT
-            if index == cursor:
-                style = style + CURSOR
-            cells.append((char, style))
-        return cells
+    def _marked(self, start: int, stop: int) -> np.ndarray | None:
+        if not self.highlight:
+            return None
+        if self._highlight_mask is None or len(self._highlight_mask) != len(self.states):
+            mask = np.zeros(len(self.states), dtype=bool)
+            ids = [b for b in self.highlight if 0 <= b < len(self.states)]
+            mask[ids] = True
+            self._highlight_mask = mask
+        return self._highlight_mask[start:stop]
 
-    def _group_cells(self, start: int) -> list[tuple[str, Style]]:
-        zoom, array = self.zoom, self._array
-        chunk = array[start:start + self.columns * zoom]
-        num_cells = -(-len(chunk) // zoom)
+    def _block_codes(self, start: int) -> np.ndarray:
+        stop = min(start + self.columns, len(self.states))
+        states = self._array[start:stop]
+        codes = np.where(states == BLOCK_STATE_IN_USE, 0, states.astype(np.int16) + CODE_OTHER)
+        if self.ref_counts is not None and len(self.ref_counts) >= stop:
+            refs = np.frombuffer(self.ref_counts, dtype=np.uint8, count=stop - start, offset=start)
+            codes = np.where(states == BLOCK_STATE_IN_USE, np.clip(refs, 1, len(IN_USE_STYLES)).astype(np.int16) - 1, codes)
+        marked = self._marked(start, stop)
+        if marked is not None:
+            codes = np.where(marked, np.where(states == BLOCK_STATE_IN_USE, CODE_MARK_IN_USE, CODE_MARK_OTHER), codes)
+        return codes.astype(np.int16)
+
+    def _group_codes(self, start: int) -> np.ndarray:
+        zoom = self.zoom
+        stop = min(start + self.columns * zoom, len(self.states))
+        num_cells = -(-(stop - start) // zoom)
         padded = np.full(num_cells * zoom, BLOCK_STATE_FREE, dtype=np.uint8)
-        padded[:len(chunk)] = chunk
+        padded[:stop - start] = self._array[start:stop]
         groups = padded.reshape(num_cells, zoom)
         in_use = (groups == BLOCK_STATE_IN_USE).sum(axis=1)
         cached = (groups == BLOCK_STATE_CACHED).sum(axis=1)
-        last = len(GROUP_GLYPHS) - 1
-        cells = []
-        for i in range(num_cells):
-            used, hits = int(in_use[i]), int(cached[i])
-            occupied = used + hits
-            glyph = GROUP_GLYPHS[last if occupied == zoom else (0 if occupied == 0 else 1 + (occupied * 3) // (zoom + 1))]
-            style = GROUP_STYLES[BLOCK_STATE_IN_USE if used >= hits and used else
-                                 (BLOCK_STATE_CACHED if hits else BLOCK_STATE_FREE)]
-            first = start + i * zoom
-            if self.highlight and any(b in self.highlight for b in range(first, first + zoom)):
-                style = HIGHLIGHT
-            if self.selected is not None and first <= self.selected < first + zoom:
-                style = style + CURSOR
-            cells.append((glyph, style))
-        return cells
+        occupied = zoom - (groups == BLOCK_STATE_FREE).sum(axis=1)  # in use, cached or the null block
+        glyph = np.where(occupied == zoom, len(GROUP_GLYPHS) - 1,
+                         np.where(occupied == 0, 0, 1 + np.minimum((occupied * 3) // zoom, 2)))
+        colour = np.where((in_use >= cached) & (in_use > 0), 0, np.where(cached > 0, 1, 2))
+        codes = CODE_GROUP + glyph * 3 + colour
+        marked = self._marked(start, stop)
+        if marked is not None:
+            mask = np.zeros(num_cells * zoom, dtype=bool)
+            mask[:stop - start] = marked
+            codes = np.where(mask.reshape(num_cells, zoom).any(axis=1), CODE_GROUP_MARK + glyph, codes)
+        return codes.astype(np.int16)
 
     @staticmethod
     def _cell(state: int, ref_count: int) -> tuple[str, Style]:
