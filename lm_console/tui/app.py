@@ -34,6 +34,7 @@ from lm_console.tui.render import fmt_seconds
 from lm_console.tui.telemetry import DashboardView, Telemetry
 from lm_console.tui.widgets.block_map import BlockMap
 from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
+from lm_console.tui.widgets.charts_view import ChartsView
 from lm_console.tui.widgets.chat_view import ChatView
 from lm_console.tui.widgets.dashboard import Dashboard
 from lm_console.tui.widgets.engine_status import EngineStatus
@@ -57,6 +58,7 @@ class ConsoleApp(App[None]):
         Binding("question_mark,f1", "help", "help", key_display="?"),
         Binding("1,f2", "show_tab('dashboard')", "dash", key_display="1"),
         Binding("2,f3", "show_tab('chat')", "chat", key_display="2"),
+        Binding("3,f4", "show_tab('charts')", "charts", key_display="3"),
         Binding("p", "pause", "pause"),
         Binding("l", "toggle_load", "load"),
         Binding("plus,equals_sign", "rate_up", "rate", key_display="+"),
@@ -109,6 +111,8 @@ class ConsoleApp(App[None]):
                     yield Dashboard(id="dash")
                 with TabPane("Chat", id="chat-tab"):
                     yield ChatView(self.session, id="chat")
+                with TabPane("Charts", id="charts-tab"):
+                    yield ChartsView(id="charts")
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
@@ -206,9 +210,21 @@ class ConsoleApp(App[None]):
                 self.query_one(KVEventsPanel).add(self.telemetry.take_events())
                 self._show_selection(now)
             self.query_one(ChatView).flush()
+            if not self.chat_only and self._active_tab() == "charts-tab":
+                self._show_charts(now)
             if isinstance(self.screen, RequestInspector):
                 self.screen.show(self._request(self.screen.request_id), self.core_requests,
                                  view.block_states, view.block_ref_counts, now)
+
+    def _show_charts(self, now: float, force: bool = False) -> None:
+        """Redraw the charts when a new point came (about once a second)."""
+        points = self.telemetry.chart
+        last = points[-1].ts if points else None
+        if force or last != getattr(self, "_charted", None):
+            self._charted = last
+            # The x axis spans the data (at least a minute, at most the kept span).
+            span = min(max(now - points[0].ts if points else 0.0, 60.0), self.telemetry.chart_span_s)
+            self.query_one(ChartsView).show(list(points), now, span)
 
     # -- the engine core's requests: table states, the inspector, block details ------------
     def _maybe_poll_core(self, now: float) -> None:
@@ -303,7 +319,7 @@ class ConsoleApp(App[None]):
         return self.query_one(TabbedContent).active if not self.chat_only else "chat-tab"
 
     def action_show_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = "dashboard" if tab == "dashboard" else "chat-tab"
+        self.query_one(TabbedContent).active = {"dashboard": "dashboard", "charts": "charts-tab"}.get(tab, "chat-tab")
         if tab == "chat":
             self.query_one(ChatView).focus_prompt()
         else:
@@ -311,6 +327,8 @@ class ConsoleApp(App[None]):
 
     def on_tabbed_content_tab_activated(self) -> None:
         self.refresh_bindings()
+        if self._active_tab() == "charts-tab":
+            self._show_charts(self.clock(), force=True)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 KEYS = (
-    ("anywhere", (("1 / 2  (f2 / f3)", "dashboard / chat tab"), ("? or f1", "this help (escape closes it)"),
+    ("anywhere", (("1 / 2 / 3  (f2-f4)", "dashboard / chat / charts tab"), ("? or f1", "this help (escape closes it)"),
                   ("q or ctrl+q", "quit (shuts the engine down)"))),
     ("dashboard", (("p", "pause / resume the display"), ("l", "load generator on / off"),
                    ("+ / -", "load rate x1.5 / ÷1.5"), ("s", "shared-prefix share 0 → 25 → 50 → 75 → 100%"),
