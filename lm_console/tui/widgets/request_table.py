@@ -36,7 +36,8 @@ class RequestTable(DataTable):
         order = [r.request_id for r in rows]
         if order != [key.value for key in self.rows]:
             # Membership or order changed: rebuild (a few dozen rows), keeping the cursor on its request.
-            keep, scroll_y = self.cursor_request_id, self.scroll_y
+            # (Unfocused, the table shows its top: nobody is reading a row.)
+            keep, scroll_y = (self.cursor_request_id, self.scroll_y) if self.has_focus else (None, 0.0)
             self.clear()
             for request in rows:
                 self.add_row(*self._cells(request, now), key=request.request_id)
