@@ -13,8 +13,10 @@ import asyncio
 from typing import Any
 
 from engine.protocol import EngineCoreOutput
+from engine.metrics.stats import RequestBlocksState, SchedulerStats
 from lm_console.client.fake import FakeConsoleClient, _Stream
-from lm_console.client.types import EngineInfo, GenParams
+from lm_console.client.replay import Frame, Recording
+from lm_console.client.types import EngineInfo, GenParams, KVEventRecord
 
 
 class SteppedEngineClient(FakeConsoleClient):
@@ -60,6 +62,35 @@ class SteppedEngineClient(FakeConsoleClient):
             last_step_time_s = step_time_s
 
         self.executor = _Timing()
+        self.record: Recording | None = None  # set to record a scene (lm_console/client/replay.py)
+
+    def start_recording(self) -> Recording:
+        """Keep what the console receives from now on; returns the Recording being filled."""
+        self.record = Recording(info=self.info)
+        return self.record
+
+    def step(self) -> None:
+        if self.record is not None:
+            self.record.frames.append(Frame())
+        super().step()
+        if self.record is not None:
+            self.record.frames[-1].busy = self.core.has_unfinished_requests()
+
+    def push_stats(self, stats: SchedulerStats) -> None:
+        if self.record is not None and self.record.frames:
+            self.record.frames[-1].stats.append(stats)
+        super().push_stats(stats)
+
+    def push_events(self, events: list[KVEventRecord]) -> None:
+        if self.record is not None and self.record.frames:
+            self.record.frames[-1].events.append(events)
+        super().push_events(events)
+
+    async def request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        state = self.core.get_request_blocks(block_ids)
+        if self.record is not None:
+            self.record.polls.append(state)
+        return state
 
     async def chat(self, messages: list[dict[str, Any]], params: GenParams,
                    request_id: str) -> Any:
@@ -74,6 +105,13 @@ class SteppedEngineClient(FakeConsoleClient):
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def decode_prompt(self, token_ids: list[int]) -> str:
+        """decode() for the console (the inspector), recorded."""
+        text = self.decode(token_ids)
+        if self.record is not None:
+            self.record.decodes.append(text)
+        return text
 
     async def shutdown(self) -> None:
         if not self._is_shut_down:
@@ -96,6 +134,9 @@ class SteppedEngineClient(FakeConsoleClient):
         stream.finished = finish is not None
         if stream.finished:
             self._token_ids.pop(output.request_id, None)
-        stream.queue.put_nowait(self._chunk(output.request_id, stream, text, len(output.new_token_ids), now,
-                                            finish, output.num_cached_tokens))
+        chunk = self._chunk(output.request_id, stream, text, len(output.new_token_ids), now, finish,
+                            output.num_cached_tokens)
+        if self.record is not None and self.record.frames:
+            self.record.frames[-1].chunks.append(chunk)
+        stream.queue.put_nowait(chunk)
 

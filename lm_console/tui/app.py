@@ -288,7 +288,8 @@ class ConsoleApp(App[None]):
 
     def open_inspector(self, request_id: str) -> None:
         """Push the request inspector for `request_id` (drawn at once, then on every tick)."""
-        screen = RequestInspector(request_id, getattr(self.client, "decode", None))
+        decode = getattr(self.client, "decode_prompt", None) or getattr(self.client, "decode", None)
+        screen = RequestInspector(request_id, decode)
 
         def draw() -> None:
             view = self.telemetry.view
