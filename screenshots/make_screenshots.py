@@ -67,8 +67,8 @@ async def dashboard_scene(client: Any, clock: Any, shoot: Callable[[Any, str], A
     from lm_console.tui.demo import drive_load
     from lm_console.tui.widgets.request_table import RequestTable
 
-    shape = LoadShape(rate=4.0, prompt_len=(32, 160), output_len=(16, 64), shared_prefix_share=0.5,
-                      prefix_len=64, num_prefixes=2)
+    shape = LoadShape(rate=4.0, prompt_len=(48, 144), output_len=(16, 64), shared_prefix_share=0.75,
+                      prefix_len=48, num_prefixes=1)
     app = ConsoleApp(client, shape=shape, clock=clock, tick_hz=0, seed=0)
     async with app.run_test(size=SIZE) as pilot:
         await drive_load(app, client, clock, num_steps=72)

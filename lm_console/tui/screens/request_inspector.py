@@ -9,6 +9,7 @@ The app refreshes it on every UI tick from the latest poll of the engine core's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from textual.app import ComposeResult
@@ -30,12 +31,11 @@ def timeline_of(request: TrackedRequest) -> RequestTimeline:
     """The engine's timestamps where the client had them, else what the console itself saw."""
     if request.timeline is not None:
         timeline = request.timeline
-        if timeline.finished is None and request.finished_ts is not None:
-            timeline.finished = request.finished_ts
-        if not timeline.preempted and request.seen_preempted:
-            timeline.preempted = list(request.seen_preempted)
-        return timeline
-    return RequestTimeline(request.arrival, None, None, request.first_token_ts, list(request.seen_preempted),
+        return replace(timeline, finished=request.finished_ts if timeline.finished is None else timeline.finished,
+                       preempted=list(timeline.preempted or request.seen_preempted))
+    # The client's TTFT (its own clock's) places the first token; else when the console saw it.
+    first_token = request.arrival + request.ttft_s if request.ttft_s is not None else request.first_token_ts
+    return RequestTimeline(request.arrival, None, None, first_token, list(request.seen_preempted),
                            request.finished_ts)
 
 

@@ -6,7 +6,6 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Static
 
 from lm_console.chat_session import COMMANDS_HELP, ChatSession
 from lm_console.client.types import EngineInfo, EngineUnavailable
