@@ -16,9 +16,8 @@ KEYS = (
                    ("L", "shape the load: rate, lengths, shared prefix"),
                    ("space", "pause / resume the KV-event log"), ("/", "filter the KV-event log (substring)"),
                    ("r", "reset the prefix cache"),
-                   ("t", "the request table: ↑↓ pgup pgdn scroll, enter (or click) inspects a request"),
-                   ("m", "the block map: arrows move the cursor (the block's hash, refs, age, holders), "
-                         "z / Z zoom out / in"))),
+                   ("t", "request table: ↑↓ scroll, enter (or a click) inspects"),
+                   ("m", "block map: arrows pick a block, z / Z zoom out / in"))),
     ("chat", (("enter", "send"), ("shift+enter, ctrl+j", "new line"), ("escape", "stop the reply"),
               ("ctrl+l", "clear the conversation"))),
 )

@@ -100,7 +100,9 @@ def prefix_chain(request_id: str, block_ids: list[int], core: Any) -> list[str]:
         digest = hashes.get(block)
         hash_text = hash_hex(digest)[:12] + "…" if digest is not None else "[#7f848e](partial: no hash yet)[/]"
         others = holders.get(block)
-        shared = f"[#ff79c6]shared with {', '.join(sorted(others))}[/]" if others else "[#7f848e]own[/]"
+        names = sorted(others or ())
+        more = f" +{len(names) - 4} more" if len(names) > 4 else ""
+        shared = f"[#ff79c6]shared with {', '.join(names[:4])}{more}[/]" if names else "[#7f848e]own[/]"
         lines.append(f"{position:>3}  #{block:<6} {hash_text:<14} {shared}")
     if len(block_ids) > MAX_CHAIN_LINES:
         num_shared = sum(1 for b in block_ids if b in holders)
