@@ -70,6 +70,7 @@ async def dashboard_scene(client: Any, clock: Any, shoot: Callable[[Any, str], A
     shape = LoadShape(rate=4.0, prompt_len=(48, 144), output_len=(16, 64), shared_prefix_share=0.75,
                       prefix_len=48, num_prefixes=1)
     app = ConsoleApp(client, shape=shape, clock=clock, tick_hz=0, seed=0)
+    app.animation_level = "none"  # the tab underline slides: a picture mid-animation is not reproducible
     async with app.run_test(size=SIZE) as pilot:
         await drive_load(app, client, clock, num_steps=72)
         await pilot.pause()
@@ -111,6 +112,7 @@ async def chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], Awaita
     from lm_console.tui.demo import drive_chat
 
     app = ConsoleApp(client, clock=clock, tick_hz=0, seed=0)
+    app.animation_level = "none"
     app.session.params = GenParams(temperature=0.7, top_p=0.95, max_tokens=72, seed=0)  # the side panel shows them
     async with app.run_test(size=SIZE) as pilot:
         while app.load is None:
@@ -128,6 +130,7 @@ async def image_chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], 
     from lm_console.tui.demo import drive_chat
 
     app = ConsoleApp(client, clock=clock, tick_hz=0, seed=0, chat_only=True)
+    app.animation_level = "none"
     app.initial_images = [str(IMAGE.relative_to(Path.cwd())) if IMAGE.is_relative_to(Path.cwd()) else str(IMAGE)]
     app.session.params = GenParams(temperature=0.0, max_tokens=48, seed=0)
     async with app.run_test(size=SIZE) as pilot:
