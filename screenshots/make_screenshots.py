@@ -138,6 +138,11 @@ async def image_chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], 
             await asyncio.sleep(0.01)
         await drive_chat(app, client, clock, IMAGE_QUESTION)
         await pilot.pause()
+        # Scrolled to the end once the picture's widget has its size (while the reply streamed, the
+        # end moved with that layout: the position was not reproducible).
+        await pilot.pause()
+        app.query_one("#transcript").scroll_end(animate=False, immediate=True)
+        await pilot.pause()
         await shoot(app, "image_chat")
 
 
