@@ -136,6 +136,9 @@ def test_dashboard_table_inspector_and_block_details_equal_the_engines_state(tin
     assert f"shared with {other}" in seen["chain"]
     assert hash_hex(core.block_hashes[inspected.block_ids[0][0]])[:12] in seen["chain"]
     assert f"prompt {inspected.num_prompt_tokens}" in seen["inspector_head"].replace("[b]", "").replace("[/]", "")
+    # Its timeline: the engine's own timestamps (AsyncLLM's RequestMetrics), in order.
+    assert "queued +" in seen["inspector_head"] and "scheduled +" in seen["inspector_head"]
+    assert "first token +" in seen["inspector_head"]
     # Block details: the engine's hash, ref count and holders of the first shared block.
     info, block = seen["block_info"], seen["shared_block"]
     holders = sorted(r.request_id for r in core.requests if any(block in g for g in r.block_ids))
