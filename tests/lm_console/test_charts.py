@@ -14,7 +14,7 @@ def test_charts_plot_the_telemetry_points_with_time_on_x() -> None:
     async def scenario() -> None:
         app, client, clock = demo_app()
         async with app.run_test(size=(120, 36)) as pilot:
-            await drive_load(app, client, clock, num_steps=100)  # 5 s of the fake engine's time
+            await drive_load(app, client, clock, num_steps=84)  # 4.2 s of the fake engine's time
             points = list(app.telemetry.chart)
             assert len(points) >= 4 and all(b.ts - a.ts >= 1.0 for a, b in zip(points, points[1:]))
             await pilot.press("3")
