@@ -23,6 +23,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    preempted_times: list[float] = field(default_factory=list)  # one per preemption (engine core time)
     inter_token_latencies: list[float] = field(default_factory=list)
 
     @property

@@ -128,7 +128,7 @@ class ChatSession:
         self.last_stats = stats
         reply: list[str] = []
         if self.book is not None:
-            self.book.submit(request_id, "chat", start)
+            self.book.submit(request_id, "chat", start, prompt=text)
         try:
             async for chunk in self.client.chat(self.conversation(), self.params, request_id):
                 now = self.clock()

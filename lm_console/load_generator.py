@@ -128,7 +128,7 @@ class LoadGenerator:
         prompt = self.make_prompt()
         params = GenParams(temperature=0.8, top_p=0.95, max_tokens=self.rng.randint(*self.shape.output_len),
                            seed=self.rng.randrange(1 << 30), ignore_eos=True)
-        self.book.submit(request_id, "load", self.clock(), len(prompt))
+        self.book.submit(request_id, "load", self.clock(), len(prompt), prompt=prompt)
         self.num_submitted += 1
         try:
             async for chunk in self.client.generate(prompt, params, request_id):

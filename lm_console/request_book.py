@@ -8,11 +8,13 @@ few seconds. Invariant: `active` holds exactly the requests whose stream has not
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from lm_console.client.types import StreamChunk
+from lm_console.client.types import RequestTimeline, StreamChunk
 
 WAITING, RUNNING, FINISHED, ABORTED, FAILED = "WAITING", "RUNNING", "FINISHED", "ABORTED", "FAILED"
+OUTPUT_TEXT_LIMIT = 8000  # characters of a request's output kept for the inspector
 
 
 @dataclass(slots=True)
@@ -31,6 +33,19 @@ class TrackedRequest:
     ttft_s: float | None = None
     tpot_s: float | None = None
     error: str | None = None
+    # The request inspector's data: what was asked and answered, and the engine core's view.
+    prompt: str | list[int] | None = None
+    output_text: str = ""
+    timeline: RequestTimeline | None = None  # the engine's timestamps (else the console's, below)
+    core_status: str | None = None  # the scheduler's state at the last poll (RUNNING, WAITING, PREEMPTED)
+    num_preemptions: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, at the last poll
+    seen_preempted: list[float] = field(default_factory=list)  # console time a poll saw a new preemption
+
+    @property
+    def table_state(self) -> str:
+        """The engine's state while it runs (PREEMPTED included), the console's once it ended."""
+        return self.core_status if self.core_status and self.finished_ts is None else self.state
 
     def elapsed(self, now: float) -> float:
         return (self.finished_ts or now) - self.arrival
@@ -48,10 +63,30 @@ class RequestBook:
         self.num_finished = 0
         self.num_failed = 0
 
-    def submit(self, request_id: str, source: str, now: float, num_prompt_tokens: int = 0) -> TrackedRequest:
-        request = TrackedRequest(request_id, source, now, num_prompt_tokens)
+    def submit(self, request_id: str, source: str, now: float, num_prompt_tokens: int = 0,
+               prompt: str | list[int] | None = None) -> TrackedRequest:
+        request = TrackedRequest(request_id, source, now, num_prompt_tokens, prompt=prompt)
         self.active[request_id] = request
         return request
+
+    def get(self, request_id: str) -> TrackedRequest | None:
+        """An active or recently finished request."""
+        return self.active.get(request_id) or next((r for r in self.done if r.request_id == request_id), None)
+
+    def on_core_requests(self, state: Any, now: float) -> None:
+        """Fold the engine core's RequestBlocksState (a poll) into the active requests."""
+        seen = {row.request_id: row for row in state.requests}
+        for request in self.active.values():
+            row = seen.get(request.request_id)
+            if row is None:
+                continue
+            if row.num_preemptions > request.num_preemptions:
+                request.seen_preempted.extend([now] * (row.num_preemptions - request.num_preemptions))
+            request.core_status = row.status
+            request.num_preemptions = row.num_preemptions
+            request.block_ids = [list(group) for group in row.block_ids]
+            if row.num_cached_tokens > 0:
+                request.num_cached = max(request.num_cached, row.num_cached_tokens)
 
     def on_chunk(self, chunk: StreamChunk, now: float) -> None:
         """Fold one stream chunk into its request."""
@@ -61,6 +96,11 @@ class RequestBook:
         if chunk.num_prompt_tokens:
             request.num_prompt_tokens = chunk.num_prompt_tokens
         request.num_cached = max(request.num_cached, chunk.num_cached_tokens)
+        if chunk.timeline is not None:
+            request.timeline = chunk.timeline
+            request.num_preemptions = max(request.num_preemptions, len(chunk.timeline.preempted))
+        if chunk.text and len(request.output_text) < OUTPUT_TEXT_LIMIT:
+            request.output_text = (request.output_text + chunk.text)[:OUTPUT_TEXT_LIMIT]
         if chunk.num_new_tokens:
             request.num_generated += chunk.num_new_tokens
             if request.first_token_ts is None:

@@ -1,53 +1,201 @@
-"""Regenerate the console screenshots (SVG, and PNG for the README) from scripted scenes.
+"""Regenerate the console screenshots from the real engine (SVG, and PNG for the README).
 
-    .venv/bin/python screenshots/make_screenshots.py [--size 120x36] [--no-png]
+    python screenshots/make_screenshots.py              # run the engine: every scene (minutes on a CPU)
+    python screenshots/make_screenshots.py --replay     # re-render from the recordings (seconds, no engine)
+    python screenshots/make_screenshots.py --scene image_chat   # one scene (e.g. after demo-vlm changed)
 
-The scenes run the real app over the fake engine with a fixed clock (lm_console/tui/demo.py), so
-the pictures are reproducible. PNGs need cairosvg (`pip install -e '.[screenshots]'`) or
-rsvg-convert; the SVG's font is swapped for an installed monospace one before converting.
+Each scene drives `lmc tui` / `lmc chat` over the real engine stepped by hand (SteppedEngineClient:
+the embedded SmolLM2, or demo-vlm for the image chat) on a fixed clock, with fixed seeds, so a
+picture is a function of the model, the seeds and the scene. What the engine gave the console is
+recorded (scenes/NAME.json); tests/lm_console/test_screenshots.py replays the recordings and fails
+when a committed SVG's text no longer matches what the app renders. PNGs need cairosvg
+(`pip install -e '.[screenshots]'`) or rsvg-convert.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
-from lm_console.tui.demo import demo_app, drive_chat, drive_load
+os.environ.setdefault("PYTHONHASHSEED", "0")  # the root of the block hashes (read when the engine loads)
+os.environ["TZ"] = "UTC"  # the event log prints times of day
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+SCENES_DIR = HERE / "scenes"
+IMAGE = HERE / "scenes" / "lighthouse.png"
 PNG_FONT = "DejaVu Sans Mono"
+SIZE = (120, 36)
+DASHBOARD_ENGINE = dict(dtype="float32", max_model_len=1024, num_gpu_blocks_override=160, max_num_seqs=12,
+                        max_num_batched_tokens=128, seed=0)
+CHAT_ENGINE = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=160, seed=0)
+QUESTION = "What does a paged KV cache buy me? Two sentences."
+IMAGE_QUESTION = "What is in this picture?"
 
 
-async def shoot_dashboard(size: tuple[int, int], path: Path) -> None:
-    app, client, clock = demo_app()
-    async with app.run_test(size=size) as pilot:
-        await drive_load(app, client, clock, num_steps=160)
+def make_picture(path: Path) -> None:
+    """A small, fixed picture for the image chat: a lighthouse by the sea at dusk."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (96, 64))
+    draw = ImageDraw.Draw(image)
+    for y in range(40):  # the sky: dusk gradient
+        draw.line([(0, y), (95, y)], fill=(40 + y * 4, 60 + y * 2, 140 - y))
+    draw.ellipse([62, 18, 78, 34], fill=(250, 200, 90))  # the sun
+    draw.rectangle([0, 40, 95, 63], fill=(30, 70, 130))  # the sea
+    draw.polygon([(20, 44), (26, 12), (32, 44)], fill=(235, 235, 235))  # the tower
+    for y in (20, 30):
+        draw.rectangle([22, y, 30, y + 3], fill=(200, 40, 40))
+    draw.rectangle([24, 8, 28, 12], fill=(255, 240, 120))  # the lamp
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+
+
+# -- scenes: the same code drives the engine (recording) and the replay ------------------------------
+async def dashboard_scene(client: Any, clock: Any, shoot: Callable[[Any, str], Awaitable[None]]) -> None:
+    """The dashboard under load, a request's inspector, the charts and the help."""
+    from lm_console.load_generator import LoadShape
+    from lm_console.tui.app import ConsoleApp
+    from lm_console.tui.demo import drive_load
+    from lm_console.tui.widgets.request_table import RequestTable
+
+    shape = LoadShape(rate=4.0, prompt_len=(48, 144), output_len=(16, 64), shared_prefix_share=0.75,
+                      prefix_len=48, num_prefixes=1)
+    app = ConsoleApp(client, shape=shape, clock=clock, tick_hz=0, seed=0)
+    app.animation_level = "none"  # the tab underline slides: a picture mid-animation is not reproducible
+    async with app.run_test(size=SIZE) as pilot:
+        await drive_load(app, client, clock, num_steps=72)
         await pilot.pause()
-        app.save_screenshot(path.name, str(path.parent))
-
-
-async def shoot_chat(size: tuple[int, int], path: Path) -> None:
-    app, client, clock = demo_app()
-    async with app.run_test(size=size) as pilot:
-        app.action_show_tab("chat")
-        await drive_chat(app, client, clock, "What does a paged KV cache buy me?")
+        await shoot(app, "dashboard")
+        # The inspector: the running request holding the most shared blocks.
+        core = app.core_requests
+        holders: dict[int, int] = {}
+        for row in core.requests:
+            for block in {b for group in row.block_ids for b in group}:
+                holders[block] = holders.get(block, 0) + 1
+        running = [r for r in core.requests if r.status == "RUNNING"]
+        chosen = max(running, key=lambda r: (sum(holders[b] > 1 for g in r.block_ids for b in g), r.request_id))
+        await pilot.press("t")
+        table = app.query_one(RequestTable)
+        order = [str(key.value) for key in table.rows]
+        table.move_cursor(row=order.index(chosen.request_id))
+        await pilot.press("enter")
         await pilot.pause()
-        app.save_screenshot(path.name, str(path.parent))
-
-
-async def shoot_help(size: tuple[int, int], path: Path) -> None:
-    app, _, _ = demo_app()
-    async with app.run_test(size=size) as pilot:
+        app.tick()
         await pilot.pause()
+        await shoot(app, "inspector")
+        await pilot.press("escape")
+        app.action_show_tab("charts")
+        await pilot.pause()
+        app.tick()
+        await pilot.pause()
+        await shoot(app, "charts")
+        app.action_show_tab("dashboard")
         await pilot.press("question_mark")
         await pilot.pause()
-        app.save_screenshot(path.name, str(path.parent))
+        await shoot(app, "help")
+        await app.load.close()
+
+
+async def chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], Awaitable[None]]) -> None:
+    """`lmc tui`'s chat tab with the embedded model's own reply."""
+    from lm_console.client.types import GenParams
+    from lm_console.tui.app import ConsoleApp
+    from lm_console.tui.demo import drive_chat
+
+    app = ConsoleApp(client, clock=clock, tick_hz=0, seed=0)
+    app.animation_level = "none"
+    app.session.params = GenParams(temperature=0.7, top_p=0.95, max_tokens=72, seed=0)  # the side panel shows them
+    async with app.run_test(size=SIZE) as pilot:
+        while app.load is None:
+            await asyncio.sleep(0.01)
+        app.action_show_tab("chat")
+        await drive_chat(app, client, clock, QUESTION)
+        await pilot.pause()
+        await shoot(app, "chat")
+
+
+async def image_chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], Awaitable[None]]) -> None:
+    """`lmc chat --model demo-vlm --image lighthouse.png`: the picture, its size and hash, the reply."""
+    from lm_console.client.types import GenParams
+    from lm_console.tui.app import ConsoleApp
+    from lm_console.tui.demo import drive_chat
+
+    app = ConsoleApp(client, clock=clock, tick_hz=0, seed=0, chat_only=True)
+    app.animation_level = "none"
+    app.initial_images = [str(IMAGE.relative_to(Path.cwd())) if IMAGE.is_relative_to(Path.cwd()) else str(IMAGE)]
+    app.session.params = GenParams(temperature=0.0, max_tokens=48, seed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        while app.load is None:
+            await asyncio.sleep(0.01)
+        await drive_chat(app, client, clock, IMAGE_QUESTION)
+        await pilot.pause()
+        # Scrolled to the end once the picture's widget has its size (while the reply streamed, the
+        # end moved with that layout: the position was not reproducible).
+        await pilot.pause()
+        app.query_one("#transcript").scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        await shoot(app, "image_chat")
+
+
+# scene -> (function, model (None: the embedded SmolLM2), engine args)
+SCENES: dict[str, tuple[Callable[..., Awaitable[None]], str | None, dict[str, Any]]] = {
+    "dashboard": (dashboard_scene, None, DASHBOARD_ENGINE),
+    "chat": (chat_scene, None, CHAT_ENGINE),
+    "image_chat": (image_chat_scene, "demo-vlm", CHAT_ENGINE),
+}
+
+
+async def run_scene(name: str, out_dir: Path, replay: bool) -> list[Path]:
+    """Run one scene (over the engine, recording it, or over its recording); the SVGs it saved."""
+    from lm_console.client.replay import Recording, ReplayClient
+    from lm_console.tui.demo import ManualClock
+
+    scene, model, engine_args = SCENES[name]
+    clock = ManualClock()
+    recording_path = SCENES_DIR / f"{name}.json"
+    if replay:
+        client: Any = ReplayClient(Recording.load(recording_path), clock=clock)
+        recording = None
+    else:
+        from lm_console.client.stepped import SteppedEngineClient
+
+        client = SteppedEngineClient(model, clock=clock, **engine_args)
+        recording = client.start_recording()
+    saved: list[Path] = []
+
+    async def shoot(app: Any, shot: str) -> None:
+        app.save_screenshot(f"{shot}.svg", str(out_dir))
+        saved.append(out_dir / f"{shot}.svg")
+
+    try:
+        await scene(client, clock, shoot)
+    finally:
+        await client.shutdown()
+    if recording is not None:
+        SCENES_DIR.mkdir(exist_ok=True)
+        recording.save(recording_path)
+    return saved
+
+
+def svg_text(path: Path) -> list[str]:
+    """The screen's text, row by row, from a Textual SVG screenshot."""
+    import html
+    import re
+
+    rows: dict[float, list[tuple[float, str]]] = {}
+    for match in re.finditer(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)"[^>]*>(.*?)</text>', path.read_text()):
+        x, y, text = float(match.group(1)), float(match.group(2)), html.unescape(match.group(3))
+        rows.setdefault(y, []).append((x, text.replace("\xa0", " ")))
+    return ["".join(text for _, text in sorted(cells)).rstrip() for _, cells in sorted(rows.items())]
 
 
 def to_png(svg: Path, png: Path, width: int = 1600) -> bool:
@@ -72,24 +220,26 @@ def to_png(svg: Path, png: Path, width: int = 1600) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="120x36", help="terminal size, COLSxROWS")
+    parser.add_argument("--scene", action="append", choices=sorted(SCENES), help="only these scenes")
+    parser.add_argument("--replay", action="store_true", help="re-render from scenes/*.json (no engine)")
     parser.add_argument("--no-png", action="store_true")
     args = parser.parse_args()
-    size = tuple(int(x) for x in args.size.split("x"))
-    os.environ["TZ"] = "UTC"  # the event log prints times of day
-    os.environ["PYTHONHASHSEED"] = "0"  # the root of the block hashes it shows (else random)
     time.tzset()
-    scenes = {"dashboard": shoot_dashboard, "chat": shoot_chat, "help": shoot_help}
-    for name, scene in scenes.items():
-        svg = HERE / f"{name}.svg"
-        asyncio.run(scene(size, svg))  # type: ignore[arg-type]
-        made = [svg.name]
+    os.chdir(HERE.parent)  # the image's path as `lmc chat --image` shows it: relative to the repository
+    if not IMAGE.exists():
+        make_picture(IMAGE)
+    for name in args.scene or list(SCENES):
+        start = time.monotonic()
+        saved = asyncio.run(run_scene(name, HERE, args.replay))
+        made = [svg.name for svg in saved]
         if not args.no_png:
-            if to_png(svg, svg.with_suffix(".png")):
-                made.append(svg.with_suffix(".png").name)
-            else:
-                print("  (no PNG: install cairosvg or rsvg-convert)")
-        print(f"{name}: {', '.join(made)}")
+            for svg in saved:
+                if to_png(svg, svg.with_suffix(".png")):
+                    made.append(svg.with_suffix(".png").name)
+                else:
+                    print("  (no PNG: install cairosvg or rsvg-convert)")
+                    break
+        print(f"{name}: {', '.join(made)} ({time.monotonic() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from engine.executor.abstract import Executor
 from engine.kv_cache_hashing import get_hash_fn_by_name, get_request_block_hasher, init_none_hash
 from engine.kv_cache_interface import KVCacheConfig, get_kv_cache_config
 from engine.metrics.kv_events import KVEventBatch
-from engine.metrics.stats import BlockPoolState, SchedulerStats
+from engine.metrics.stats import BlockPoolState, RequestBlocksState, SchedulerStats
 from engine.model_runner_output import ModelRunnerOutput
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from engine.request import Request, RequestStatus
@@ -255,6 +255,13 @@ class EngineCore:
             block_states=pool.get_block_states(),
             block_ref_counts=pool.get_block_ref_counts(),
         )
+
+    def get_request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        """Unfinished requests with their status, preemptions and block ids; hashes of those blocks
+        (and of `block_ids`): the console's request inspector. O(blocks held), not O(pool)."""
+        from engine.core.request_blocks import snapshot_request_blocks
+
+        return snapshot_request_blocks(self.scheduler, self.kv_cache_manager, block_ids or ())
 
     def get_prefix_cache_hashes(self) -> list[bytes]:
         """The block hashes in the prefix cache (debugging and KV event tests)."""

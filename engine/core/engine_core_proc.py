@@ -41,7 +41,7 @@ _CLOSE_LINGER_MS = 500
 
 # Methods of EngineCore that a UtilityCall may name.
 UTILITY_METHODS = frozenset({
-    "reset_prefix_cache", "get_stats", "get_block_pool_state", "get_prefix_cache_hashes",
+    "reset_prefix_cache", "get_stats", "get_block_pool_state", "get_prefix_cache_hashes", "get_request_blocks",
     "sleep", "wake_up", "is_sleeping", "flush_kv_connector",
 })
 

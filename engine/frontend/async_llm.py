@@ -24,7 +24,7 @@ from engine.multimodal.processing import make_mm_processor
 from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from engine.metrics.kv_events import KVEventBatch
 from engine.metrics.loggers import LoggingStatLogger, StatLoggerBase
-from engine.metrics.stats import BlockPoolState, IterationStats, SchedulerStats
+from engine.metrics.stats import BlockPoolState, IterationStats, RequestBlocksState, SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -189,6 +189,10 @@ class AsyncLLM:
 
     async def get_block_pool_state(self) -> BlockPoolState:
         return await self._call("get_block_pool_state")
+
+    async def get_request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        """The core's unfinished requests with their block ids and those blocks' hashes (console inspector)."""
+        return await self._call("get_request_blocks", block_ids)
 
     async def get_stats(self) -> SchedulerStats:
         return await self._call("get_stats")

@@ -19,7 +19,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.metrics.stats import BlockPoolState, SchedulerStats
+    from engine.metrics.stats import BlockPoolState, RequestBlocksState, SchedulerStats
 
 ChatMessages = list[dict[str, Any]]
 
@@ -146,6 +146,10 @@ class LLM:
     def get_block_pool_state(self) -> BlockPoolState:
         """Block counts and the per-block state map of the KV cache."""
         return self.engine_core.get_block_pool_state()
+
+    def get_request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        """Unfinished requests with their status, preemptions and block ids, and those blocks' hashes."""
+        return self.engine_core.call_utility("get_request_blocks", block_ids)
 
     def check_health(self) -> None:
         """Raise the engine's EngineDeadError (or EngineUnresponsiveError) if it is gone."""

@@ -29,13 +29,13 @@ from engine.errors import EngineDeadError, EngineError, EngineUnresponsiveError,
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import MsgpackDecoder, MsgpackEncoder
-from engine.metrics.stats import BlockPoolState, SchedulerStats
+from engine.metrics.stats import BlockPoolState, RequestBlocksState, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall, UtilityOutput
 
 logger = logging.getLogger(__name__)
 
 _UTILITY_RESULT_TYPES: dict[str, Any] = {
-    "get_stats": SchedulerStats, "get_block_pool_state": BlockPoolState,
+    "get_stats": SchedulerStats, "get_block_pool_state": BlockPoolState, "get_request_blocks": RequestBlocksState,
     "get_prefix_cache_hashes": list[bytes], "reset_prefix_cache": bool,
     "sleep": bool, "wake_up": bool, "is_sleeping": bool,
 }

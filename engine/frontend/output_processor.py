@@ -217,6 +217,7 @@ class OutputProcessor:
                     metrics.first_scheduled_time = event.timestamp
             elif event.type == EngineCoreEventType.PREEMPTED:
                 metrics.num_preemptions += 1
+                metrics.preempted_times.append(event.timestamp)
                 if iteration_stats is not None:
                     iteration_stats.num_preempted_reqs += 1
         num_new_tokens = len(output.new_token_ids)

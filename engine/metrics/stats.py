@@ -110,6 +110,29 @@ class BlockPoolState(msgspec.Struct, array_like=True, gc=False):
                 and self.num_running_reqs == 0 and self.num_waiting_reqs == 0)
 
 
+class RequestBlocks(msgspec.Struct, array_like=True, gc=False):
+    """One unfinished request in the engine core: its scheduler state and its KV blocks."""
+
+    request_id: str
+    status: str  # "WAITING" | "RUNNING" | "PREEMPTED" | "WAITING_FOR_REMOTE_KVS" | ...
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at its first scheduling (-1 before it)
+    block_ids: list[list[int]]  # per KV cache group, in token order (the null block 0 where skipped)
+
+
+class RequestBlocksState(msgspec.Struct, array_like=True, gc=False):
+    """The core's unfinished requests with their blocks (the console's request inspector).
+
+    block_hashes: block id -> the block's prefix-cache hash, for every hashed block the requests
+    hold and for the extra block ids asked for; an unhashed block is absent.
+    """
+
+    requests: list[RequestBlocks]
+    block_hashes: dict[int, bytes]
+
+
 @dataclass(slots=True)
 class FinishedRequestStats:
     """One finished request's phases in seconds (vLLM's per-request histograms).

@@ -42,3 +42,8 @@ def save_result(path: str | None, result: dict[str, Any]) -> None:
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), **result}
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+    from lm_console.bench.latency_plot import save_latency_plot
+
+    plot = save_latency_plot(path, result)  # serve runs: their latency histograms, next to the JSON
+    if plot is not None:
+        print(f"Latency plot: {plot}")

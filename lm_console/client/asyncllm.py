@@ -14,11 +14,13 @@ import sys
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from lm_console.client.types import EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StreamChunk
+from lm_console.client.types import (
+    EngineInfo, EngineUnavailable, GenParams, KVEventRecord, RequestTimeline, StatsSnapshot, StreamChunk,
+)
 
 if TYPE_CHECKING:
     from engine.metrics.kv_events import KVEventBatch
-    from engine.metrics.stats import SchedulerStats
+    from engine.metrics.stats import RequestBlocksState, SchedulerStats
     from engine.outputs import RequestOutput
 
 _DEAD_HINT = ("The engine core process stopped (its log is below). Restart the console "
@@ -29,6 +31,8 @@ _START_HINT = ("Check the model with `lmc models` / `lmc models path MODEL`, and
 
 class AsyncLLMConsoleClient:
     """ConsoleClient backed by `engine.AsyncLLM(model, **engine_args)`."""
+
+    idle_snapshot_s = 1.0  # a quiet engine's gauges are re-read this often (stats_stream)
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.model = model
@@ -66,9 +70,50 @@ class AsyncLLMConsoleClient:
 
     # -- streams --------------------------------------------------------------------------
     async def stats_stream(self) -> AsyncIterator[SchedulerStats]:
+        """The engine's stats, and a StatsSnapshot whenever it has been quiet for idle_snapshot_s.
+
+        An idle (or sleeping) engine sends no stats: the snapshot keeps the dashboard's gauges and
+        block map true to the engine at that moment (after a reset, an abort, the last step).
+        """
+        engine = self._engine()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for stats in engine.stats_stream():
+                    queue.put_nowait(stats)
+                queue.put_nowait(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the reader
+                queue.put_nowait(error)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        try:
+            with _dead_as_unavailable(self):
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), self.idle_snapshot_s)
+                    except asyncio.TimeoutError:
+                        item = await self.snapshot()
+                    if item is None:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            task.cancel()
+
+    async def snapshot(self) -> StatsSnapshot:
+        """The engine's gauges and block map now (zero per-step counters: not a step)."""
+        from engine.entrypoints.console_hub import snapshot_stats
+
         with _dead_as_unavailable(self):
-            async for stats in self._engine().stats_stream():
-                yield stats
+            stats = await snapshot_stats(self._engine())
+        return StatsSnapshot(**{name: getattr(stats, name) for name in stats.__struct_fields__})
+
+    async def request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        """The core's unfinished requests with their state, preemptions and block ids (the inspector)."""
+        with _dead_as_unavailable(self):
+            return await self._engine().get_request_blocks(block_ids)
 
     async def kv_events_stream(self) -> AsyncIterator[list[KVEventRecord]]:
         with _dead_as_unavailable(self):
@@ -110,6 +155,10 @@ class AsyncLLMConsoleClient:
     async def reset_prefix_cache(self) -> bool:
         with _dead_as_unavailable(self):
             return bool(await self._engine().reset_prefix_cache())
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (the inspector shows a load request's prompt)."""
+        return str(self.tokenizer.decode(token_ids)) if self.tokenizer is not None else ""
 
     @property
     def kv_events_endpoint(self) -> str | None:
@@ -184,6 +233,9 @@ def chunk_of(output: RequestOutput) -> StreamChunk:
     """Convert one DELTA RequestOutput into a StreamChunk."""
     completion = output.outputs[0] if output.outputs else None
     metrics = output.metrics
+    timeline = None if metrics is None else RequestTimeline(
+        metrics.arrival_time, metrics.queued_time, metrics.first_scheduled_time, metrics.first_token_time,
+        list(metrics.preempted_times), metrics.finished_time)
     return StreamChunk(
         request_id=output.request_id, text=completion.text if completion else "",
         num_new_tokens=len(completion.token_ids) if completion else 0,
@@ -193,5 +245,5 @@ def chunk_of(output: RequestOutput) -> StreamChunk:
         finish_reason=str(completion.finish_reason) if completion and completion.finish_reason else None,
         ttft_s=metrics.time_to_first_token if metrics is not None else None,
         tpot_s=metrics.time_per_output_token if metrics is not None else None,
-        e2e_s=metrics.e2e_latency if metrics is not None else None,
+        e2e_s=metrics.e2e_latency if metrics is not None else None, timeline=timeline,
     )

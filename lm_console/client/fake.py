@@ -15,7 +15,7 @@ from engine.executor.fake import FakeExecutor, FakeModelConfig, fake_engine_conf
 from engine.frontend.dp_router import DPRouter
 from engine.frontend.input_processor import InputProcessor
 from engine.metrics.kv_events import KVEventBatch
-from engine.metrics.stats import SchedulerStats
+from engine.metrics.stats import RequestBlocksState, SchedulerStats
 from engine.protocol import EngineCoreOutput, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from lm_console.client.fake_tokenizer import WordTokenizer
@@ -145,6 +145,15 @@ class FakeConsoleClient:
             self._core_for(request_id).abort_requests([request_id])
             stream.finished = True
             stream.queue.put_nowait(self._chunk(request_id, stream, "", 0, self.clock(), "abort"))
+
+    async def request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        """The core's unfinished requests with their state, preemptions and block ids (the inspector)."""
+        self._raise_if_dead()
+        return self.core.get_request_blocks(block_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (the inspector shows a load request's prompt)."""
+        return str(self.tokenizer.decode(token_ids))
 
     async def reset_prefix_cache(self) -> bool:
         self._raise_if_dead()

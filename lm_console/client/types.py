@@ -140,3 +140,16 @@ class StreamChunk:
     ttft_s: float | None = None  # engine-measured, when known
     tpot_s: float | None = None
     e2e_s: float | None = None
+    timeline: RequestTimeline | None = None  # the engine's own timestamps, when the client has them
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    """A request's lifecycle in the engine's clock (time.time()): the request inspector's bar."""
+
+    arrival: float
+    queued: float | None = None
+    scheduled: float | None = None  # first scheduled
+    first_token: float | None = None
+    preempted: list[float] = field(default_factory=list)
+    finished: float | None = None

@@ -14,25 +14,37 @@ from pathlib import Path
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
-from textual.widgets import Footer, TabbedContent, TabPane
+from textual.widgets import DataTable, Footer, TabbedContent, TabPane
+
+from engine.metrics.stats import (
+    BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, RequestBlocksState,
+)
 
 from lm_console.chat_session import ChatSession
 from lm_console.client.protocol import ConsoleClient
-from lm_console.client.types import EngineInfo, EngineUnavailable
+from lm_console.client.types import EngineInfo, EngineUnavailable, hash_hex
 from lm_console.load_generator import LoadGenerator, LoadShape
-from lm_console.request_book import RequestBook
+from lm_console.request_book import RequestBook, TrackedRequest
 from lm_console.server_requests import ServerRequests
 from lm_console.tui.screens.engine_dead import EngineDeadScreen
 from lm_console.tui.screens.help import HelpScreen
 from lm_console.tui.screens.load_shape import LoadShapeScreen
+from lm_console.tui.screens.request_inspector import RequestInspector
+from lm_console.tui.render import fmt_seconds
 from lm_console.tui.telemetry import DashboardView, Telemetry
+from lm_console.tui.widgets.block_map import BlockMap
+from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
+from lm_console.tui.widgets.charts_view import ChartsView
 from lm_console.tui.widgets.chat_view import ChatView
 from lm_console.tui.widgets.dashboard import Dashboard
 from lm_console.tui.widgets.engine_status import EngineStatus
 from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
+from lm_console.tui.widgets.request_table import RequestTable
 
 DASHBOARD_ACTIONS = {"toggle_load", "rate_up", "rate_down", "cycle_share", "shape_load",
-                     "pause_events", "filter_events", "reset_prefix_cache", "pause", "next_core"}
+                     "pause_events", "filter_events", "reset_prefix_cache", "pause", "next_core",
+                     "focus_requests", "focus_blocks"}
+CORE_POLL_S = 0.4  # how often the engine core's request table (states, preemptions, blocks) is read
 
 
 class ConsoleApp(App[None]):
@@ -46,6 +58,7 @@ class ConsoleApp(App[None]):
         Binding("question_mark,f1", "help", "help", key_display="?"),
         Binding("1,f2", "show_tab('dashboard')", "dash", key_display="1"),
         Binding("2,f3", "show_tab('chat')", "chat", key_display="2"),
+        Binding("3,f4", "show_tab('charts')", "charts", key_display="3"),
         Binding("p", "pause", "pause"),
         Binding("l", "toggle_load", "load"),
         Binding("plus,equals_sign", "rate_up", "rate", key_display="+"),
@@ -56,6 +69,8 @@ class ConsoleApp(App[None]):
         Binding("slash", "filter_events", "filter", key_display="/"),
         Binding("r", "reset_prefix_cache", "reset cache"),
         Binding("c", "next_core", "core", show=False),  # data parallelism: the next engine core's gauges and map
+        Binding("t", "focus_requests", "requests", show=False),
+        Binding("m", "focus_blocks", "blocks", show=False),
     ]
 
     def __init__(self, client: ConsoleClient, *, load: bool = False, shape: LoadShape | None = None,
@@ -81,6 +96,10 @@ class ConsoleApp(App[None]):
         self.quitting = False
         self.initial_images: list[str] = []  # `lmc chat --image PATH`: attached once the engine is up
         self.server_requests: ServerRequests | None = None  # an attached lm-console server's table
+        # The engine core's requests with their blocks (client.request_blocks), polled every CORE_POLL_S.
+        self.core_requests: RequestBlocksState | None = None
+        self._core_poll_at = float("-inf")
+        self._core_polling = False
 
     # -- layout ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -93,6 +112,8 @@ class ConsoleApp(App[None]):
                     yield Dashboard(id="dash")
                 with TabPane("Chat", id="chat-tab"):
                     yield ChatView(self.session, id="chat")
+                with TabPane("Charts", id="charts-tab"):
+                    yield ChartsView(id="charts")
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
@@ -172,6 +193,7 @@ class ConsoleApp(App[None]):
         """Flush the deques into the widgets (a few times a second, one batch_update)."""
         now = self.clock()
         view = self.telemetry.flush(now)
+        self._maybe_poll_core(now)
         try:
             self._render_tick(view, now)
         except NoMatches:  # the app is tearing down: its widgets are gone
@@ -187,7 +209,105 @@ class ConsoleApp(App[None]):
                 if dropped:  # the server sampled this console's stream: it read too slowly
                     self.query_one("#scheduler").border_subtitle = f"sampled: {dropped:,} frames dropped"
                 self.query_one(KVEventsPanel).add(self.telemetry.take_events())
+                self._show_selection(now)
             self.query_one(ChatView).flush()
+            if not self.chat_only and self._active_tab() == "charts-tab":
+                self._show_charts(now)
+            if isinstance(self.screen, RequestInspector):
+                self.screen.show(self._request(self.screen.request_id), self.core_requests,
+                                 view.block_states, view.block_ref_counts, now)
+
+    def _show_charts(self, now: float, force: bool = False) -> None:
+        """Redraw the charts when a new point came (about once a second)."""
+        points = self.telemetry.chart
+        last = points[-1].ts if points else None
+        if force or last != getattr(self, "_charted", None):
+            self._charted = last
+            # The x axis spans the data (at least a minute, at most the kept span).
+            span = min(max(now - points[0].ts if points else 0.0, 60.0), self.telemetry.chart_span_s)
+            self.query_one(ChartsView).show(list(points), now, span)
+
+    # -- the engine core's requests: table states, the inspector, block details ------------
+    def _maybe_poll_core(self, now: float) -> None:
+        poll = getattr(self.client, "request_blocks", None)
+        if poll is None or self.engine_state != "serving" or self._core_polling or now - self._core_poll_at < CORE_POLL_S:
+            return
+        self._core_poll_at, self._core_polling = now, True
+        block_map = self.query_one(BlockMap) if not self.chat_only else None
+        extra = [block_map.selected] if block_map is not None and block_map.selected is not None else None
+
+        async def read() -> None:
+            try:
+                self.core_requests = await poll(extra)
+                self.book.on_core_requests(self.core_requests, self.clock())
+            except Exception:  # noqa: BLE001 - the streams report a dead engine; a poll only skips
+                pass
+            finally:
+                self._core_polling = False
+
+        self.run_worker(read(), group="core-poll", exit_on_error=False)
+
+    def _request(self, request_id: str) -> TrackedRequest | None:
+        if self.server_requests is not None and request_id in self.server_requests.active:
+            return self.server_requests.active[request_id]
+        return self.book.get(request_id)
+
+    def _show_selection(self, now: float) -> None:
+        """The table's cursor row's blocks in pink (while the table has focus); the block cursor's details."""
+        table, block_map = self.query_one(RequestTable), self.query_one(BlockMap)
+        request = self._request(table.cursor_request_id) if table.has_focus and table.cursor_request_id else None
+        core_row = None
+        if request is not None and self.core_requests is not None:
+            core_row = next((r for r in self.core_requests.requests if r.request_id == request.request_id), None)
+        block_map.set_highlight({b for g in core_row.block_ids for b in g if b} if core_row is not None else set())
+        panel = self.query_one(BlockPoolPanel)
+        panel.show_block_info(self.block_details(block_map.selected, now) if block_map.selected is not None else "")
+
+    def block_details(self, block_id: int, now: float) -> str:
+        """One line: the block's state, hash, ref count, age, the requests holding it, evictable or not."""
+        view = self.telemetry.view
+        states, refs = view.block_states or b"", view.block_ref_counts or b""
+        if not 0 <= block_id < len(states):
+            return ""
+        state = {BLOCK_STATE_IN_USE: "in use", BLOCK_STATE_CACHED: "cached", BLOCK_STATE_FREE: "free",
+                 BLOCK_STATE_NULL: "null block"}.get(states[block_id], "?")
+        core = self.core_requests
+        digest = core.block_hashes.get(block_id) if core is not None else None
+        holders = sorted(r.request_id for r in core.requests if any(block_id in g for g in r.block_ids)) if core else []
+        age = self.telemetry.block_age(block_id, now)
+        evictable = states[block_id] == BLOCK_STATE_CACHED
+        parts = [f"[b]block #{block_id}[/] {state}", f"hash {hash_hex(digest)[:12]}…" if digest else "no hash",
+                 f"ref {refs[block_id] if block_id < len(refs) else '?'}",
+                 f"age {fmt_seconds(age)}" if age is not None else "age -",
+                 f"held by {', '.join(holders[:3])}{'…' if len(holders) > 3 else ''}" if holders else "held by none",
+                 "[#4fa3e0]evictable[/]" if evictable else ("not evictable" if state == "in use" else "")]
+        return " · ".join(p for p in parts if p)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if isinstance(event.data_table, RequestTable) and event.row_key.value:
+            self.open_inspector(str(event.row_key.value))
+
+    def open_inspector(self, request_id: str) -> None:
+        """Push the request inspector for `request_id` (drawn at once, then on every tick)."""
+        decode = getattr(self.client, "decode_prompt", None) or getattr(self.client, "decode", None)
+        screen = RequestInspector(request_id, decode)
+
+        def draw() -> None:
+            view = self.telemetry.view
+            screen.show(self._request(request_id), self.core_requests, view.block_states, view.block_ref_counts,
+                        self.clock())
+
+        self.push_screen(screen)
+        self.call_after_refresh(draw)
+
+    def action_focus_requests(self) -> None:
+        self.query_one(RequestTable).focus()
+
+    def action_focus_blocks(self) -> None:
+        block_map = self.query_one(BlockMap)
+        block_map.focus()
+        if block_map.selected is None and block_map.states:
+            block_map.select(block_map.blocks_in_view()[0] + 1)
 
     # -- actions --------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -201,7 +321,7 @@ class ConsoleApp(App[None]):
         return self.query_one(TabbedContent).active if not self.chat_only else "chat-tab"
 
     def action_show_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = "dashboard" if tab == "dashboard" else "chat-tab"
+        self.query_one(TabbedContent).active = {"dashboard": "dashboard", "charts": "charts-tab"}.get(tab, "chat-tab")
         if tab == "chat":
             self.query_one(ChatView).focus_prompt()
         else:
@@ -209,6 +329,8 @@ class ConsoleApp(App[None]):
 
     def on_tabbed_content_tab_activated(self) -> None:
         self.refresh_bindings()
+        if self._active_tab() == "charts-tab":
+            self._show_charts(self.clock(), force=True)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

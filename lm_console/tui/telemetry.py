@@ -10,8 +10,11 @@ count in steps/s or in the tokens-per-step history.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
@@ -67,6 +70,18 @@ class DashboardView:
     cores: dict[int, tuple[int, int, float]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class ChartPoint:
+    """One point of the charts tab (about one a second): the dashboard's figures at time `ts`."""
+
+    ts: float
+    prompt_tps: float
+    gen_tps: float
+    kv_usage: float
+    ttft_p50: float | None
+    tpot_p50: float | None
+
+
 class Telemetry:
     """Rolling aggregates over the stats stream; see the module docstring for the data flow."""
 
@@ -91,6 +106,30 @@ class Telemetry:
         self._tier_points: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()  # ts, medium -> (in, out)
         self._core_maps: dict[int, tuple[bytes, bytes | None]] = {}  # each core's latest block map
         self._core_latest: dict[int, SchedulerStats] = {}
+        # The charts: one point a chart_step_s, chart_span_s of them.
+        self.chart_step_s, self.chart_span_s = 1.0, 300.0
+        self.chart: deque[ChartPoint] = deque(maxlen=int(self.chart_span_s / self.chart_step_s) + 1)
+        # Per block: when it last left the free state (its content's age), NaN while free.
+        self.block_since = np.zeros(0, dtype=np.float64)
+        self._block_array = np.zeros(0, dtype=np.uint8)
+
+    def block_age(self, block_id: int, now: float) -> float | None:
+        """Seconds since the block was last allocated (seen leaving the free state), None when free."""
+        if not 0 <= block_id < len(self.block_since) or math.isnan(self.block_since[block_id]):
+            return None
+        return max(now - float(self.block_since[block_id]), 0.0)
+
+    def _track_block_ages(self, states: bytes, ts: float) -> None:
+        """Vectorised: O(pool) in numpy per block map (a few a second), nothing per block in Python."""
+        new = np.frombuffer(states, dtype=np.uint8)
+        occupied = (new == BLOCK_STATE_IN_USE) | (new == BLOCK_STATE_CACHED)
+        if len(new) != len(self._block_array):  # the first map: ages start now
+            self.block_since = np.where(occupied, ts, np.nan)
+        else:
+            was_occupied = (self._block_array == BLOCK_STATE_IN_USE) | (self._block_array == BLOCK_STATE_CACHED)
+            self.block_since[occupied & ~was_occupied] = ts
+            self.block_since[~occupied] = np.nan
+        self._block_array = new
 
     def add_stats(self, sample: SchedulerStats) -> None:
         self.pending_stats.append(sample)
@@ -134,6 +173,9 @@ class Telemetry:
         ttfts, tpots = list(self.book.ttft_samples), list(self.book.tpot_samples)
         view.ttft_p50, view.ttft_p95 = percentile(ttfts, 50), percentile(ttfts, 95)
         view.tpot_p50, view.tpot_p95 = percentile(tpots, 50), percentile(tpots, 95)
+        if not self.chart or now - self.chart[-1].ts >= self.chart_step_s:
+            self.chart.append(ChartPoint(now, view.prompt_tps, view.gen_tps, view.kv_usage,
+                                         view.ttft_p50, view.tpot_p50))
         return view
 
     def next_core(self) -> int:
@@ -151,6 +193,7 @@ class Telemetry:
             view.num_cached_blocks = None
         states, ref_counts = self._core_maps.get(view.selected_core, (None, None))
         view.block_states, view.block_ref_counts = states, ref_counts
+        self._block_array = np.zeros(0, dtype=np.uint8)  # block ages are per core: they restart
         if states is not None:
             view.num_cached_blocks = states.count(BLOCK_STATE_CACHED)
             view.num_used_blocks = states.count(BLOCK_STATE_IN_USE)
@@ -188,6 +231,7 @@ class Telemetry:
                             sample.num_generation_tokens, sample.num_preempted_reqs, int(is_step)))
         if sample.block_states is not None:
             view.block_states = sample.block_states
+            self._track_block_ages(sample.block_states, sample.timestamp)
             view.block_ref_counts = sample.block_ref_counts
             states = sample.block_states
             view.num_cached_blocks = states.count(BLOCK_STATE_CACHED)

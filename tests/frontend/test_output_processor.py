@@ -51,6 +51,18 @@ def test_metrics_from_core_events_and_iteration_stats() -> None:
     assert finished.e2e_latency == pytest.approx(m.finished_time - 10.0)
 
 
+def test_each_preemption_is_timed() -> None:
+    processor = _processor("r", SamplingParams(max_tokens=3))
+    events = [EngineCoreEvent(EngineCoreEventType.SCHEDULED, 11.0), EngineCoreEvent(EngineCoreEventType.PREEMPTED, 11.5)]
+    processor.process_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r", [], events=events)]))
+    again = [EngineCoreEvent(EngineCoreEventType.SCHEDULED, 12.0), EngineCoreEvent(EngineCoreEventType.PREEMPTED, 12.5)]
+    processor.process_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5], events=again)]))
+    (out,), _ = processor.process_outputs(
+        EngineCoreOutputs(outputs=[EngineCoreOutput("r", [6, 7], finish_reason=FinishReason.LENGTH)]))
+    assert out.metrics.num_preemptions == 2 and out.metrics.preempted_times == [11.5, 12.5]
+    assert out.metrics.first_scheduled_time == 11.0
+
+
 def test_n_children_stream_delta_and_abort_with_final_outputs() -> None:
     queue = ListQueue()
     params = SamplingParams(n=2, max_tokens=5, output_kind=RequestOutputKind.DELTA)

@@ -102,6 +102,9 @@ def test_bench_serve_summary_and_json(tmp_path: Path, fake_async_llm) -> None:  
                 "max_concurrency", "num_prompts"):
         assert key in data
     assert data["completed"] == 6 and data["failed"] == 0
+    plot = tmp_path / "serve.latency.svg"  # the latency histograms, next to the JSON
+    assert plot.is_file() and f"Latency plot: {plot}" in result.stdout
+    assert "TTFT: time to first token" in plot.read_text() and "(6 samples)" in plot.read_text()
 
 
 def test_bench_serve_exits_non_zero_on_failures(tmp_path: Path, fake_async_llm,  # noqa: ANN001

@@ -9,13 +9,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 KEYS = (
-    ("anywhere", (("1 / 2  (f2 / f3)", "dashboard / chat tab"), ("? or f1", "this help (escape closes it)"),
+    ("anywhere", (("1 / 2 / 3  (f2-f4)", "dashboard / chat / charts tab"), ("? or f1", "this help (escape closes it)"),
                   ("q or ctrl+q", "quit (shuts the engine down)"))),
     ("dashboard", (("p", "pause / resume the display"), ("l", "load generator on / off"),
                    ("+ / -", "load rate x1.5 / ÷1.5"), ("s", "shared-prefix share 0 → 25 → 50 → 75 → 100%"),
                    ("L", "shape the load: rate, lengths, shared prefix"),
                    ("space", "pause / resume the KV-event log"), ("/", "filter the KV-event log (substring)"),
-                   ("r", "reset the prefix cache"))),
+                   ("r", "reset the prefix cache"),
+                   ("t", "request table: ↑↓ scroll, enter (or a click) inspects"),
+                   ("m", "block map: arrows pick a block, z / Z zoom out / in"))),
     ("chat", (("enter", "send"), ("shift+enter, ctrl+j", "new line"), ("escape", "stop the reply"),
               ("ctrl+l", "clear the conversation"))),
 )

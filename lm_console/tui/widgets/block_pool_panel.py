@@ -16,7 +16,14 @@ class BlockPoolPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield BlockMap(id="block-map")
+        yield Static("", id="block-info")
         yield Static(legend_text(), id="block-legend")
+
+    def show_block_info(self, text: str) -> None:
+        """The selected block's details (hash, ref count, age, holders), or nothing."""
+        info = self.query_one("#block-info", Static)
+        info.display = bool(text)
+        info.update(text)
 
     note: str | None = None  # set when the engine publishes no block map (a /metrics-only server)
 
@@ -29,6 +36,10 @@ class BlockPoolPanel(Vertical):
             return
         block_map = self.query_one(BlockMap)
         block_map.set_blocks(view.block_states, view.block_ref_counts)
+        legend = self.query_one("#block-legend", Static)
+        if getattr(legend, "zoom", 1) != block_map.zoom:
+            legend.update(legend_text(block_map.zoom))
+            legend.zoom = block_map.zoom  # type: ignore[attr-defined]
         cached = "?" if view.num_cached_blocks is None else fmt_count(view.num_cached_blocks)
         core = f" · core {view.selected_core + 1}/{view.num_cores} (c: next)" if view.num_cores > 1 else ""
         self.border_title = (
@@ -38,11 +49,14 @@ class BlockPoolPanel(Vertical):
         first, last = block_map.blocks_in_view()
         total = len(block_map.states)
         if total and (first > 0 or last < total - 1):
-            self.border_subtitle = f"showing {fmt_count(first + 1)}-{fmt_count(last + 1)} of {fmt_count(total)} · scroll for more"
+            zoom = f" · {block_map.zoom} blocks/cell" if block_map.zoom > 1 else ""
+            self.border_subtitle = (f"showing {fmt_count(first + 1)}-{fmt_count(last + 1)} of {fmt_count(total)}"
+                                    f"{zoom} · m then arrows, z/Z zoom")
         elif not total:
             self.border_subtitle = "waiting for the first block map"
         else:
-            self.border_subtitle = f"all {fmt_count(total)} blocks"
+            zoom = f" · {block_map.zoom} blocks/cell" if block_map.zoom > 1 else ""
+            self.border_subtitle = f"all {fmt_count(total)} blocks{zoom}"
 
     def _show_without_map(self, view: DashboardView) -> None:
         """Usage from the gauges alone; the map area says why there is no map."""

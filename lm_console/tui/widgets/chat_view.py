@@ -6,12 +6,12 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Static
 
 from lm_console.chat_session import COMMANDS_HELP, ChatSession
 from lm_console.client.types import EngineInfo, EngineUnavailable
 from lm_console.tui.widgets.chat_message import ChatMessage
 from lm_console.tui.widgets.chat_settings import ChatSettings
+from lm_console.tui.widgets.image_attachment import ImageAttachment
 from lm_console.tui.widgets.prompt_input import PromptInput
 
 WELCOME = ("Type a message and press **enter** (shift+enter or ctrl+j for a new line). "
@@ -66,11 +66,11 @@ class ChatView(Horizontal):
         count = len(self.session.pending_images)
         self.add_message("notice", self.session.attach_image(path))
         if len(self.session.pending_images) > count:
-            from lm_console.image_preview import describe_image, half_block_preview
+            from lm_console.image_preview import describe_image
 
             _, image = describe_image(path)
             transcript = self.query_one("#transcript", VerticalScroll)
-            transcript.mount(Static(half_block_preview(image), classes="image-preview"))
+            transcript.mount(ImageAttachment(path, image, classes="image-preview"))
             transcript.scroll_end(animate=False)
 
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:

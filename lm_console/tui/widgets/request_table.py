@@ -8,9 +8,9 @@ from lm_console.request_book import ABORTED, FAILED, FINISHED, RUNNING, WAITING,
 from lm_console.tui.render import fmt_seconds
 
 STATE_STYLE = {WAITING: "#e5c07b", RUNNING: "#98c379", FINISHED: "#5c6370", ABORTED: "#d19a66",
-               FAILED: "#e06c75"}
-COLUMNS = ("id", "state", "prompt", "gen", "cached", "TTFT", "elapsed")
-WIDTHS = (10, 8, 6, 5, 6, 7, 8)
+               FAILED: "#e06c75", "PREEMPTED": "#e06c75"}
+COLUMNS = ("id", "state", "prompt", "gen", "cached", "TTFT", "elapsed", "pre")
+WIDTHS = (9, 9, 6, 4, 6, 7, 7, 3)
 
 
 class RequestTable(DataTable):
@@ -25,12 +25,25 @@ class RequestTable(DataTable):
 
     title = "Requests"  # "Requests on the server" when attached to an lm-console server
 
+    @property
+    def cursor_request_id(self) -> str | None:
+        """The request under the cursor, None when the table is empty."""
+        if not self.row_count:
+            return None
+        return str(self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value)
+
     def show(self, rows: list[TrackedRequest], now: float, num_active: int) -> None:
         order = [r.request_id for r in rows]
         if order != [key.value for key in self.rows]:
-            self.clear()  # membership or order changed: rebuild (a few dozen rows)
+            # Membership or order changed: rebuild (a few dozen rows), keeping the cursor on its request.
+            # (Unfocused, the table shows its top: nobody is reading a row.)
+            keep, scroll_y = (self.cursor_request_id, self.scroll_y) if self.has_focus else (None, 0.0)
+            self.clear()
             for request in rows:
                 self.add_row(*self._cells(request, now), key=request.request_id)
+            if keep in order:
+                self.move_cursor(row=order.index(keep), animate=False, scroll=False)
+                self.scroll_to(y=scroll_y, animate=False, immediate=True)
         else:
             for request in rows:
                 for column, value in zip(COLUMNS[1:], self._cells(request, now)[1:]):
@@ -39,9 +52,10 @@ class RequestTable(DataTable):
 
     @staticmethod
     def _cells(request: TrackedRequest, now: float) -> tuple[str, ...]:
-        style = STATE_STYLE.get(request.state, "")
+        state = request.table_state
+        style = STATE_STYLE.get(state, "")
         return (
-            request.request_id, f"[{style}]{request.state}[/]", f"{request.num_prompt_tokens:>6}",
-            f"{request.num_generated:>5}", f"{request.num_cached:>6}", f"{fmt_seconds(request.ttft_s):>7}",
-            f"{request.elapsed(now):6.1f} s",
+            request.request_id, f"[{style}]{state}[/]", f"{request.num_prompt_tokens:>6}",
+            f"{request.num_generated:>4}", f"{request.num_cached:>6}", f"{fmt_seconds(request.ttft_s):>7}",
+            f"{request.elapsed(now):5.1f} s", f"{request.num_preemptions:>3}" if request.num_preemptions else "  -",
         )
