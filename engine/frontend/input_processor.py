@@ -166,7 +166,10 @@ class InputProcessor:
             if cache_salt is None:
                 cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidPromptError(f"cache_salt must be a non-empty str or None, got {type(cache_salt).__name__}.")
+            got = "an empty str" if cache_salt == "" else type(cache_salt).__name__
+            raise InvalidPromptError(
+                f"cache_salt must be a non-empty str or None, got {got}: only requests with the same "
+                "salt share prefix-cache blocks.")
         mm_features = None
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             text, token_ids, mm_features = self.process_multimodal(prompt)
