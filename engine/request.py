@@ -74,6 +74,7 @@ class Request:
         # Tokens found in the prefix cache at first scheduling (reported to the user).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0  # prompt-logprob rows already in an output (scheduler)
         self.stop_reason: int | str | None = None
         self.max_tokens = self.sampling_params.max_tokens
         self.block_hashes: list[BlockHash] = []

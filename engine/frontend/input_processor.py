@@ -209,9 +209,10 @@ class InputProcessor:
             raise InvalidSamplingParamsError(
                 f"SamplingParams.logprobs={params.logprobs} is invalid: at most max_logprobs="
                 f"{self.max_logprobs} (an engine argument) logprobs per token may be requested.")
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and 0 <= self.max_logprobs < params.prompt_logprobs:
             raise InvalidSamplingParamsError(
-                "SamplingParams.prompt_logprobs is not supported by this engine yet: leave it None.")
+                f"SamplingParams.prompt_logprobs={params.prompt_logprobs} is invalid: at most max_logprobs="
+                f"{self.max_logprobs} (an engine argument) logprobs per prompt token may be requested.")
         if any(t >= self.vocab_size for t in params.stop_token_ids or ()):
             raise InvalidSamplingParamsError(
                 f"SamplingParams.stop_token_ids={params.stop_token_ids} is invalid: token ids must be "

@@ -29,6 +29,7 @@ from engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_run
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from engine.worker.kv_connector_lifecycle import KVConnectorLifecycle, NoKVConnectorLifecycle
+from engine.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from engine.worker.step_inputs import StepInputs, build_attention_metadata, prepare_inputs
 
 
@@ -39,6 +40,7 @@ class ExecuteModelState:
     req_ids: list[str]
     logits: torch.Tensor  # [num_reqs, vocab_size] float32
     sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
+    prompt_logprobs: dict[str, PromptLogprobsChunk]  # this step's rows, by request (prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -94,6 +96,7 @@ class ModelRunner:
         self.kv_transfer: KVConnectorLifecycle | NoKVConnectorLifecycle = (
             NoKVConnectorLifecycle() if kv_connector is None else KVConnectorLifecycle(kv_connector))
         self._kv_connector_output: KVConnectorOutput | None = None
+        self._num_prompt_logprobs_reqs = 0  # requests asking for prompt logprobs (skip the scan when 0)
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -176,8 +179,13 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        prompt_logprobs = {}
+        if self._num_prompt_logprobs_reqs:
+            prompt_logprobs = compute_prompt_logprobs(hidden_states, inputs, self.input_batch.states[:inputs.num_reqs],
+                                                      self.model.compute_logits)
         self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
-        self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows)
+        self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows,
+                                        prompt_logprobs=prompt_logprobs)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
@@ -264,6 +272,7 @@ class ModelRunner:
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             kv_connector_output=kv_connector_output,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]
@@ -311,6 +320,8 @@ class ModelRunner:
             )
             self.requests[new_req.req_id] = req_state
             batch.add_request(req_state)
+        self._num_prompt_logprobs_reqs = sum(
+            1 for state in self.requests.values() if state.sampling_params.prompt_logprobs is not None)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req_state = self.requests[req_id]

@@ -12,7 +12,7 @@ from engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from engine.core.sched.request_queue import FCFSRequestQueue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
-from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -359,7 +359,8 @@ class Scheduler:
                 if self._check_stop(request):
                     stopped[request] = None
                     break
-            if not new_token_ids:
+            new_prompt_logprobs = _take_prompt_logprobs(request, model_runner_output.prompt_logprobs.get(request_id))
+            if not new_token_ids and new_prompt_logprobs is None:
                 continue
             num_generation_tokens += len(new_token_ids)
             new_logprobs = logprobs.get(request_id) if logprobs else None
@@ -379,6 +380,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     events=request.take_events(),
                     kv_transfer_params=kv_transfer_params,
+                    new_prompt_logprobs=new_prompt_logprobs,
                 )
             )
         if stopped:
@@ -456,6 +458,21 @@ class Scheduler:
             encoder_cache=self.encoder_scheduler.make_stats(),
             kv_tiers=self.kv_transfer.kv_tier_stats,
         )
+
+
+def _take_prompt_logprobs(request: Request, chunk: tuple[int, LogprobsLists] | None) -> LogprobsLists | None:
+    """The chunk's rows the frontend has not had yet: a request recomputed after a preemption
+    computes its prompt positions again, and each goes out once."""
+    if chunk is None:
+        return None
+    start, lists = chunk
+    skip = request.num_prompt_logprobs_sent - start
+    if skip >= len(lists.sampled_token_ranks):
+        return None
+    if skip > 0:
+        lists = LogprobsLists(lists.logprob_token_ids[skip:], lists.logprobs[skip:], lists.sampled_token_ranks[skip:])
+    request.num_prompt_logprobs_sent += len(lists.sampled_token_ranks)
+    return lists
 
 
 def _slice_logprobs(lists, n: int):  # type: ignore[no-untyped-def]
