@@ -224,7 +224,7 @@ async def guarded_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                         stream: bool) -> SamplingParams:
+                         stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from the shared fields (the engine validates the ranges)."""
     return SamplingParams(
         n=request.n,
@@ -245,6 +245,7 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, log
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 
