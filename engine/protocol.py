@@ -43,6 +43,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
     client_index: int = 0
     mm_features: list[MultiModalFeatureSpec] | None = None
+    priority: int = 0  # scheduling_policy="priority": a lower value is scheduled first
 
 
 class EngineCoreRequestType(enum.IntEnum):

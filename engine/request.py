@@ -64,6 +64,7 @@ class Request:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     block_hasher: Callable[[Request], list[BlockHash]] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # scheduling_policy="priority": a lower value is scheduled first
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

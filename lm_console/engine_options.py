@@ -20,6 +20,11 @@ PrefixCachingOpt = Annotated[bool, typer.Option(
     "--enable-prefix-caching/--no-enable-prefix-caching", help="Share the KV blocks of common prefixes.")]
 NumThreadsOpt = Annotated[Optional[int], typer.Option(
     help="torch threads on CPU (default: all cores; tui/chat/events: all but one, which the console uses).")]
+SchedulingPolicyOpt = Annotated[str, typer.Option(
+    help="fcfs | priority (requests' `priority`: a lower value first; it preempts lower ones).")]
+KVCacheMetricsOpt = Annotated[bool, typer.Option(
+    "--kv-cache-metrics/--no-kv-cache-metrics", help="Sample KV block lifetimes, idle and reuse times.")]
+KVCacheMetricsSampleOpt = Annotated[float, typer.Option(help="Fraction of KV blocks sampled by --kv-cache-metrics.")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
 
 

@@ -31,6 +31,7 @@ class TrackedRequest:
     ttft_s: float | None = None
     tpot_s: float | None = None
     error: str | None = None
+    priority: int = 0  # the request's scheduling priority (lower first; 0 unless the engine's policy is priority)
 
     def elapsed(self, now: float) -> float:
         return (self.finished_ts or now) - self.arrival

@@ -58,6 +58,7 @@ class EngineCore:
             max_model_len=model.max_model_len,
             log_stats=config.scheduler_config.log_stats,
             encoder_scheduler=self.mm.encoder_scheduler,
+            policy=config.scheduler_config.policy,
         )
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -111,6 +112,7 @@ class EngineCore:
             mm_features=list(engine_request.mm_features or []),
             block_hasher=self.request_block_hasher,
             kv_transfer_params=(engine_request.sampling_params.extra_args or {}).get("kv_transfer_params"),
+            priority=engine_request.priority,
         )
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")

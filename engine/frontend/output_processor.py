@@ -54,6 +54,7 @@ class RequestState:
     num_sent_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # as sent (scheduling_policy="priority"), for the console's request table
 
 
 class OutputProcessor:
@@ -111,6 +112,7 @@ class OutputProcessor:
             parent=parent,
             child_index=child_index,
             queue=queue,
+            priority=request.priority,
         )
 
     def has_unfinished_requests(self) -> bool:

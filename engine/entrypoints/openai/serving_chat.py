@@ -84,7 +84,7 @@ class OpenAIServingChat:
                                       logprobs=(request.top_logprobs or 0) if request.logprobs else None,
                                       stream=bool(request.stream))
         request_id = random_id("chatcmpl")
-        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt)
+        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0)
         await engine_request.start()
         try:
             token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))

@@ -65,8 +65,9 @@ class EngineRequest:
     """One request in the engine: start() it, then `async for output in request`."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, priority: int = 0) -> None:
         self.ctx = ctx
+        self.priority = priority
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -77,7 +78,7 @@ class EngineRequest:
     async def start(self) -> None:
         """Validate and send; raises the engine's error (mapped to 400 by the caller)."""
         self._collector = await self.ctx.engine.add_request(self.request_id, self.prompt, self.params,
-                                                            self.cache_salt)
+                                                            self.cache_salt, self.priority)
         self.ctx.state.request_ids.add(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:

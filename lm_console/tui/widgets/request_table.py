@@ -13,35 +13,56 @@ COLUMNS = ("id", "state", "prompt", "gen", "cached", "TTFT", "elapsed")
 WIDTHS = (10, 8, 6, 5, 6, 7, 8)
 
 
+PRIORITY_COLUMN, PRIORITY_WIDTH = "prio", 5
+
+
 class RequestTable(DataTable):
-    """Rows keyed by request id; updated in place each tick."""
+    """Rows keyed by request id; updated in place each tick.
+
+    A "prio" column (scheduling priority, lower first) joins once a request with a priority
+    other than 0 shows up: under the default fcfs policy every priority is 0.
+    """
+
+    show_priority = False
 
     def on_mount(self) -> None:
         self.border_title = "Requests"
         self.cursor_type = "row"
         self.zebra_stripes = False
+        self._add_columns()
+
+    def _add_columns(self) -> None:
         for name, width in zip(COLUMNS, WIDTHS):
             self.add_column(name, key=name, width=width)
+        if self.show_priority:
+            self.add_column(PRIORITY_COLUMN, key=PRIORITY_COLUMN, width=PRIORITY_WIDTH)
 
     title = "Requests"  # "Requests on the server" when attached to an lm-console server
 
     def show(self, rows: list[TrackedRequest], now: float, num_active: int) -> None:
         order = [r.request_id for r in rows]
+        if not self.show_priority and any(r.priority for r in rows):
+            self.show_priority = True
+            self.clear(columns=True)
+            self._add_columns()
         if order != [key.value for key in self.rows]:
             self.clear()  # membership or order changed: rebuild (a few dozen rows)
             for request in rows:
                 self.add_row(*self._cells(request, now), key=request.request_id)
         else:
             for request in rows:
-                for column, value in zip(COLUMNS[1:], self._cells(request, now)[1:]):
+                for column, value in zip(self._columns()[1:], self._cells(request, now)[1:]):
                     self.update_cell(request.request_id, column, value)
         self.border_title = f"{self.title} ─ {num_active} in flight"
 
-    @staticmethod
-    def _cells(request: TrackedRequest, now: float) -> tuple[str, ...]:
+    def _columns(self) -> tuple[str, ...]:
+        return COLUMNS + (PRIORITY_COLUMN,) if self.show_priority else COLUMNS
+
+    def _cells(self, request: TrackedRequest, now: float) -> tuple[str, ...]:
         style = STATE_STYLE.get(request.state, "")
-        return (
+        cells = (
             request.request_id, f"[{style}]{request.state}[/]", f"{request.num_prompt_tokens:>6}",
             f"{request.num_generated:>5}", f"{request.num_cached:>6}", f"{fmt_seconds(request.ttft_s):>7}",
             f"{request.elapsed(now):6.1f} s",
         )
+        return cells + (f"{request.priority:>4}",) if self.show_priority else cells

@@ -138,6 +138,7 @@ CASES = [
     ("token-id-out-of-vocab", "/v1/completions", completion(prompt=[1, 10_000_000]), 400, "prompt"),
     ("prompt-logprobs-with-stream", "/v1/completions", completion(stream=True, prompt_logprobs=1), 400,
      "prompt_logprobs"),
+    ("priority-under-fcfs", "/v1/completions", completion(priority=1), 400, "priority", "scheduling_policy"),
     ("prompt-logprobs-too-many", "/v1/completions", completion(prompt_logprobs=50), 400, None, "max_logprobs"),
     ("empty-messages", "/v1/chat/completions", chat(messages=[]), 400, "messages"),
     ("bad-role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
