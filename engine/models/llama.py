@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from engine.attention import Attention
 from engine.models.layers import (
-    Embedding, Linear, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters,
+    Embedding, Linear, LogitsProjection, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters,
 )
 
 # HF checkpoint projection -> (our fused parameter, shard index); see _fused_shards.
@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, dtype, self.layer_cls)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        self.logits_projection = LogitsProjection()  # fp32 logits from the bf16 head
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -168,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
-        return self.lm_head(hidden_states).float()
+        return self.logits_projection(hidden_states, self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every param must load."""
