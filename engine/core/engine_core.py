@@ -43,6 +43,10 @@ class EngineCore:
                 enable_kv_cache_events=cache.enable_kv_cache_events,
                 kv_cache_config=self.kv_cache_config,
             )
+        if cache.kv_cache_metrics:  # sampled block lifetimes into SchedulerStats (block_metrics.py)
+            from engine.core.kv_cache.block_metrics import KVCacheMetricsCollector
+
+            self.kv_cache_manager.block_pool.metrics_collector = KVCacheMetricsCollector(cache.kv_cache_metrics_sample)
         # num_blocks is decided: the config handed on from here (connector, ready handshake) carries it.
         self.config = config = config.with_num_blocks(num_blocks)
         self.kv_connector = None

@@ -17,6 +17,7 @@ from engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
 )
 from lm_console.client.types import KVEventRecord, StatsSnapshot
+from lm_console.tui.block_residency import BlockResidency
 from lm_console.request_book import RequestBook, percentile
 
 
@@ -60,6 +61,7 @@ class DashboardView:
     encoder_cache: EncoderCacheStats | None = None  # latest; None for a text-only engine
     kv_tiers: list[KVTierStats] = field(default_factory=list)  # latest, cumulative counters
     kv_tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # medium -> (in, out) B/s
+    block_residency: BlockResidency | None = None  # sampled KV block lifetimes (kv_cache_metrics), since start
 
 
 class Telemetry:
@@ -161,6 +163,11 @@ class Telemetry:
             view.encoder_cache = sample.encoder_cache
         if sample.kv_tiers:
             self._fold_tiers(sample, view)
+        residency = getattr(sample, "kv_block_residency", None)
+        if residency is not None:
+            if view.block_residency is None:
+                view.block_residency = BlockResidency()
+            view.block_residency.add(residency)
 
     def _fold_tiers(self, sample: SchedulerStats, view: DashboardView) -> None:
         tiers = sample.kv_tiers or []

@@ -496,6 +496,8 @@ class Scheduler:
             timestamp=time.time(),
             encoder_cache=self.encoder_scheduler.make_stats(),
             kv_tiers=self.kv_transfer.kv_tier_stats,
+            kv_block_residency=(pool.metrics_collector.take_stats()
+                                if drain and pool.metrics_collector is not None else None),
         )
 
 
