@@ -11,6 +11,7 @@ import typer
 from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, FakeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, console_threads, engine_args, parse_range,
+    KVCacheMetricsOpt, KVCacheMetricsSampleOpt, SchedulingPolicyOpt,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -37,6 +38,12 @@ def make_client(fake: bool, model: str | None, args: dict, url: str | None = Non
     if url is not None:
         return remote_client(url, api_key, kv_events_endpoint)
     if fake:
+        given = [flag for flag, key, default in (("--scheduling-policy", "scheduling_policy", "fcfs"),
+                                                 ("--kv-cache-metrics", "kv_cache_metrics", False))
+                 if args.get(key, default) != default]
+        if given:
+            raise typer.BadParameter(f"{', '.join(given)} configure(s) the real engine; the fake engine (--fake) "
+                                     "has no such option. Drop them, or drop --fake.")
         return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
                                  block_size=args.get("block_size", 16),
                                  max_num_seqs=min(args.get("max_num_seqs", 16), 32),
@@ -83,6 +90,8 @@ def tui(
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
+    scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
+    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
     refuse_local_flags(ctx, url)
@@ -92,6 +101,8 @@ def tui(
                        max_num_batched_tokens, enable_prefix_caching, console_threads(num_threads))
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
+    args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
+                kv_cache_metrics_sample=kv_cache_metrics_sample)
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))

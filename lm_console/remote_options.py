@@ -21,6 +21,7 @@ LOCAL_ENGINE_FLAGS = frozenset({
     "model", "dtype", "max_model_len", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
     "enable_prefix_caching", "num_threads", "fake", "kv_transfer_config", "kv_offload", "kv_offload_disk",
     "kv_offload_cpu_bytes", "kv_offload_disk_bytes", "kv_chunk_size", "endpoint",
+    "scheduling_policy", "kv_cache_metrics", "kv_cache_metrics_sample",
 })
 
 
