@@ -32,7 +32,7 @@ def test_priority_orders_admission_and_outputs_are_unchanged(tiny_llama_dir) -> 
 
 def test_fcfs_refuses_a_priority(tiny_llama_dir) -> None:
     async def main() -> None:
-        async with AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, multiprocess=False,
+        async with AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=64,
                             stat_loggers=[]) as llm:
             with pytest.raises(InvalidPriorityError, match="scheduling_policy='priority'"):
                 async for _ in llm.generate("hi", SamplingParams(max_tokens=1), priority=2):

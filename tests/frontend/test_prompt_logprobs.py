@@ -101,7 +101,7 @@ def test_streamed_prompt_logprobs_come_once(tiny_llama_dir, prompts) -> None:
 
     async def main():
         async with AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
-                            multiprocess=False, stat_loggers=[]) as llm:
+                            stat_loggers=[]) as llm:
             params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1,
                                     output_kind=RequestOutputKind.DELTA)
             return [out async for out in llm.generate({"prompt_token_ids": prompts[-1]}, params)]

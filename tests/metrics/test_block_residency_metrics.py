@@ -36,7 +36,7 @@ def test_engine_reports_sampled_lifetimes(tiny_llama_dir) -> None:
     async def main() -> None:
         # 12 usable blocks, every one sampled: the second wave evicts the first wave's blocks.
         async with AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=13,
-                            kv_cache_metrics=True, kv_cache_metrics_sample=1.0, multiprocess=False,
+                            kv_cache_metrics=True, kv_cache_metrics_sample=1.0,
                             stat_loggers=[recorder]) as llm:
             shared = list(range(50, 66))  # one block, hit by every later wave
             for wave in range(4):  # 5 blocks each: wave 3 evicts wave 1's tail
