@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ class ExecuteModelState:
     req_ids: list[str]
     logits: torch.Tensor  # [num_reqs, vocab_size] float32
     sample_rows: list[bool]  # False for a partial prefill, whose sample is discarded
-    prompt_logprobs: dict[str, PromptLogprobsChunk]  # this step's rows, by request (prompt_logprobs.py)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # this step's rows (prompt_logprobs.py)
 
 
 class ModelRunner:
