@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import RequestOutputKind
 
 TOL = 1e-4
 TOP_K = 3
@@ -92,20 +91,3 @@ def test_prompt_logprobs_across_chunks_and_preemption(tiny_llama_dir, prompts, r
     finally:
         llm.shutdown()
 
-
-def test_streamed_prompt_logprobs_come_once(tiny_llama_dir, prompts) -> None:
-    """DELTA outputs carry each prompt row once (with the first token); merged they are the whole list."""
-    import asyncio
-
-    from engine import AsyncLLM
-
-    async def main():
-        async with AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
-                            stat_loggers=[]) as llm:
-            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1,
-                                    output_kind=RequestOutputKind.DELTA)
-            return [out async for out in llm.generate({"prompt_token_ids": prompts[-1]}, params)]
-
-    outputs = asyncio.run(main())
-    assert len(outputs[0].prompt_logprobs) == len(prompts[-1])
-    assert all(not out.prompt_logprobs for out in outputs[1:])
