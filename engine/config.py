@@ -49,6 +49,11 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     enable_kv_cache_events: bool = False
     kv_events_endpoint: str | None = None  # the PUB socket's address (default: a private ipc path)
+    # Request features (issue 15): the WAITING queue's order ("fcfs" | "priority": lower
+    # `priority` first, ties by arrival) and sampled block-lifetime metrics (block_metrics.py).
+    scheduling_policy: str = "fcfs"
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 0.01
     log_stats: bool = True
     # The engine core in its own process (default; $LMC_MULTIPROCESS=0 flips it), or in this one.
     multiprocess: bool = field(default_factory=lambda: os.environ.get("LMC_MULTIPROCESS", "1") != "0")
@@ -113,11 +118,12 @@ class EngineArgs:
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo, kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_kv_cache_events=self.enable_kv_cache_events),
+                enable_kv_cache_events=self.enable_kv_cache_events,
+                kv_cache_metrics=self.kv_cache_metrics, kv_cache_metrics_sample=self.kv_cache_metrics_sample),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill, log_stats=self.log_stats,
-                async_scheduling=self.async_scheduling),
+                async_scheduling=self.async_scheduling, policy=self.scheduling_policy),
             parallel_config=self.create_parallel_config(),
             device_config=DeviceConfig(device=device, num_threads=self.num_threads,
                                        attention_backend=self.attention_backend, enforce_eager=self.enforce_eager),
@@ -193,7 +199,8 @@ class EngineArgs:
             if hasattr(self, name) and not isinstance(getattr(self, name), str):
                 fail(name, "it must be a str")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_kv_cache_events",
-                     "log_stats", "multiprocess", "disable_chunked_mm_input", "async_scheduling"):
+                     "log_stats", "multiprocess", "disable_chunked_mm_input", "async_scheduling",
+                     "kv_cache_metrics"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "it must be True or False")
         if not is_int(self.seed):
@@ -203,6 +210,10 @@ class EngineArgs:
         if self.liveness_timeout_s is not None and (not is_number(self.liveness_timeout_s)
                                                     or self.liveness_timeout_s <= 0):
             fail("liveness_timeout_s", "it must be a finite number of seconds > 0, or None to never time out")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            fail("scheduling_policy", "allowed: 'fcfs' (first come, first served) or 'priority'")
+        if not is_number(self.kv_cache_metrics_sample) or not 0.0 < self.kv_cache_metrics_sample <= 1.0:
+            fail("kv_cache_metrics_sample", "it must be a number in (0, 1]: the fraction of blocks sampled")
         if not is_number(self.mm_processor_cache_gb) or self.mm_processor_cache_gb < 0:
             fail("mm_processor_cache_gb", "it must be a finite number >= 0")
         if self.block_size & (self.block_size - 1):
@@ -366,6 +377,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory the engine may use
     num_gpu_blocks_override: int | None = None  # skip the memory budget, use this many blocks
     enable_kv_cache_events: bool = False
+    kv_cache_metrics: bool = False  # sampled block lifetimes (engine/core/kv_cache/block_metrics.py)
+    kv_cache_metrics_sample: float = 0.01  # the fraction of allocated blocks that record them
     # Blocks in the pool (the null block included). None in the config the workers start with:
     # the core decides it once from their memory budget, and the config it hands on (scheduler,
     # KV connector, ready handshake, frontend) carries it.
@@ -383,6 +396,7 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs (AsyncScheduler: placeholders for the tokens in flight;
     # the executor then keeps max_concurrent_batches = 2 batches in EngineCore's batch queue).
     async_scheduling: bool = False
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower Request.priority first, ties by arrival)
 
 
 @dataclass(frozen=True)

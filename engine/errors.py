@@ -22,6 +22,10 @@ class InvalidPromptError(InvalidRequestError):
     """A prompt is empty, malformed, or too long for max_model_len."""
 
 
+class InvalidPriorityError(InvalidRequestError):
+    """A request's priority is not an int, or is not 0 while scheduling_policy is "fcfs"."""
+
+
 class InvalidRequestIdError(InvalidRequestError):
     """A request id is not a non-empty str of at most MAX_REQUEST_ID_CHARS characters."""
 

@@ -24,6 +24,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
+    # Prompt logprobs computed this step: request id -> (first prompt position, its rows).
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -98,6 +98,8 @@ class RequestOutput:
             mine.finish_reason = completion.finish_reason
             mine.stop_reason = completion.stop_reason
         self.outputs.sort(key=lambda c: c.index)
+        if next_output.prompt_logprobs:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + next_output.prompt_logprobs
         self.finished = next_output.finished
         self.num_cached_tokens = next_output.num_cached_tokens
         self.metrics = next_output.metrics

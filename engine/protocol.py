@@ -43,6 +43,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
     client_index: int = 0
     mm_features: list[MultiModalFeatureSpec] | None = None
+    priority: int = 0  # scheduling_policy="priority": a lower value is scheduled first
 
 
 class EngineCoreRequestType(enum.IntEnum):
@@ -102,6 +103,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     events: list[EngineCoreEvent] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, on the final output
     error: RequestError | None = None  # the core refused the request (finish_reason ABORT)
+    # Prompt logprobs rows computed this step (row i: prompt token num_sent + i + 1); a partial
+    # prefill sends them with no new token.
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

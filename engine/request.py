@@ -66,6 +66,7 @@ class Request:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     block_hasher: Callable[[Request], list[BlockHash]] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # scheduling_policy="priority": a lower value is scheduled first
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
@@ -79,6 +80,7 @@ class Request:
         # Tokens found in the prefix cache at first scheduling (reported to the user).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0  # prompt-logprob rows already in an output (scheduler)
         self.stop_reason: int | str | None = None
         self.max_tokens = self.sampling_params.max_tokens
         self.block_hashes: list[BlockHash] = []

@@ -9,9 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
-    BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt, MaxModelLenOpt,
-    MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt,
-    TensorParallelOpt, console_threads, engine_args, parallel_args, parse_range,
+    BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt,
+    KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
+    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, console_threads,
+    engine_args, parallel_args, parse_range,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -38,6 +39,12 @@ def make_client(fake: bool, model: str | None, args: dict, url: str | None = Non
     if url is not None:
         return remote_client(url, api_key, kv_events_endpoint)
     if fake:
+        given = [flag for flag, key, default in (("--scheduling-policy", "scheduling_policy", "fcfs"),
+                                                 ("--kv-cache-metrics", "kv_cache_metrics", False))
+                 if args.get(key, default) != default]
+        if given:
+            raise typer.BadParameter(f"{', '.join(given)} configure(s) the real engine; the fake engine (--fake) "
+                                     "has no such option. Drop them, or drop --fake.")
         return FakeConsoleClient(num_blocks=args.get("num_gpu_blocks_override") or 512,
                                  block_size=args.get("block_size", 16),
                                  max_num_seqs=min(args.get("max_num_seqs", 16), 32),
@@ -87,6 +94,8 @@ def tui(
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
     distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
+    scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
+    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
     refuse_local_flags(ctx, url)
@@ -98,6 +107,8 @@ def tui(
                                  kv_offload_disk_bytes, kv_chunk_size))
     args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
                               data_parallel_routing))
+    args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
+                kv_cache_metrics_sample=kv_cache_metrics_sample)
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))

@@ -16,8 +16,9 @@ import typer
 
 from lm_console.engine_options import (
     AsyncSchedulingOpt, BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt,
-    MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt,
-    PrefixCachingOpt, TensorParallelOpt, engine_args, parallel_args,
+    KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
+    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
+    parallel_args,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -40,6 +41,8 @@ def serve(
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
+    scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
+    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -88,6 +91,8 @@ def serve(
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
+    args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
+                kv_cache_metrics_sample=kv_cache_metrics_sample)
     from engine.entrypoints.openai.api_server import run_server
     from engine import AsyncLLM
 

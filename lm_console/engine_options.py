@@ -22,6 +22,11 @@ NumThreadsOpt = Annotated[Optional[int], typer.Option(
     help="torch threads on CPU (default: all cores; tui/chat/events: all but one, which the console uses).")]
 AsyncSchedulingOpt = Annotated[bool, typer.Option(
     "--async-scheduling", help="Schedule step N+1 while step N runs (placeholders for the tokens in flight).")]
+SchedulingPolicyOpt = Annotated[str, typer.Option(
+    help="fcfs | priority (requests' `priority`: a lower value first; it preempts lower ones).")]
+KVCacheMetricsOpt = Annotated[bool, typer.Option(
+    "--kv-cache-metrics/--no-kv-cache-metrics", help="Sample KV block lifetimes, idle and reuse times.")]
+KVCacheMetricsSampleOpt = Annotated[float, typer.Option(help="Fraction of KV blocks sampled by --kv-cache-metrics.")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
 # Scaling out (README "Scaling out: data parallelism and Ray").
 TensorParallelOpt = Annotated[int, typer.Option(help="Workers per engine core, each holding a slice of the model.")]

@@ -46,6 +46,7 @@ class TrackedRequest:
     def table_state(self) -> str:
         """The engine's state while it runs (PREEMPTED included), the console's once it ended."""
         return self.core_status if self.core_status and self.finished_ts is None else self.state
+    priority: int = 0  # the request's scheduling priority (lower first; 0 unless the engine's policy is priority)
 
     def elapsed(self, now: float) -> float:
         return (self.finished_ts or now) - self.arrival

@@ -51,6 +51,10 @@ class EngineCore:
                 enable_kv_cache_events=cache.enable_kv_cache_events,
                 kv_cache_config=self.kv_cache_config,
             )
+        if cache.kv_cache_metrics:  # sampled block lifetimes into SchedulerStats (block_metrics.py)
+            from engine.core.kv_cache.block_metrics import KVCacheMetricsCollector
+
+            self.kv_cache_manager.block_pool.metrics_collector = KVCacheMetricsCollector(cache.kv_cache_metrics_sample)
         # num_blocks is decided: the config handed on from here (connector, ready handshake) carries it.
         self.config = config = config.with_num_blocks(num_blocks)
         self.kv_connector = None
@@ -71,6 +75,7 @@ class EngineCore:
             log_stats=config.scheduler_config.log_stats,
             encoder_scheduler=self.mm.encoder_scheduler,
             structured_output_manager=self.structured_output_manager,
+            policy=config.scheduler_config.policy,
         )
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -129,6 +134,7 @@ class EngineCore:
             mm_features=list(engine_request.mm_features or []),
             block_hasher=self.request_block_hasher,
             kv_transfer_params=(engine_request.sampling_params.extra_args or {}).get("kv_transfer_params"),
+            priority=engine_request.priority,
         )
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")

@@ -305,5 +305,6 @@ def requests_frame(engine: Any, max_rows: int) -> RequestsFrame:
         started = metrics.first_scheduled_time is not None or metrics.first_token_time is not None
         rows.append(RequestRow(state.request_id, "RUNNING" if started else "WAITING",
                                len(state.prompt_token_ids or ()), metrics.num_generation_tokens,
-                               state.num_cached_tokens, metrics.arrival_time, metrics.first_token_time))
+                               state.num_cached_tokens, metrics.arrival_time, metrics.first_token_time,
+                               getattr(state, "priority", 0)))
     return RequestsFrame(time.time(), len(states), rows)

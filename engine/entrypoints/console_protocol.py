@@ -59,6 +59,7 @@ class RequestRow(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int
     arrival_time: float
     first_token_time: float | None = None
+    priority: int = 0  # scheduling_policy="priority": a lower value first
 
 
 class RequestsFrame(msgspec.Struct, array_like=True, gc=False):

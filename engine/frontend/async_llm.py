@@ -51,7 +51,8 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
-            max_logprobs=self.engine_args.max_logprobs)
+            max_logprobs=self.engine_args.max_logprobs,
+            scheduling_policy=self.config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         if stat_loggers is None:
             stat_loggers = [LoggingStatLogger()] if self.engine_args.log_stats else []
@@ -103,11 +104,11 @@ class AsyncLLM:
 
     # -- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: str | None = None) -> RequestOutputCollector:
+                          cache_salt: str | None = None, priority: int = 0) -> RequestOutputCollector:
         """Validate and send one request (n children when n > 1); returns its collector."""
         self._check_alive()
         self._ensure_output_handler()
-        children = self.input_processor.process_request(request_id, prompt, params, cache_salt)
+        children = self.input_processor.process_request(request_id, prompt, params, cache_salt, priority)
         collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
         self.output_processor.add_requests(children, queue=collector)  # all or none
         try:
@@ -120,16 +121,17 @@ class AsyncLLM:
         return collector
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, cache_salt: str | None = None
+                       request_id: str | None = None, cache_salt: str | None = None, priority: int = 0
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's RequestOutputs (kind per sampling_params.output_kind).
 
         Stopping the iteration early (break, aclose, cancellation) aborts the request and
         frees its KV blocks. cache_salt: only requests with the same salt share prefix blocks.
+        priority: with scheduling_policy="priority", a lower value is scheduled first.
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = sampling_params if sampling_params is not None else SamplingParams()
-        collector = await self.add_request(request_id, prompt, params, cache_salt)
+        collector = await self.add_request(request_id, prompt, params, cache_salt, priority)
         finished = False
         try:
             while not finished:

@@ -10,7 +10,8 @@ import msgspec
 
 from engine.admission import check_decodable, check_request_id
 from engine.errors import (
-    InvalidPromptError, InvalidSamplingParamsError, MultiModalNotSupportedError, TooManyMultiModalItemsError,
+    InvalidPriorityError, InvalidPromptError, InvalidSamplingParamsError, MultiModalNotSupportedError,
+    TooManyMultiModalItemsError,
 )
 from engine.frontend.prompt_length import max_prompt_chars
 from engine.protocol import EngineCoreRequest
@@ -42,7 +43,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, extra_stop_token_ids: set[int] | None = None,
-                 mm_processor: MultiModalProcessor | None = None, max_logprobs: int = 20) -> None:
+                 mm_processor: MultiModalProcessor | None = None, max_logprobs: int = 20,
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -50,6 +52,7 @@ class InputProcessor:
         self.extra_stop_token_ids = extra_stop_token_ids or set()
         self.mm_processor = mm_processor  # None: a text-only model
         self.max_logprobs = max_logprobs  # -1: no limit
+        self.scheduling_policy = scheduling_policy  # "fcfs" refuses any priority but 0 (as vLLM)
         # Texts longer than this cannot fit max_model_len tokens: refused untokenised.
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len) if tokenizer is not None else None
 
@@ -149,16 +152,29 @@ class InputProcessor:
 
     # -- requests ---------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None, cache_salt: str | None = None
+                       arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0
                        ) -> tuple[str | None, EngineCoreRequest]:
         """Validate, tokenize and normalise one request (n is treated as 1)."""
         check_request_id(request_id)
-        return self._process_verified(request_id, prompt, self._verified_copy(params), arrival_time, cache_salt)
+        return self._process_verified(request_id, prompt, self._verified_copy(params), arrival_time, cache_salt,
+                                      priority)
+
+    def check_priority(self, priority: object) -> int:
+        """The priority if this engine can honour it; InvalidPriorityError otherwise."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidPriorityError(f"priority must be an int (a lower value is scheduled first), got "
+                                       f"{type(priority).__name__} {priority!r:.40}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidPriorityError(
+                f"Got priority={priority}, but priority scheduling is not enabled: start the engine with "
+                f"scheduling_policy='priority' (now {self.scheduling_policy!r}), or leave priority at 0.")
+        return priority
 
     def _process_verified(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None, cache_salt: str | None = None
+                          arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0
                           ) -> tuple[str | None, EngineCoreRequest]:
         """process_inputs() with params already a verified private copy (it is modified)."""
+        priority = self.check_priority(priority)
         if isinstance(prompt, dict):
             unknown = sorted(str(key) for key in prompt if key not in PROMPT_KEYS)
             if unknown:
@@ -166,7 +182,10 @@ class InputProcessor:
             if cache_salt is None:
                 cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidPromptError(f"cache_salt must be a non-empty str or None, got {type(cache_salt).__name__}.")
+            got = "an empty str" if cache_salt == "" else type(cache_salt).__name__
+            raise InvalidPromptError(
+                f"cache_salt must be a non-empty str or None, got {got}: only requests with the same "
+                "salt share prefix-cache blocks.")
         mm_features = None
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             text, token_ids, mm_features = self.process_multimodal(prompt)
@@ -190,6 +209,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             cache_salt=cache_salt,
             mm_features=mm_features or None,
+            priority=priority,
         )
         check_decodable(request)
         return text, request
@@ -206,9 +226,10 @@ class InputProcessor:
             raise InvalidSamplingParamsError(
                 f"SamplingParams.logprobs={params.logprobs} is invalid: at most max_logprobs="
                 f"{self.max_logprobs} (an engine argument) logprobs per token may be requested.")
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and 0 <= self.max_logprobs < params.prompt_logprobs:
             raise InvalidSamplingParamsError(
-                "SamplingParams.prompt_logprobs is not supported by this engine yet: leave it None.")
+                f"SamplingParams.prompt_logprobs={params.prompt_logprobs} is invalid: at most max_logprobs="
+                f"{self.max_logprobs} (an engine argument) logprobs per prompt token may be requested.")
         if any(t >= self.vocab_size for t in params.stop_token_ids or ()):
             raise InvalidSamplingParamsError(
                 f"SamplingParams.stop_token_ids={params.stop_token_ids} is invalid: token ids must be "
@@ -216,7 +237,7 @@ class InputProcessor:
         return params
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                        cache_salt: str | None = None) -> list[ChildRequest]:
+                        cache_salt: str | None = None, priority: int = 0) -> list[ChildRequest]:
         """One request for n == 1; else n child requests under one ParentRequest.
 
         The prompt is processed once. Children get ids "{index}_{request_id}-{nonce}" (the
@@ -226,13 +247,14 @@ class InputProcessor:
         check_request_id(request_id)
         params = self._verified_copy(params)
         if params.n == 1:
-            text, request = self._process_verified(request_id, prompt, params, cache_salt=cache_salt)
+            text, request = self._process_verified(request_id, prompt, params, cache_salt=cache_salt,
+                                                   priority=priority)
             return [(text, request, None, 0)]
         from engine.frontend.output_processor import ParentRequest
 
         num_children = params.n
         params.n = 1
-        text, first = self._process_verified(request_id, prompt, params, cache_salt=cache_salt)
+        text, first = self._process_verified(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
         parent = ParentRequest(request_id=request_id, n=num_children)
         nonce = secrets.token_hex(4)
         children: list[ChildRequest] = []

@@ -44,6 +44,7 @@ class LLM:
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
             max_logprobs=self.engine_args.max_logprobs,
+            scheduling_policy=self.config.scheduler_config.policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -69,8 +70,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
+
+        priority: one int per prompt (vLLM's form), used with scheduling_policy="priority"
+        (a lower value is scheduled first); any value but 0 is refused under "fcfs".
 
         Every prompt is validated before any runs: a bad one raises its engine.errors exception
         (InvalidPromptError, InvalidSamplingParamsError, ...) and nothing is generated.
@@ -96,8 +101,18 @@ class LLM:
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: pass one "
                     "SamplingParams, or a list with exactly one per prompt."
                 )
+        if priority is None:
+            priorities: list[int] = [0] * len(prompts)
+        elif not isinstance(priority, Sequence) or len(priority) != len(prompts):
+            from engine.errors import InvalidPriorityError
+
+            raise InvalidPriorityError(f"priority must be a list with one int per prompt ({len(prompts)}), got "
+                                       f"{type(priority).__name__}.")
+        else:
+            priorities = list(priority)
         # Validate everything first, so a bad prompt is rejected before any request runs.
-        processed = [self._process(prompt, params) for prompt, params in zip(prompts, params_list)]
+        processed = [self._process(prompt, params, prio)
+                     for prompt, params, prio in zip(prompts, params_list, priorities)]
         request_ids: list[str] = []
         engine_requests = []
         try:
@@ -162,7 +177,7 @@ class LLM:
         self.engine_core.shutdown()
 
     # -- internals ------------------------------------------------------------------------
-    def _process(self, prompt: PromptType, params: SamplingParams):  # type: ignore[no-untyped-def]
+    def _process(self, prompt: PromptType, params: SamplingParams, priority: int = 0):  # type: ignore[no-untyped-def]
         request_id = str(next(self._request_counter))
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(
@@ -170,7 +185,7 @@ class LLM:
         # The offline API returns only finished outputs.
         params = params.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        return request_id, self.input_processor.process_request(request_id, prompt, params)
+        return request_id, self.input_processor.process_request(request_id, prompt, params, priority=priority)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -38,6 +38,7 @@ class LogprobsProcessor:
     prompt_logprobs: PromptLogprobs | None
     cumulative_logprob: float | None
     num_prompt_positions: int = 0  # prompt positions covered so far, popped or not
+    num_prompt_popped: int = 0  # prompt positions handed out by pop_prompt_logprobs()
 
     @classmethod
     def from_new_request(cls, tokenizer: Any, sampling_params: SamplingParams) -> LogprobsProcessor:
@@ -48,8 +49,10 @@ class LogprobsProcessor:
             num_logprobs=num_logprobs,
             num_prompt_logprobs=num_prompt_logprobs,
             logprobs=None if num_logprobs is None else [],
-            prompt_logprobs=None if num_prompt_logprobs is None else [],
+            # The first prompt token has no logprob: None, even for a one-token prompt.
+            prompt_logprobs=None if num_prompt_logprobs is None else [None],
             cumulative_logprob=None if num_logprobs is None else 0.0,
+            num_prompt_positions=0 if num_prompt_logprobs is None else 1,
         )
 
     def update_from_output(self, new_logprobs: LogprobsLists | None) -> None:
@@ -69,9 +72,6 @@ class LogprobsProcessor:
         if prompt_logprobs is None or self.prompt_logprobs is None:
             return
         assert self.num_prompt_logprobs is not None
-        if self.num_prompt_positions == 0:
-            self.prompt_logprobs.append(None)  # the first prompt token has no logprob
-            self.num_prompt_positions = 1
         self.num_prompt_positions += len(prompt_logprobs.sampled_token_ranks)
         for token_ids, logprobs, rank in zip(prompt_logprobs.logprob_token_ids,
                                              prompt_logprobs.logprobs,
@@ -81,10 +81,11 @@ class LogprobsProcessor:
 
     def pop_prompt_logprobs(self) -> PromptLogprobs | None:
         """The prompt logprobs gathered since the last pop (each position is handed out once)."""
-        prompt_logprobs = self.prompt_logprobs
-        if prompt_logprobs is not None:
-            self.prompt_logprobs = []
-        return prompt_logprobs
+        if self.prompt_logprobs is None:
+            return None
+        new = self.prompt_logprobs[self.num_prompt_popped:]
+        self.num_prompt_popped = len(self.prompt_logprobs)
+        return new
 
     def new_logprobs(self, num_new_tokens: int) -> SampleLogprobs | None:
         """The dicts of the last num_new_tokens tokens (for DELTA outputs)."""

@@ -54,6 +54,7 @@ class RequestState:
     num_sent_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # as sent (scheduling_policy="priority"), for the console's request table
 
 
 class OutputProcessor:
@@ -111,6 +112,7 @@ class OutputProcessor:
             parent=parent,
             child_index=child_index,
             queue=queue,
+            priority=request.priority,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -170,6 +172,10 @@ class OutputProcessor:
                     unqueued_error = error
                 continue
             self._update_stats(state, output, now, iteration_stats)
+            if output.new_prompt_logprobs is not None:
+                state.logprobs_processor.update_prompt_logprobs(output.new_prompt_logprobs)
+            if not output.new_token_ids and output.finish_reason is None:
+                continue  # a prefill chunk's prompt logprobs: they go out with the first token
             finish_reason, stop_reason = self._update_state(state, output)
             if finish_reason is not None and output.finish_reason is None:
                 reqs_to_abort.append(output.request_id)  # a stop string ended it in the frontend
@@ -267,9 +273,11 @@ class OutputProcessor:
             token_ids = state.token_ids[state.num_sent_tokens:]
             state.num_sent_tokens = len(state.token_ids)
             logprobs = state.logprobs_processor.new_logprobs(len(token_ids))
+            prompt_logprobs = state.logprobs_processor.pop_prompt_logprobs()
         else:
             token_ids = list(state.token_ids)
             logprobs = state.logprobs_processor.logprobs
+            prompt_logprobs = state.logprobs_processor.prompt_logprobs
         completion = CompletionOutput(
             index=state.child_index,
             text=text,
@@ -285,7 +293,7 @@ class OutputProcessor:
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
                 num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
-                kv_transfer_params=state.kv_transfer_params,
+                kv_transfer_params=state.kv_transfer_params, prompt_logprobs=prompt_logprobs,
             )
         parent.completions[state.child_index] = completion
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not parent.is_finished():
@@ -296,7 +304,7 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=outputs,
             finished=parent.is_finished(), num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
+            metrics=state.metrics, prompt_logprobs=prompt_logprobs,
         )
 
 

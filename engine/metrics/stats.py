@@ -58,6 +58,19 @@ class KVTierStats(msgspec.Struct, array_like=True, gc=False):
     errors: int = 0
 
 
+# Histogram buckets (seconds) of the sampled block residency metrics: /metrics and the console.
+KV_BLOCK_RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0,
+                              30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0]
+
+
+class KVBlockResidencyStats(msgspec.Struct, array_like=True, gc=False):
+    """Sampled KV block observations since the last step (engine/core/kv_cache/block_metrics.py)."""
+
+    lifetimes_s: list[float] = msgspec.field(default_factory=list)  # allocation -> eviction
+    idle_before_evict_s: list[float] = msgspec.field(default_factory=list)  # last access -> eviction
+    reuse_gaps_s: list[float] = msgspec.field(default_factory=list)  # between consecutive accesses
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """Scheduler and KV cache state after one step (the console's main feed).
 
@@ -85,6 +98,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     encoder_cache: EncoderCacheStats | None = None  # multimodal models only
     kv_tiers: list[KVTierStats] | None = None  # KV offload tiers (kv_transfer_config), else None
     engine_index: int = 0  # the engine core's data_parallel_rank (several cores: data parallelism)
+    kv_block_residency: KVBlockResidencyStats | None = None  # kv_cache_metrics: this step's observations
 
 
 class BlockPoolState(msgspec.Struct, array_like=True, gc=False):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention
-from engine.models.layers import RopeAngles, RotaryEmbedding, rope_parameters
+from engine.models.layers import LogitsProjection, RopeAngles, RotaryEmbedding, rope_parameters
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel_layers import (
     ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -188,12 +188,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, dtype)
+        self.logits_projection = LogitsProjection()
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], soft-capped if configured."""
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head.gather(self.logits_projection(hidden_states, self.lm_head))  # fp32 from the bf16 head
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -50,6 +50,40 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class LogitsProjection:
+    """The lm_head as the sampler needs it: bf16/fp16 inputs, fp32 accumulation AND output.
+
+    A bf16 matmul accumulates in fp32 but rounds its output to bf16 (8 bits of mantissa): two
+    logits 0.1 apart near 16 can come out equal or swapped, so greedy choices then depend on the
+    batch shape (a prefix-cache hit changes it). Here the output stays fp32: on CUDA through
+    torch.mm(out_dtype=float32) when the build has it; otherwise through an fp32 copy of the
+    weight, made once (the products of bf16 values are exact in fp32, so this equals a bf16
+    matmul with fp32 output). The copy costs vocab x hidden x 4 bytes of memory.
+    """
+
+    def __init__(self) -> None:
+        self._fp32_weight: Tensor | None = None
+        self._source: tuple[int, int] | None = None  # (data_ptr, version) the copy was made from
+        self._mm_out_dtype = True  # try torch.mm(out_dtype=...) first on CUDA
+
+    def __call__(self, hidden: Tensor, head: Linear) -> Tensor:
+        """hidden [n, in] -> float32 logits [n, out]."""
+        weight = head.weight
+        if weight.dtype == torch.float32:
+            return F.linear(hidden.float(), weight, head.bias)
+        if hidden.is_cuda and self._mm_out_dtype:
+            try:
+                logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+                return logits if head.bias is None else logits + head.bias.float()
+            except (RuntimeError, TypeError, NotImplementedError):
+                self._mm_out_dtype = False  # this build lacks it: the fp32 copy from now on
+        source = (weight.data_ptr(), weight._version)
+        if self._fp32_weight is None or self._source != source:
+            self._fp32_weight, self._source = weight.detach().float(), source
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(hidden.float(), self._fp32_weight, bias)
+
+
 class Embedding(nn.Module):
     """Token id -> row of weight [vocab_size, hidden_size]."""
 

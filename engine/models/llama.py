@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.attention import Attention
-from engine.models.layers import RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters
+from engine.models.layers import LogitsProjection, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters
 from engine.models.parallel_layers import (
     ColumnParallelLinear, LazyWeight, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
     VocabParallelEmbedding, as_tensor,
@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, dtype, self.layer_cls)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, dtype)
+        self.logits_projection = LogitsProjection()  # fp32 logits from the bf16 head
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -179,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every TP rank)."""
-        return self.lm_head(hidden_states).float()
+        return self.lm_head.gather(self.logits_projection(hidden_states, self.lm_head))
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor | LazyWeight]]) -> None:
         """Copy HF-named checkpoint tensors in, fusing q/k/v and gate/up; every param must load.

@@ -190,7 +190,10 @@ class ParallelLMHead(Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [n, hidden] -> logits [n, vocab_size] on every rank."""
-        logits = super().forward(x)  # [n, rows of this rank]
+        return self.gather(super().forward(x))
+
+    def gather(self, logits: Tensor) -> Tensor:
+        """This rank's logits [n, rows] -> the whole vocabulary's [n, vocab_size] on every rank."""
         if self.tp_size == 1:
             return logits
         return get_tp_group().all_gather(logits, dim=-1)[:, :self.vocab_size]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_run
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from engine.worker.kv_connector_lifecycle import KVConnectorLifecycle, NoKVConnectorLifecycle
+from engine.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from engine.worker.step_inputs import StepInputs, build_attention_metadata, prepare_inputs
 
 
@@ -45,6 +46,7 @@ class ExecuteModelState:
     # Structured outputs: the constrained requests and their bitmask rows (SchedulerOutput's).
     structured_output_request_ids: list[str] | None = None
     grammar_bitmask: Any = None
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # this step's rows (prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -107,6 +109,7 @@ class ModelRunner:
         self.async_scheduling = sched.async_scheduling
         self.prev_sampled_token_ids: torch.Tensor | None = None  # [num_prev_reqs] int64, device
         self.prev_sampled: dict[str, tuple[int, int]] = {}  # req_id -> (row there, token position)
+        self._num_prompt_logprobs_reqs = 0  # requests asking for prompt logprobs (skip the scan when 0)
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -191,10 +194,15 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        prompt_logprobs = {}
+        if self._num_prompt_logprobs_reqs:
+            prompt_logprobs = compute_prompt_logprobs(hidden_states, inputs, self.input_batch.states[:inputs.num_reqs],
+                                                      self.model.compute_logits)
         self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
         self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows,
                                         structured_output_request_ids=scheduler_output.structured_output_request_ids,
-                                        grammar_bitmask=scheduler_output.grammar_bitmask)
+                                        grammar_bitmask=scheduler_output.grammar_bitmask,
+                                        prompt_logprobs=prompt_logprobs)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
@@ -311,6 +319,7 @@ class ModelRunner:
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             kv_connector_output=kv_connector_output,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]
@@ -358,6 +367,8 @@ class ModelRunner:
             )
             self.requests[new_req.req_id] = req_state
             batch.add_request(req_state)
+        self._num_prompt_logprobs_reqs = sum(
+            1 for state in self.requests.values() if state.sampling_params.prompt_logprobs is not None)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req_state = self.requests[req_id]

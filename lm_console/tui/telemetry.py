@@ -20,6 +20,7 @@ from engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
 )
 from lm_console.client.types import KVEventRecord, StatsSnapshot
+from lm_console.tui.block_residency import BlockResidency
 from lm_console.request_book import RequestBook, percentile
 
 
@@ -68,6 +69,8 @@ class DashboardView:
     num_cores: int = 1
     selected_core: int = 0
     cores: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+
+    block_residency: BlockResidency | None = None  # sampled KV block lifetimes (kv_cache_metrics), since start
 
 
 @dataclass(slots=True)
@@ -243,6 +246,11 @@ class Telemetry:
             view.encoder_cache = sample.encoder_cache
         if sample.kv_tiers:
             self._fold_tiers(sample, view)
+        residency = getattr(sample, "kv_block_residency", None)
+        if residency is not None:
+            if view.block_residency is None:
+                view.block_residency = BlockResidency()
+            view.block_residency.add(residency)
 
     def _fold_tiers(self, sample: SchedulerStats, view: DashboardView) -> None:
         tiers = sample.kv_tiers or []

@@ -58,8 +58,9 @@ def test_logprobs_are_bounded_by_max_logprobs(tokenizer) -> None:
     for params in (SamplingParams(logprobs=21), SamplingParams(logprobs=10**6)):
         with pytest.raises(InvalidSamplingParamsError, match="max_logprobs=20"):
             processor.process_inputs("r", "hi", params)
-    with pytest.raises(InvalidSamplingParamsError, match="prompt_logprobs"):
-        processor.process_inputs("r", "hi", SamplingParams(prompt_logprobs=1))
+    processor.process_inputs("r", "hi", SamplingParams(prompt_logprobs=20))
+    with pytest.raises(InvalidSamplingParamsError, match="prompt_logprobs=21 is invalid: at most max_logprobs=20"):
+        processor.process_inputs("r", "hi", SamplingParams(prompt_logprobs=21))
     unlimited = InputProcessor(tokenizer, max_model_len=128, vocab_size=len(tokenizer), eos_token_id=None,
                                max_logprobs=-1)
     unlimited.process_inputs("r", "hi", SamplingParams(logprobs=1000))

@@ -128,3 +128,22 @@ def test_broadcast_drops_the_oldest_for_a_slow_subscriber() -> None:
         return got
 
     assert asyncio.run(main()) == [3, 4]
+
+
+def test_prompt_logprobs_chunks_wait_for_the_first_token_and_go_out_once() -> None:
+    """A prefill chunk's prompt logprobs (no token yet) make no output; DELTA hands each row out
+    once, with the first token; CUMULATIVE repeats the whole list."""
+    from engine.frontend.logprobs import Logprob
+    from engine.protocol import LogprobsLists
+
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        queue = ListQueue()
+        processor = _processor("r", SamplingParams(max_tokens=3, prompt_logprobs=0, output_kind=kind), queue)
+        chunk = EngineCoreOutput("r", [], new_prompt_logprobs=LogprobsLists([[2]], [[-1.5]], [4]))
+        processor.process_outputs(EngineCoreOutputs(outputs=[chunk]))
+        assert queue == []  # the row waits for the first token
+        processor.process_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r", [7])]))
+        processor.process_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r", [8], finish_reason=FinishReason.LENGTH)]))
+        rows = [None, {2: Logprob(-1.5, 4, None)}]
+        assert queue[0].prompt_logprobs == rows
+        assert queue[1].prompt_logprobs == ([] if kind == RequestOutputKind.DELTA else rows)

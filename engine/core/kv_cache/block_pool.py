@@ -18,6 +18,7 @@ from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.metrics.stats import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
 
 if TYPE_CHECKING:
+    from engine.core.kv_cache.block_metrics import KVCacheMetricsCollector
     from engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        # kv_cache_metrics: sampled block lifetimes (block_metrics.py); None when off.
+        self.metrics_collector: KVCacheMetricsCollector | None = None
 
     # -- prefix cache ------------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
@@ -166,11 +169,14 @@ class BlockPool:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
+        collector = self.metrics_collector
         for block in new_blocks:
             if self.enable_caching:
                 self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
             block.ref_cnt += 1
+            if collector is not None:
+                collector.on_block_allocated(block.block_id)  # ends its previous life first
         return new_blocks
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -193,6 +199,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if self.metrics_collector is not None:
+                self.metrics_collector.on_block_accessed(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block; blocks reaching 0 join the queue in the given order (seed: lines 2793-2807).
@@ -224,6 +232,8 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.reset_hash()
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_reset()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

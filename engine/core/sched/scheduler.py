@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from engine.core.kv_cache import KVCacheManager
 from engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
-from engine.core.sched.request_queue import FCFSRequestQueue
+from engine.core.sched.request_queue import create_request_queue
 from engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
-from engine.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestError
+from engine.protocol import (
+    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists, RequestError,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -84,6 +86,7 @@ class Scheduler:
         encoder_scheduler: EncoderScheduler | None = None,
         connector: KVConnectorBase | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_running_reqs = max_num_seqs
@@ -94,7 +97,9 @@ class Scheduler:
         # Multimodal models: encoder budget, encoder cache, ECConnector (encoder_scheduling.py).
         self.encoder_scheduler: EncoderScheduler | NoEncoderScheduler = encoder_scheduler or NoEncoderScheduler()
         self.requests: dict[str, Request] = {}
-        self.waiting = FCFSRequestQueue()
+        # "fcfs" | "priority": the WAITING queue's order, and who is preempted (_pick_victim).
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker drops their state.
         self.finished_req_ids: set[str] = set()
@@ -184,9 +189,12 @@ class Scheduler:
                 num_new_tokens = plan.num_new_tokens
                 if num_new_tokens <= 0:
                     continue  # an image it reached cannot be encoded this step
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step.preempted)
+            num_preempted = len(step.preempted)
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
             if new_blocks is None:
                 break
+            if len(step.preempted) != num_preempted:  # a victim may have sat before this request
+                req_index = self.running.index(request) + 1
             self.encoder_scheduler.commit(request, plan)
             step.cached_reqs.append(request)
             step.new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
@@ -198,18 +206,47 @@ class Scheduler:
         return request.num_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             preempted: list[Request]) -> KVCacheBlocks | None:
-        """allocate_slots for a running request, preempting from the back of `running` until the
+                             step: _StepSchedule) -> KVCacheBlocks | None:
+        """allocate_slots for a running request, preempting victims (_pick_victim) until the
         blocks fit; None when the request itself had to be preempted."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
+            victim = self._pick_victim()
+            self._preempt_running(victim, step)
             if victim is request:
                 return None
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt: FCFS the latest arrived (the back of `running`);
+        priority the lowest priority (the highest value), the latest arrival among equals."""
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_running(self, victim: Request, step: _StepSchedule) -> None:
+        """Preempt a running request; if it was scheduled earlier in this step, unschedule it
+        (its tokens go back to the budget, and the worker only hears that it was preempted)."""
+        self.running.remove(victim)
+        num_tokens = step.num_scheduled_tokens.pop(victim.request_id, None)
+        if num_tokens is not None:
+            step.token_budget += num_tokens
+            step.cached_reqs.remove(victim)
+            step.new_block_ids.pop(victim.request_id, None)
+        self._preempt(victim)
+        step.preempted.append(victim)
+
+    def _preempt_for(self, request: Request, step: _StepSchedule) -> bool:
+        """Priority policy: preempt one running request of lower priority than the waiting
+        `request` (the lowest, latest first) to make room for it; False when there is none."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if victim.priority <= request.priority:
+            return False  # equals keep their places: only a strictly higher priority preempts
+        self._preempt_running(victim, step)
+        return True
 
     def _schedule_waiting(self, step: _StepSchedule) -> None:
         """Phase 2: admit WAITING requests in queue order while the budget, the seats
@@ -217,7 +254,7 @@ class Scheduler:
         park for an async load, keep their place at the queue's front."""
         skipped: list[Request] = []
         unparked = False
-        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+        while self.waiting and step.token_budget > 0:
             request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 so_request = request.structured_output_request
@@ -229,6 +266,8 @@ class Scheduler:
                     self._fail_request(self.waiting.pop_request(), so_request.error)
                     continue
                 request.status = RequestStatus.WAITING
+            if len(self.running) >= self.max_num_running_reqs and not self._preempt_for(request, step):
+                break  # no seat, and none a lower-priority request could give up
             admission = self._get_computed_tokens(request)
             if admission is None:
                 skipped.append(self.waiting.pop_request())
@@ -245,6 +284,8 @@ class Scheduler:
                 if not self.running and not unparked and self.kv_transfer.unpark_ready_requests(self.waiting):
                     unparked = True  # retry the head once, now that parked blocks are free
                     continue
+                if self._preempt_for(request, step):
+                    continue  # a lower-priority request gave its blocks back: retry
                 break
             self.encoder_scheduler.commit(request, admission.encoder_plan)
             self.waiting.pop_request()
@@ -390,7 +431,8 @@ class Scheduler:
                     if was_preempted:
                         stopped_preempted.add(request)
                     break
-            if not new_token_ids:
+            new_prompt_logprobs = _take_prompt_logprobs(request, model_runner_output.prompt_logprobs.get(request_id))
+            if not new_token_ids and new_prompt_logprobs is None:
                 continue
             num_generation_tokens += len(new_token_ids)
             new_logprobs = logprobs.get(request_id) if logprobs else None
@@ -411,6 +453,7 @@ class Scheduler:
                     events=request.take_events(),
                     kv_transfer_params=kv_transfer_params,
                     error=RequestError(*request.error) if request.error is not None else None,
+                    new_prompt_logprobs=new_prompt_logprobs,
                 )
             )
         if stopped:
@@ -507,7 +550,24 @@ class Scheduler:
             timestamp=time.time(),
             encoder_cache=self.encoder_scheduler.make_stats(),
             kv_tiers=self.kv_transfer.kv_tier_stats,
+            kv_block_residency=(pool.metrics_collector.take_stats()
+                                if drain and pool.metrics_collector is not None else None),
         )
+
+
+def _take_prompt_logprobs(request: Request, chunk: tuple[int, LogprobsLists] | None) -> LogprobsLists | None:
+    """The chunk's rows the frontend has not had yet: a request recomputed after a preemption
+    computes its prompt positions again, and each goes out once."""
+    if chunk is None:
+        return None
+    start, lists = chunk
+    skip = request.num_prompt_logprobs_sent - start
+    if skip >= len(lists.sampled_token_ranks):
+        return None
+    if skip > 0:
+        lists = LogprobsLists(lists.logprob_token_ids[skip:], lists.logprobs[skip:], lists.sampled_token_ranks[skip:])
+    request.num_prompt_logprobs_sent += len(lists.sampled_token_ranks)
+    return lists
 
 
 def _slice_logprobs(lists, n: int):  # type: ignore[no-untyped-def]

@@ -15,7 +15,8 @@ from http import HTTPStatus
 from typing import Any
 
 from engine.errors import (
-    DuplicateRequestError, EngineDeadError, EngineError, InvalidPromptError, InvalidSamplingParamsError,
+    DuplicateRequestError, EngineDeadError, EngineError, InvalidPriorityError, InvalidPromptError,
+    InvalidSamplingParamsError,
     MultiModalInputError,
 )
 
@@ -97,6 +98,8 @@ def from_exception(error: BaseException, prompt_param: str = "prompt") -> OpenAI
         return bad_request(str(error), param="messages", code="invalid_image")
     if isinstance(error, InvalidPromptError):
         return bad_request(str(error), param=prompt_param)
+    if isinstance(error, InvalidPriorityError):
+        return bad_request(str(error), param="priority")
     if isinstance(error, DuplicateRequestError):
         return bad_request(str(error), code="duplicate_request")
     if isinstance(error, EngineError) and isinstance(error, ValueError):

@@ -37,12 +37,23 @@ class TokenText:
         return self.tokenizer.decode([token_id])
 
 
-def completion_logprobs(token_ids: list[int], steps: list[dict[int, Any]], token_text: TokenText,
+def completion_logprobs(token_ids: list[int], steps: list[dict[int, Any] | None], token_text: TokenText,
                         text_offset: int) -> tuple[CompletionLogProbs, int]:
-    """Logprobs of the given tokens, offsets counted from text_offset; returns the next offset."""
+    """Logprobs of the given tokens, offsets counted from text_offset; returns the next offset.
+
+    A None step (the first prompt token under echo) has no logprob: null value and top_logprobs.
+    """
     result = CompletionLogProbs()
     offset = text_offset
     for token_id, step in zip(token_ids, steps):
+        if step is None:
+            token = token_text(token_id, None)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(offset)
+            offset += len(token)
+            continue
         entry = step.get(token_id)
         token = token_text(token_id, entry)
         result.tokens.append(token)

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.metrics.loggers import StatLoggerBase
-from engine.metrics.stats import IterationStats, SchedulerStats
+from engine.metrics.stats import KV_BLOCK_RESIDENCY_BUCKETS, IterationStats, SchedulerStats
 
 if TYPE_CHECKING:
     from engine.frontend.async_llm import AsyncLLM
@@ -58,7 +58,7 @@ class PrometheusStatLogger(StatLoggerBase):
     interval_s = 3600.0  # log() does nothing: Prometheus pulls
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int,
-                 cache_info: dict[str, str], engine_index: int = 0) -> None:
+                 cache_info: dict[str, str], engine_index: int = 0, kv_cache_metrics: bool = False) -> None:
         self.registry = registry
         self.labels = {"model_name": model_name, "engine": str(engine_index)}
         self.cache_info = cache_info
@@ -109,6 +109,19 @@ class PrometheusStatLogger(StatLoggerBase):
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
         self.cache_config_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                        sorted([*cache_info, "engine"]), registry=registry)
+        self.kv_block_residency: tuple[Any, Any, Any] | None = None
+        if kv_cache_metrics:  # vLLM's sampled block residency histograms (--kv-cache-metrics)
+            self.kv_block_residency = (
+                histogram("vllm:kv_block_lifetime_seconds", "Histogram of KV cache block lifetime from allocation "
+                          "to eviction. Sampled metrics (controlled by --kv-cache-metrics-sample).",
+                          KV_BLOCK_RESIDENCY_BUCKETS),
+                histogram("vllm:kv_block_idle_before_evict_seconds", "Histogram of idle time before KV cache block "
+                          "eviction. Sampled metrics (controlled by --kv-cache-metrics-sample).",
+                          KV_BLOCK_RESIDENCY_BUCKETS),
+                histogram("vllm:kv_block_reuse_gap_seconds", "Histogram of time gaps between consecutive KV cache "
+                          "block accesses. Sampled metrics (controlled by --kv-cache-metrics-sample).",
+                          KV_BLOCK_RESIDENCY_BUCKETS),
+            )
         self.extras = LmcCollector(self.labels)
         registry.register(self.extras)
         self._preemptions_seen = 0
@@ -122,6 +135,15 @@ class PrometheusStatLogger(StatLoggerBase):
             self.observe_gauges(scheduler_stats)
             self.prefix_queries.inc(scheduler_stats.prefix_cache.queries)
             self.prefix_hits.inc(scheduler_stats.prefix_cache.hits)
+            residency = scheduler_stats.kv_block_residency
+            if residency is not None and self.kv_block_residency is not None:
+                lifetime, idle, reuse_gap = self.kv_block_residency
+                for value in residency.lifetimes_s:
+                    lifetime.observe(value)
+                for value in residency.idle_before_evict_s:
+                    idle.observe(value)
+                for value in residency.reuse_gaps_s:
+                    reuse_gap.observe(value)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -251,4 +273,5 @@ def cache_config_info(engine: AsyncLLM) -> dict[str, str]:
 def make_stat_logger(engine: AsyncLLM, model_name: str) -> PrometheusStatLogger:
     """A PrometheusStatLogger in a fresh registry for one app."""
     return PrometheusStatLogger(CollectorRegistry(), model_name, engine.config.model_config.max_model_len,
-                                cache_config_info(engine))
+                                cache_config_info(engine),
+                                kv_cache_metrics=getattr(engine.config.cache_config, "kv_cache_metrics", False))

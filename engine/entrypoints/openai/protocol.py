@@ -106,10 +106,8 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logit_bias": (({},), "the sampler has no per-token logit bias"),
     "allowed_token_ids": ((), "the sampler cannot restrict sampling to a token set"),
     "bad_words": (([],), "the sampler has no bad-words filter"),
-    "prompt_logprobs": ((), "the engine does not compute prompt logprobs"),
     "use_beam_search": ((False,), "the engine has no beam search"),
     "length_penalty": ((1.0, 1), "length_penalty applies to beam search, which the engine lacks"),
-    "priority": ((0,), "the scheduler is first-come first-served (no priority scheduling)"),
     "kv_transfer_params": ((), "pass KV transfer parameters through the Python API"),
     "vllm_xargs": ((), "no custom extensions are installed"),
 }
@@ -182,6 +180,8 @@ class SamplingFields(RequestModel):
                               f"{max_stop_strings} are allowed.", "stop_token_ids")
         if self.n > max_n:
             raise bad_request(f"n={self.n} is too large: at most {max_n} completions per request.", "n")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
         if self.seed is not None and self.n > 1 and self.seed + self.n - 1 > INT64_MAX:
             raise bad_request("seed + n - 1 must fit in int64 (choice i samples with seed + i).", "seed")
 
@@ -225,9 +225,6 @@ class CompletionRequest(SamplingFields):
                 raise bad_request("every prompt in the list must be non-empty.", "prompt")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise bad_request(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}.", "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the engine "
-                                      "does not compute")
         if self.max_tokens is None:
             self.max_tokens = 16  # vLLM's normalisation of null
 
@@ -249,6 +246,26 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob in prompt_logprobs: the value, its 1-based rank, the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # one per prompt token; the first is None
+
+
+def prompt_logprobs_json(rows: list[Any] | None) -> PromptLogprobs | None:
+    """RequestOutput.prompt_logprobs as vLLM's response field (logprobs below -9999 clamped)."""
+    if rows is None:
+        return None
+    return [None if row is None else {
+        tid: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=lp.decoded_token)
+        for tid, lp in row.items()} for row in rows]
+
+
 class CompletionResponseChoice(ResponseModel):
     index: int
     text: str
@@ -257,6 +274,7 @@ class CompletionResponseChoice(ResponseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(ResponseModel):

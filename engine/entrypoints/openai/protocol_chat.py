@@ -15,7 +15,7 @@ from pydantic import Field
 
 from engine.entrypoints.openai.errors import bad_request
 from engine.entrypoints.openai.protocol import (
-    SAMPLING_UNSUPPORTED, RequestModel, ResponseModel, SamplingFields, UsageInfo,
+    SAMPLING_UNSUPPORTED, PromptLogprobs, RequestModel, ResponseModel, SamplingFields, UsageInfo,
 )
 
 
@@ -164,6 +164,7 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra: with the request's prompt_logprobs
 
 
 class DeltaMessage(ResponseModel):

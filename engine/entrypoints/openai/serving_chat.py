@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from engine.entrypoints.openai.errors import bad_request
 from engine.entrypoints.openai.logprobs_format import TokenText, chat_logprobs
-from engine.entrypoints.openai.protocol import make_usage, random_id
+from engine.entrypoints.openai.protocol import make_usage, prompt_logprobs_json, random_id
 from engine.entrypoints.openai.protocol_chat import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTemplateFields,
@@ -84,7 +84,7 @@ class OpenAIServingChat:
                                       logprobs=(request.top_logprobs or 0) if request.logprobs else None,
                                       stream=bool(request.stream))
         request_id = random_id("chatcmpl")
-        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt)
+        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0)
         await engine_request.start()
         try:
             token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
@@ -119,6 +119,8 @@ class OpenAIServingChat:
             usage=make_usage(len(final.prompt_token_ids), num_completion_tokens, final.num_cached_tokens))
         if request.return_token_ids:
             response.prompt_token_ids = list(final.prompt_token_ids)
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
     async def _stream(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,

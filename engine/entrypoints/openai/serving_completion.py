@@ -17,7 +17,7 @@ from starlette.responses import Response
 from engine.entrypoints.openai.logprobs_format import TokenText, completion_logprobs
 from engine.entrypoints.openai.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionResponseStreamChoice, CompletionStreamResponse, make_usage, random_id,
+    CompletionResponseStreamChoice, CompletionStreamResponse, make_usage, prompt_logprobs_json, random_id,
 )
 from engine.entrypoints.openai.serving_engine import (
     SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, close_all, fit_prompt, make_sampling_params,
@@ -44,10 +44,13 @@ class OpenAIServingCompletion:
         prompt_texts: list[str] = []
         for index, prompt in enumerate(request.prompts()):
             engine_prompt, echo_text = self._prepare(prompt, request)
+            # echo + logprobs lists the prompt tokens' logprobs too (vLLM): they are prompt logprobs.
+            echo_logprobs = request.logprobs if request.echo and request.prompt_logprobs is None else None
             params = make_sampling_params(request, max_tokens=engine_prompt.pop("max_tokens"),
-                                          logprobs=request.logprobs, stream=bool(request.stream))
+                                          logprobs=request.logprobs, stream=bool(request.stream),
+                                          prompt_logprobs=echo_logprobs)
             engine_requests.append(EngineRequest(ctx, f"{request_id}-{index}", engine_prompt, params,
-                                                 request.cache_salt))
+                                                 request.cache_salt, request.priority or 0))
             prompt_texts.append(echo_text)
         await start_all(engine_requests)
         try:
@@ -139,15 +142,25 @@ class _ChoiceView:
         i = index * request.n + completion.index
         self.num_completion_tokens[i] += len(completion.token_ids)
         text = completion.text
+        echo_logprobs = None
         if self.echo_pending[i]:
             text = self.prompt_texts[index] + text
             self.echo_pending[i] = False
+            if request.logprobs is not None:  # the prompt's tokens first, offsets from 0
+                echo_logprobs, self.offsets[i] = completion_logprobs(
+                    output.prompt_token_ids, output.prompt_logprobs or [], self.token_text, 0)
         logprobs: CompletionLogProbs | None = None
         if request.logprobs is not None:
             logprobs, self.offsets[i] = completion_logprobs(
                 completion.token_ids, completion.logprobs or [], self.token_text, self.offsets[i])
+            if echo_logprobs is not None:
+                for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                    getattr(echo_logprobs, name).extend(getattr(logprobs, name))
+                logprobs = echo_logprobs
         choice = cls(index=i, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
                      stop_reason=completion.stop_reason)
+        if request.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
         if request.return_token_ids:
             choice.token_ids = list(completion.token_ids)
             if self.prompt_ids_pending[i]:

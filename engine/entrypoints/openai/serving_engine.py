@@ -66,8 +66,9 @@ class EngineRequest:
     """One request in the engine: start() it, then `async for output in request`."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, priority: int = 0) -> None:
         self.ctx = ctx
+        self.priority = priority
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -78,7 +79,7 @@ class EngineRequest:
     async def start(self) -> None:
         """Validate and send; raises the engine's error (mapped to 400 by the caller)."""
         self._collector = await self.ctx.engine.add_request(self.request_id, self.prompt, self.params,
-                                                            self.cache_salt)
+                                                            self.cache_salt, self.priority)
         self.ctx.state.request_ids.add(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -225,7 +226,7 @@ async def guarded_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                         stream: bool) -> SamplingParams:
+                         stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from the shared fields (the engine validates the ranges)."""
     return SamplingParams(
         n=request.n,
@@ -246,6 +247,7 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, log
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=to_structured_outputs_params(request),
     )

@@ -13,6 +13,7 @@ from lm_console.request_book import RequestBook
 from lm_console.server_requests import ServerRequests
 from lm_console.tui.telemetry import DashboardView
 from lm_console.tui.widgets.block_pool_panel import BlockPoolPanel
+from lm_console.tui.widgets.block_residency_panel import BlockResidencyPanel
 from lm_console.tui.widgets.encoder_cache_panel import EncoderCachePanel
 from lm_console.tui.widgets.kv_events_panel import KVEventsPanel
 from lm_console.tui.widgets.kv_tiers_panel import KVTiersPanel
@@ -33,6 +34,7 @@ class Dashboard(Vertical):
                 yield SchedulerPanel(id="scheduler")
                 yield ThroughputPanel(id="throughput")
                 yield KVTiersPanel(id="kv-tiers")
+                yield BlockResidencyPanel(id="block-residency")  # shown once kv_cache_metrics reports
             with Vertical(id="dash-right"):
                 yield BlockPoolPanel(id="block-pool")
                 with Horizontal(id="dash-cache-row"):
@@ -66,6 +68,7 @@ class Dashboard(Vertical):
         self.query_one(BlockPoolPanel).show(view)
         self.query_one(PrefixPanel).show(view)
         self.query_one(KVTiersPanel).show(view)
+        self.query_one(BlockResidencyPanel).show(view.block_residency)
         self.query_one(LatencyPanel).show(view)
         self.query_one(EncoderCachePanel).show(view.encoder_cache)
         self.query_one(LoadPanel).show(load)

@@ -11,17 +11,29 @@ STATE_STYLE = {WAITING: "#e5c07b", RUNNING: "#98c379", FINISHED: "#5c6370", ABOR
                FAILED: "#e06c75", "PREEMPTED": "#e06c75"}
 COLUMNS = ("id", "state", "prompt", "gen", "cached", "TTFT", "elapsed", "pre")
 WIDTHS = (9, 9, 6, 4, 6, 7, 7, 3)
+PRIORITY_COLUMN, PRIORITY_WIDTH = "prio", 5
 
 
 class RequestTable(DataTable):
-    """Rows keyed by request id; updated in place each tick."""
+    """Rows keyed by request id; updated in place each tick.
+
+    A "prio" column (scheduling priority, lower first) joins once a request with a priority
+    other than 0 shows up: under the default fcfs policy every priority is 0.
+    """
+
+    show_priority = False
 
     def on_mount(self) -> None:
         self.border_title = "Requests"
         self.cursor_type = "row"
         self.zebra_stripes = False
+        self._add_columns()
+
+    def _add_columns(self) -> None:
         for name, width in zip(COLUMNS, WIDTHS):
             self.add_column(name, key=name, width=width)
+        if self.show_priority:
+            self.add_column(PRIORITY_COLUMN, key=PRIORITY_COLUMN, width=PRIORITY_WIDTH)
 
     title = "Requests"  # "Requests on the server" when attached to an lm-console server
 
@@ -34,6 +46,10 @@ class RequestTable(DataTable):
 
     def show(self, rows: list[TrackedRequest], now: float, num_active: int) -> None:
         order = [r.request_id for r in rows]
+        if not self.show_priority and any(r.priority for r in rows):
+            self.show_priority = True
+            self.clear(columns=True)
+            self._add_columns()
         if order != [key.value for key in self.rows]:
             # Membership or order changed: rebuild (a few dozen rows), keeping the cursor on its request.
             # (Unfocused, the table shows its top: nobody is reading a row.)
@@ -46,16 +62,19 @@ class RequestTable(DataTable):
                 self.scroll_to(y=scroll_y, animate=False, immediate=True)
         else:
             for request in rows:
-                for column, value in zip(COLUMNS[1:], self._cells(request, now)[1:]):
+                for column, value in zip(self._columns()[1:], self._cells(request, now)[1:]):
                     self.update_cell(request.request_id, column, value)
         self.border_title = f"{self.title} ─ {num_active} in flight"
 
-    @staticmethod
-    def _cells(request: TrackedRequest, now: float) -> tuple[str, ...]:
+    def _columns(self) -> tuple[str, ...]:
+        return COLUMNS + (PRIORITY_COLUMN,) if self.show_priority else COLUMNS
+
+    def _cells(self, request: TrackedRequest, now: float) -> tuple[str, ...]:
         state = request.table_state
         style = STATE_STYLE.get(state, "")
-        return (
+        cells = (
             request.request_id, f"[{style}]{state}[/]", f"{request.num_prompt_tokens:>6}",
             f"{request.num_generated:>4}", f"{request.num_cached:>6}", f"{fmt_seconds(request.ttft_s):>7}",
             f"{request.elapsed(now):5.1f} s", f"{request.num_preemptions:>3}" if request.num_preemptions else "  -",
         )
+        return cells + (f"{request.priority:>4}",) if self.show_priority else cells

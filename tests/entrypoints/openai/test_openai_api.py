@@ -201,6 +201,33 @@ def test_cache_salt_separates_prefix_cache(client) -> None:
     assert cached(cache_salt="bob") == 0
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(client, reference) -> None:
+    expected, = reference.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2),
+                                   use_tqdm=False)
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0.0,
+                                         extra_body={"prompt_logprobs": 2})
+    rows = response.choices[0].model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(expected.prompt_token_ids)
+    for row, want in zip(rows[1:], expected.prompt_logprobs[1:]):
+        assert {int(t): (v["logprob"], v["rank"], v["decoded_token"]) for t, v in row.items()} == {
+            t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in want.items()}
+    # echo + logprobs: the prompt's tokens come first (the first with no logprob), then the completion's.
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0.0, echo=True,
+                                       logprobs=1)
+    logprobs = echoed.choices[0].logprobs
+    num_prompt = len(expected.prompt_token_ids)
+    assert len(logprobs.tokens) == num_prompt + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, num_prompt):
+        token = expected.prompt_token_ids[position]
+        assert logprobs.token_logprobs[position] == pytest.approx(expected.prompt_logprobs[position][token].logprob)
+    assert echoed.choices[0].text.startswith(PROMPT)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_rows = chat.model_extra["prompt_logprobs"]
+    assert chat_rows[0] is None and all(len(row) == 1 for row in chat_rows[1:])
+
+
 def test_tokenize_detokenize(server, client) -> None:
     tokenizer = server.engine.get_tokenizer()
     with httpx.Client(base_url=server.url, timeout=60) as http:
