@@ -27,12 +27,21 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, Tensor]]:
 
 
 def load_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
-               device: torch.device | str) -> nn.Module:
-    """Our model for hf_config, weights from model_dir, on `device` in `dtype`, eval, no grad."""
+               device: torch.device | str, quantization: str | None = None) -> nn.Module:
+    """Our model for hf_config, weights from model_dir, on `device` in `dtype`, eval, no grad.
+
+    quantization ("int8" | "gguf", see engine/models/quant/) swaps the linears' dense weights
+    for packed quantized ones after the load; "gguf" reads the file model_dir was converted from.
+    """
     model_cls = get_model_class(hf_config)
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype)
         model.load_weights(iterate_safetensors(Path(model_dir)))
-        prepack_linears(model)
+        if quantization is not None:
+            from engine.models.embedded import gguf_source
+            from engine.models.quant import quantize_model
+
+            quantize_model(model, quantization, gguf_source(model_dir))
+        prepack_linears(model)  # the linears left dense
     model.requires_grad_(False)
     return model.eval()
