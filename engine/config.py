@@ -73,7 +73,7 @@ class EngineArgs:
     liveness_timeout_s: float | None = 30.0
     # Quantized CPU inference (engine/models/quant/): None = auto (a GGUF model in bf16 on the
     # CPU keeps its file's quantized weights; everything else dense), "gguf", "int8" (per-channel
-    # int8 weights, per-token int8 activations, any model) or "none" (always dense).
+    # int8 weights, dynamic int8 activations, any model) or "none" (always dense).
     quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:

@@ -6,7 +6,8 @@ Two methods (ModelConfig.quantization):
   Q4_K / Q6_K / others requantized per block of 32, see gguf_repack.py) replace the linears'
   dense weights, the tied embedding / lm_head included.
 - "int8": any model; every linear (and the embedding / lm_head) is quantized to int8 per output
-  channel (vLLM's CPU W8A8 scheme, with dynamic per-token int8 activations).
+  channel (as vLLM's CPU W8A8), with dynamic int8 activations per block of 32 (per token
+  measured +2.9% perplexity on SmolLM2).
 
 The model is first built and loaded dense (the HF-format directory), then `quantize_model`
 attaches a `QuantWeight` to each Linear / Embedding and drops the dense copy (replaced by a
