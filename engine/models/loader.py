@@ -15,15 +15,22 @@ from engine.models.prepack import prepack_linears
 from engine.models.registry import get_model_class
 
 
-def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in the directory."""
+def iterate_safetensors(model_dir: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file in the directory.
+
+    Tensors named in `skip` are not read: a zero-stride stand-in of their shape takes their
+    place (their destination is a `meta` placeholder already replaced by quantized weights).
+    """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name in skip:
+                    yield name, torch.zeros(()).expand(f.get_slice(name).get_shape())
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def load_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
@@ -36,12 +43,19 @@ def load_model(model_dir: Path, hf_config: Any, dtype: torch.dtype,
     model_cls = get_model_class(hf_config)
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype)
-        model.load_weights(iterate_safetensors(Path(model_dir)))
-        if quantization is not None:
+        if quantization == "gguf":  # packed weights first: their dense copies are never read
             from engine.models.embedded import gguf_source
-            from engine.models.quant import quantize_model
+            from engine.models.quant import quantize_model, quantized_checkpoint_names, refresh_biases
 
-            quantize_model(model, quantization, gguf_source(model_dir))
+            quantize_model(model, quantization, gguf_source(model_dir), cache_dir=Path(model_dir))
+            model.load_weights(iterate_safetensors(Path(model_dir), quantized_checkpoint_names(model)))
+            refresh_biases(model)
+        else:
+            model.load_weights(iterate_safetensors(Path(model_dir)))
+            if quantization is not None:
+                from engine.models.quant import quantize_model
+
+                quantize_model(model, quantization)
         prepack_linears(model)  # the linears left dense
     model.requires_grad_(False)
     return model.eval()

@@ -17,7 +17,10 @@ stale memory). Kernels: kernels/cpu_quant.py.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,10 @@ from kernels.cpu_quant import QuantWeight
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "gguf")
+# The packed GGUF weights are cached beside the converted model (repacking takes seconds);
+# a new layout gets a new name, so an old cache is never misread.
+# (in a subdirectory: the loader reads every *.safetensors of the model directory itself).
+PACKED_CACHE = "lmc-packed/gguf-v1.safetensors"
 
 # Our fused linears and the checkpoint projections stacked in them, in row order.
 _FUSED_PARTS = {
@@ -69,21 +76,78 @@ def _gguf_weights(model: nn.Module, gguf_path: Path) -> dict[str, QuantWeight]:
 
     tensors = read_gguf_quantized(gguf_path, model.config)
     weights: dict[str, QuantWeight] = {}
+    packed: dict[tuple[str, ...], QuantWeight] = {}  # a tied head shares the embedding's copy
     for name, module in model.named_modules():
         if isinstance(module, Embedding):
-            if f"{name}.weight" in tensors:
-                weights[name] = pack_rows([tensors[f"{name}.weight"]])
+            sources = [f"{name}.weight"]
         elif isinstance(module, Linear):
             sources = _source_names(name)
             if name.endswith("lm_head") and sources[0] not in tensors:
                 sources = ["model.embed_tokens.weight"]  # tied: the head is the embedding
-            if all(s in tensors for s in sources):
-                weights[name] = pack_rows([tensors[s] for s in sources])
+        else:
+            continue
+        if all(s in tensors for s in sources):
+            key = tuple(sources)
+            if key not in packed:
+                packed[key] = pack_rows([tensors[s] for s in sources])
+            weights[name] = packed[key]
     return weights
 
 
-def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None) -> QuantSummary:
-    """Replace the dense weights of the model's linears (and embedding) by packed quantized ones."""
+def _save_packed(path: Path, weights: dict[str, QuantWeight]) -> None:
+    """Write the packed weights (tied modules once) as safetensors, atomically; best effort."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    index: dict[str, dict[str, object]] = {}
+    first: dict[int, str] = {}
+    for name, q in weights.items():
+        if id(q) in first:
+            index[name] = {"alias": first[id(q)]}
+            continue
+        first[id(q)] = name
+        index[name] = {"fmt": q.fmt, "out": q.out_features, "in": q.in_features, "source": q.source}
+        tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q.qweight, q.scales
+        if q.offsets is not None:
+            tensors[f"{name}.offsets"] = q.offsets
+    try:
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
+        save_file(tensors, tmp, metadata={"index": json.dumps(index)})
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("could not cache the packed GGUF weights in %s: %s", path, exc)
+
+
+def _load_packed(path: Path) -> dict[str, QuantWeight] | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            index = json.loads(f.metadata()["index"])
+            weights: dict[str, QuantWeight] = {}
+            for name, entry in index.items():
+                if "alias" in entry:
+                    continue
+                offsets = f.get_tensor(f"{name}.offsets") if entry["fmt"] != "c8" else None
+                weights[name] = QuantWeight(entry["fmt"], entry["out"], entry["in"],
+                                            f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"),
+                                            offsets, entry["source"])
+            for name, entry in index.items():
+                if "alias" in entry:
+                    weights[name] = weights[entry["alias"]]
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning("ignoring the packed GGUF weight cache %s: %s", path, exc)
+        return None
+    return weights
+
+
+def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
+                   cache_dir: Path | None = None) -> QuantSummary:
+    """Replace the dense weights of the model's linears (and embedding) by packed quantized ones.
+
+    cache_dir (method "gguf"): where the packed weights are cached (the converted model's dir)."""
     if method not in QUANTIZATION_METHODS:
         raise InvalidEngineArgsError(f"quantization={method!r} is not supported; supported: "
                                      f"{', '.join(QUANTIZATION_METHODS)}")
@@ -94,7 +158,12 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None)
     if method == "gguf":
         if gguf_path is None:
             raise InvalidEngineArgsError("quantization='gguf' needs a model loaded from a GGUF file")
-        weights = _gguf_weights(model, Path(gguf_path))
+        cached = Path(cache_dir) / PACKED_CACHE if cache_dir is not None else None
+        weights = _load_packed(cached) if cached is not None and cached.is_file() else None
+        if weights is None:
+            weights = _gguf_weights(model, Path(gguf_path))
+            if cached is not None:
+                _save_packed(cached, weights)
     else:
         weights = {}
         shared: dict[int, QuantWeight] = {}  # a tied head and embedding share one packed copy
@@ -127,3 +196,21 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None)
     logger.info("quantization=%s: %d of %d linears quantized (%s), %.1f MB packed", method,
                 linears - dense, linears, ", ".join(summary.formats), summary.quantized_bytes / 1e6)
     return summary
+
+
+def quantized_checkpoint_names(model: nn.Module) -> frozenset[str]:
+    """Checkpoint tensor names whose destination holds quantized weights (not worth reading)."""
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, Embedding) and module.quant is not None:
+            names.add(f"{name}.weight")
+        elif isinstance(module, Linear) and module.quant is not None:
+            names.update(_source_names(name))
+    return frozenset(names)
+
+
+def refresh_biases(model: nn.Module) -> None:
+    """Re-take the float32 bias copies of quantized linears (after a load that came later)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant is not None:
+            module.set_quant_weight(module.quant)
