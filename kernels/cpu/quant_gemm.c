@@ -131,11 +131,15 @@ static inline void store_out(void *out, int out_bf16, int64_t i, float v) {
 /* Unsigned weights of pair p (64 elements, blocks 2p | 2p+1) as 64 bytes. */
 static inline __m512i load_pair(const uint8_t *wrow, int fmt, int64_t p) {
     if (fmt != FMT_B4) return _mm512_loadu_si512((const void *)(wrow + p * 64));
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(wrow + p * 32));
-    const __m256i mask = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(bytes, mask);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    /* the 32 bytes in both halves; the upper half shifted by 4: low nibbles | high nibbles */
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wrow + p * 32)));
+    const __m512i shifted = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+}
+
+/* [a x8, b x8] from two adjacent floats (a block pair's scales). */
+static inline __m512 pair_scales(const float *ab) {
+    return _mm512_mask_broadcastss_ps(_mm512_set1_ps(ab[0]), 0xFF00, _mm_load_ss(ab + 1));
 }
 
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -212,7 +216,7 @@ static void row_channel_format(int64_t t0, int nt, int64_t Kp, const uint8_t *wr
 /* Block formats, rows [n, n + 4) against tokens [t0, t0 + nt): each weight pair is unpacked
  * once for the four tokens, each activation vector loaded once for the four rows. */
 static void tile_block_format(int fmt, int64_t t0, int nt, int64_t Kp, const uint8_t *w,
-                              int64_t row_bytes, const float (*wd)[ROW_TILE], const float (*wm)[ROW_TILE],
+                              int64_t row_bytes, const float *wd, const float *wm,
                               const int8_t *xq, const float *xd, const float *xs,
                               float result[ROW_TILE][TOK_TILE]) {
     const int64_t nb = Kp / QBLOCK, np = nb / 2;
@@ -224,13 +228,12 @@ static void tile_block_format(int fmt, int64_t t0, int nt, int64_t Kp, const uin
         __m512 ws[ROW_TILE];
         for (int r = 0; r < ROW_TILE; r++) {
             wv[r] = load_pair(w + r * row_bytes, fmt, p);
-            ws[r] = _mm512_insertf32x8(_mm512_set1_ps(wd[2 * p][r]), _mm256_set1_ps(wd[2 * p + 1][r]), 1);
+            ws[r] = pair_scales(wd + r * nb + 2 * p);
         }
         for (int t = 0; t < nt; t++) {
             const int64_t m = t0 + t;
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512 xsc = _mm512_insertf32x8(_mm512_set1_ps(xd[m * nb + 2 * p]),
-                                                  _mm256_set1_ps(xd[m * nb + 2 * p + 1]), 1);
+            const __m512 xsc = pair_scales(xd + m * nb + 2 * p);
             for (int r = 0; r < ROW_TILE; r++) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
                 acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], xsc), acc[r][t]);
@@ -241,7 +244,7 @@ static void tile_block_format(int fmt, int64_t t0, int nt, int64_t Kp, const uin
         const int64_t m = t0 + t;
         for (int r = 0; r < ROW_TILE; r++) {
             float o = 0.f;
-            for (int64_t b = 0; b < nb; b++) o += wm[b][r] * xs[m * nb + b];
+            for (int64_t b = 0; b < nb; b++) o += wm[r * nb + b] * xs[m * nb + b];
             result[r][t] = _mm512_reduce_add_ps(acc[r][t]) + o;
         }
     }
@@ -262,8 +265,7 @@ static void tile_channel_format(int64_t t0, int nt, int64_t Kp, const uint8_t *w
         for (int t = 0; t < nt; t++) {
             const int64_t m = t0 + t;
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512 xsc = _mm512_insertf32x8(_mm512_set1_ps(xd[m * nb + 2 * p]),
-                                                  _mm256_set1_ps(xd[m * nb + 2 * p + 1]), 1);
+            const __m512 xsc = pair_scales(xd + m * nb + 2 * p);
             for (int r = 0; r < ROW_TILE; r++) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
                 acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xsc, acc[r][t]);
@@ -294,7 +296,7 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
     {
         float wd[nb > 0 ? nb : 1], wm[nb > 0 ? nb : 1], result[TOK_TILE];
 #if QG_VNNI
-        float tile_d[nb > 0 ? nb : 1][ROW_TILE], tile_m[nb > 0 ? nb : 1][ROW_TILE];
+        float tile_d[ROW_TILE * (nb > 0 ? nb : 1)], tile_m[ROW_TILE * (nb > 0 ? nb : 1)];
         float tile_result[ROW_TILE][TOK_TILE];
 #endif
 #pragma omp for schedule(static)
@@ -304,19 +306,17 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
             if (n0 + ROW_TILE <= N) {
                 const uint8_t *wtile = w + n0 * row_bytes;
                 if (fmt != FMT_C8) {
-                    for (int r = 0; r < ROW_TILE; r++) {
-                        halfs_to_floats((const uint16_t *)wd_ + (n0 + r) * nb, wd, nb);
-                        halfs_to_floats((const uint16_t *)wm_ + (n0 + r) * nb, wm, nb);
-                        for (int64_t b = 0; b < nb; b++) { tile_d[b][r] = wd[b]; tile_m[b][r] = wm[b]; }
-                    }
+                    /* the tile's rows are adjacent: one conversion of 4 * nb scales */
+                    halfs_to_floats((const uint16_t *)wd_ + n0 * nb, tile_d, ROW_TILE * nb);
+                    halfs_to_floats((const uint16_t *)wm_ + n0 * nb, tile_m, ROW_TILE * nb);
                 }
                 for (int64_t t0 = 0; t0 < M; t0 += TOK_TILE) {
                     const int nt = M - t0 < TOK_TILE ? (int)(M - t0) : TOK_TILE;
                     if (fmt == FMT_C8)
                         tile_channel_format(t0, nt, Kp, wtile, (const float *)wd_ + n0, xq, xd, xs, tile_result);
                     else
-                        tile_block_format(fmt, t0, nt, Kp, wtile, row_bytes, (const float (*)[ROW_TILE])tile_d,
-                                          (const float (*)[ROW_TILE])tile_m, xq, xd, xs, tile_result);
+                        tile_block_format(fmt, t0, nt, Kp, wtile, row_bytes, tile_d, tile_m, xq, xd, xs,
+                                          tile_result);
                     for (int r = 0; r < ROW_TILE; r++) {
                         const float b = bias ? bias[n0 + r] : 0.f;
                         for (int t = 0; t < nt; t++)
