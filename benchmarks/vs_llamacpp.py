@@ -123,7 +123,7 @@ def llamacpp(gguf: Path, requests, threads: int) -> dict[str, Any] | None:
     def generate(prompt: list[int], n: int) -> int:
         llm.reset()
         count = 0
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        for _token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             count += 1
             if count >= n:
                 break

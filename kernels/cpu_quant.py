@@ -10,7 +10,8 @@ A `QuantWeight` holds one linear's weights in one of our packed layouts (see qua
   (activations per block of 32 as for the others: per token cost +2.9% perplexity on SmolLM2)
 
 `quant_linear` quantizes the activations to int8 per block of 32 (as llama.cpp's Q8_0
-activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the int8 GEMM, which reads every weight row once
+activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the
+int8 GEMM, which reads every weight row once
 for the whole batch. Above `dense_rows()` rows (prefill) the block formats are dequantized to a
 scratch matrix in the activations' dtype and multiplied by torch (oneDNN): that is compute-bound
 work, where bf16 matmuls outrun int8 dot products that pay a float scale per block of 32.

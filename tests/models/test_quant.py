@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-import torch
 
 from engine.config import EngineArgs, resolve_quantization
 from engine.errors import InvalidEngineArgsError
@@ -91,7 +92,7 @@ def test_auto_is_dense_unless_asked_and_then_only_bf16_on_cpu(tmp_path, monkeypa
 
     fake_gguf = tmp_path / "m.gguf"
     fake_gguf.write_bytes(b"GGUF")
-    (tmp_path / GGUF_SOURCE_FILE).write_text('{"path": "%s"}' % fake_gguf)
+    (tmp_path / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(fake_gguf)}))
     monkeypatch.delenv("LMC_QUANT_AUTO", raising=False)
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None  # dense: faster
     assert resolve_quantization("gguf", str(tmp_path), "float32", "cpu") == "gguf"

@@ -52,7 +52,7 @@ def test_quantized_perplexity_within_one_percent_of_fp32(embedded, fp32_perplexi
     model = load_model(model_dir, hf_config, torch.bfloat16, "cpu", quantization=method)
     assert model.model.layers[0].mlp.down_proj.quant is not None
     ppl = perplexity(model, ids, WINDOW)
-    assert 8 < fp32_perplexity < 30  # the text and model are what this test means them to be
+    assert 4 < fp32_perplexity < 30  # the text and model are what this test means them to be
     print(f"{method}: perplexity {ppl:.4f} vs fp32 {fp32_perplexity:.4f}")
     assert ppl / fp32_perplexity - 1 < 0.01, f"{method}: {ppl:.4f} vs fp32 {fp32_perplexity:.4f}"
 

@@ -187,7 +187,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
             raise ValueError(f"{name}: quantized weight {quant.out_features}x{quant.in_features} "
                              f"does not match {tuple(module.weight.shape)}")
         module.set_quant_weight(quant)
-    for name, module in model.named_modules():  # after all: tied modules share one weight
+    for module in model.modules():  # after all: tied modules share one weight
         if isinstance(module, (Linear, Embedding)) and module.quant is not None:
             _drop_dense(module)
     unique = {id(q): q for q in weights.values()}.values()
