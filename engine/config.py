@@ -83,6 +83,10 @@ class EngineArgs:
     # declares the core unresponsive (EngineUnresponsiveError; None: never).
     max_logprobs: int = 20
     liveness_timeout_s: float | None = 30.0
+    # Quantized CPU inference (engine/models/quant/): None = auto (dense, the fastest measured;
+    # LMC_QUANT_AUTO=1: a GGUF model in bf16 on the CPU keeps its file's weights), "gguf", "int8" (per-channel
+    # int8 weights, dynamic int8 activations, any model) or "none" (always dense).
+    quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model (converting or building it on first use) and the device.
@@ -103,10 +107,15 @@ class EngineArgs:
             device = detect_device()
         if device == "cuda" and detect_device() != "cuda":
             raise InvalidEngineArgsError("device='cuda' was requested but no CUDA device is available.")
+        dtype = resolve_dtype(self.dtype, device)
         model_config = ModelConfig.from_model_dir(
             model_dir, model_name=self.model or "SmolLM2-135M-Instruct",
-            tokenizer_dir=self.tokenizer or model_dir, dtype=resolve_dtype(self.dtype, device), seed=self.seed,
-            max_model_len=self.max_model_len)
+            tokenizer_dir=self.tokenizer or model_dir, dtype=dtype, seed=self.seed,
+            max_model_len=self.max_model_len,
+            # Tensor parallelism slices dense weights only: auto then stays dense.
+            quantization=resolve_quantization("none" if self.tensor_parallel_size > 1 else self.quantization,
+                                              model_dir, dtype, device,
+                                              self.distributed_executor_backend))
         _verify_tensor_parallel(model_config, self.tensor_parallel_size)
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
@@ -205,6 +214,8 @@ class EngineArgs:
                 fail(name, "it must be True or False")
         if not is_int(self.seed):
             fail("seed", "it must be an integer in the signed 64-bit range")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            fail("quantization", f"it must be one of {', '.join(map(str, QUANTIZATION_CHOICES))}")
         if not is_int(self.max_logprobs) or self.max_logprobs < -1:
             fail("max_logprobs", "it must be an integer >= 0, or -1 for no limit")
         if self.liveness_timeout_s is not None and (not is_number(self.liveness_timeout_s)
@@ -239,7 +250,7 @@ class EngineArgs:
                 "allowed: uni, fake, mp, ray.")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "it must be an integer >= 1")
-        if self.tensor_parallel_size > 1 and getattr(self, "quantization", None) is not None:
+        if self.tensor_parallel_size > 1 and self.quantization not in (None, "auto", "none"):
             # A .gguf model is dequantized to safetensors, which TP slices; kept-quantized
             # weights (int8 / packed GGUF blocks) have no per-rank slicing yet.
             raise InvalidEngineArgsError(
@@ -303,6 +314,39 @@ class EngineArgs:
         )
 
 
+QUANTIZATION_CHOICES = (None, "auto", "none", "gguf", "int8")
+
+
+def resolve_quantization(requested: str | None, model_dir: str, dtype: str, device: str,
+                         executor_backend: str = "uni") -> str | None:
+    """The quantization a model runs with: "gguf", "int8" or None (dense).
+
+    Auto (None / "auto") is dense: on the CPUs measured, the bf16 path's oneDNN matmuls outrun
+    the int8 kernels from batches of about 16 rows up (README "Quantized CPU inference"), so
+    the fastest path is dense even though the file's own weights keep perplexity within 1%.
+    LMC_QUANT_AUTO=1 makes auto keep a GGUF model's quantized weights (bf16 on the CPU only;
+    float32 always stays dense, so the exactness tests compare HF op for op). Explicit values
+    are checked, never ignored.
+    """
+    from engine.models.embedded import gguf_source
+
+    if requested == "none" or executor_backend == "fake":
+        return None
+    source = gguf_source(model_dir)
+    if requested in (None, "auto"):
+        if source is None or dtype != "bfloat16" or device != "cpu":
+            return None
+        if os.environ.get("LMC_QUANT_AUTO", "0").lower() not in ("1", "true", "on", "gguf"):
+            return None
+        return "gguf"  # the loader refuses it clearly if the kernels cannot be built
+    if device != "cpu":
+        raise InvalidEngineArgsError(f"quantization={requested!r} runs on the CPU only (device={device!r}).")
+    if requested == "gguf" and source is None:
+        raise InvalidEngineArgsError(
+            f"quantization='gguf' needs a model converted from a GGUF file; {model_dir!r} is not one.")
+    return requested
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model and the facts about it that the layers need, resolved once from config.json.
@@ -328,10 +372,11 @@ class ModelConfig:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
+    quantization: str | None = None  # "gguf" | "int8" | None (dense); resolve_quantization
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, model_name: str, tokenizer_dir: str, dtype: str, seed: int,
-                       max_model_len: int | None) -> ModelConfig:
+                       max_model_len: int | None, quantization: str | None = None) -> ModelConfig:
         """Read the model's facts from model_dir's config; max_model_len None: the model's (capped)."""
         from engine.multimodal.processing import is_multimodal_architecture
 
@@ -354,6 +399,7 @@ class ModelConfig:
             num_attention_heads=num_attention_heads,
             num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_attention_heads),
             head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // num_attention_heads),
+            quantization=quantization,
         )
 
     @property

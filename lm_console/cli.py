@@ -80,6 +80,8 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16"),
     max_model_len: Optional[int] = typer.Option(None),
+    quantization: Optional[str] = typer.Option(
+        None, help="gguf (a .gguf model's own quantized weights) | int8 | none (default: auto, dense)."),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
     require("lmc generate", "engine")
@@ -91,7 +93,7 @@ def generate(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         )
-        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len)
+        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})

@@ -123,10 +123,30 @@ def _is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+GGUF_SOURCE_FILE = "gguf_source.json"  # in a converted directory: the GGUF file it came from
+
+
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file a converted model directory came from (quantization="gguf" reads it), or
+    None for a directory that is not a conversion or whose file is gone."""
+    try:
+        path = Path(json.loads((Path(model_dir) / GGUF_SOURCE_FILE).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
+
+
+def _record_source(target: Path, gguf_path: Path) -> None:
+    path = str(Path(gguf_path).resolve())
+    if gguf_source(target) != Path(path):
+        _write_atomically(target / GGUF_SOURCE_FILE, json.dumps({"path": path}) + "\n")
+
+
 def ensure_converted(gguf_path: Path, name: str | None = None) -> Path:
     """The HF-format directory of a GGUF file, converting it once (atomically) if needed."""
     target = _converted_dir(gguf_path, name or Path(gguf_path).stem)
     if _is_model_dir(target):
+        _record_source(target, gguf_path)
         return target
     from engine.models.gguf_convert import convert_gguf  # numpy/transformers: only when needed
 
@@ -142,6 +162,7 @@ def ensure_converted(gguf_path: Path, name: str | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _record_source(target, gguf_path)
     return target
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import UnsupportedArchitectureError
-from kernels import cpu_ops
+from kernels import cpu_ops, cpu_quant
 
 
 def cpu_kernels_serve(dtype: torch.dtype, device: torch.device) -> bool:
@@ -33,7 +33,8 @@ class Linear(nn.Module):
     """y = x W^T (+ b), with W [out_features, in_features] as in HF checkpoints.
 
     On the CPU in bf16, `prepack_weight` gives oneDNN its own blocked copy of W (see
-    engine/models/prepack.py); forward then skips the per-call reorder of W.
+    engine/models/prepack.py); forward then skips the per-call reorder of W. A quantized model
+    (engine/models/quant/) sets `quant` instead, and forward runs the int8 kernels.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
@@ -43,8 +44,18 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
         self.packed_weight: Tensor | None = None  # oneDNN layout; None: plain F.linear
+        self.quant: cpu_quant.QuantWeight | None = None  # packed int8/int4 weights
+        self.quant_bias: Tensor | None = None  # float32 copy of bias for the quantized kernels
+
+    def set_quant_weight(self, quant: cpu_quant.QuantWeight) -> None:
+        """Run on the packed quantized weights from now on (the caller drops the dense W)."""
+        self.quant = quant
+        self.packed_weight = None
+        self.quant_bias = None if self.bias is None else self.bias.detach().float().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.quant is not None:
+            return cpu_quant.quant_linear(x, self.quant, self.quant_bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -91,8 +102,15 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
                                    requires_grad=False)
+        self.quant: cpu_quant.QuantWeight | None = None  # packed rows (quantized models)
+
+    def set_quant_weight(self, quant: cpu_quant.QuantWeight) -> None:
+        """Look rows up in packed quantized weights from now on (the caller drops the dense W)."""
+        self.quant = quant
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        if self.quant is not None:
+            return cpu_quant.embedding_rows(self.quant, input_ids, self.weight.dtype)
         return F.embedding(input_ids, self.weight)
 
 

@@ -119,7 +119,8 @@ class ModelRunner:
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
         model_config = self.config.model_config
-        self.model = load_model(Path(model_config.model_dir), model_config.hf_config, self.dtype, self.device)
+        self.model = load_model(Path(model_config.model_dir), model_config.hf_config, self.dtype, self.device,
+                                quantization=model_config.quantization)
         if self.attention_backend != "torch":  # the layers default to the torch backend
             set_attention_backend(self.model,
                                   load_attention_backend(self.attention_backend, self.device))

@@ -158,6 +158,18 @@ def test_generate_and_models(tiny_llama_dir: Path) -> None:
     assert listing.exit_code == 0 and "SmolLM2-135M-Instruct" in listing.stdout
 
 
+def test_generate_quantized(tiny_llama_dir: Path) -> None:
+    from kernels import cpu_quant
+
+    if cpu_quant.load() is None:
+        pytest.skip("no quantized CPU kernels")
+    result = runner.invoke(app, ["generate", "Hello", "--model", str(tiny_llama_dir), "--max-tokens", "2",
+                                 "--quantization", "int8"])
+    assert result.exit_code == 0, result.output
+    bad = runner.invoke(app, ["generate", "Hello", "--model", str(tiny_llama_dir), "--quantization", "gguf"])
+    assert bad.exit_code == 2 and "needs a model converted from a GGUF file" in bad.output
+
+
 def test_events_from_a_zmq_endpoint(tmp_path: Path) -> None:
     import threading
     import time

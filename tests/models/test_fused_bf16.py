@@ -104,7 +104,8 @@ def test_engine_bf16_greedy_agrees_with_and_without_kernels(embedded_model_dir, 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 
     def generate():
-        llm = make_llm(None, dtype="bfloat16", multiprocess=False, enable_prefix_caching=False)
+        llm = make_llm(None, dtype="bfloat16", multiprocess=False, enable_prefix_caching=False,
+                       quantization="none")  # the dense bf16 path these kernels serve
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     fused = generate()

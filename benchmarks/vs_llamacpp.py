@@ -1,0 +1,204 @@
+"""lm-console vs llama.cpp (llama-cpp-python) on the same GGUF file, in one run.
+
+    pip install -e '.[bench]'        # llama-cpp-python, built from source like any user would
+    PYTHONPATH=. python benchmarks/vs_llamacpp.py [--gguf FILE] [--variants gguf,none,int8]
+
+Figures, each system on the same file and the same token ids:
+- batched: 32 requests, 32-256 random prompt tokens, 32-128 greedy output tokens (ignore_eos);
+  output tokens per second over the whole run. lm-console batches them (engine core in its own
+  process); llama-cpp-python's high-level API runs one request at a time (its figure is that).
+- single stream: one request, 32 prompt tokens, decode tokens per second (first token excluded).
+- per-step breakdown of lm-console's batch-1 decode step (engine core in this process):
+  scheduler, input preparation, model forward (+ logits), sampling, output processing.
+- cold start: `lmc generate "..." --max-tokens 16` wall time to the first token (warm caches).
+
+The development machine is shared: quote the ratios of one run, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def workload(seed: int, vocab: int, n: int = 32) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))], rng.randint(32, 128))
+            for _ in range(n)]
+
+
+def lmc_batched(variant: str, requests, threads: int) -> dict[str, Any]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(None, quantization=variant, num_threads=threads)
+    try:
+        prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        single = _lmc_single_stream(llm, requests[0][0][:32])
+    finally:
+        llm.shutdown()
+    return {"output_tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, **single}
+
+
+def _lmc_single_stream(llm, prompt: list[int], n: int = 128) -> dict[str, float]:
+    from engine import SamplingParams
+
+    def run(max_tokens: int) -> float:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}],
+                     SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - start
+
+    first = min(run(1) for _ in range(2))
+    full = min(run(n + 1) for _ in range(2))
+    return {"single_decode_tok_s": n / max(full - first, 1e-9)}
+
+
+def lmc_step_breakdown(variant: str, threads: int, steps: int = 64) -> dict[str, float]:
+    """Mean milliseconds per batch-1 decode step, by phase (engine core in this process)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(None, quantization=variant, num_threads=threads, multiprocess=False)
+    core = llm.engine_core.engine_core
+    runner = core.model_executor.worker.model_runner
+    totals: dict[str, float] = defaultdict(float)
+    counting = {"on": False}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if counting["on"]:
+                    totals[label] += time.perf_counter() - start
+        setattr(owner, name, wrapper)
+
+    timed(core, "step", "step total")
+    timed(core.scheduler, "schedule", "scheduler")
+    timed(core.scheduler, "update_from_output", "output processing (core)")
+    timed(runner, "_prepare_inputs", "input prep")
+    timed(runner, "_build_attention_metadata", "attention metadata")
+    timed(runner.model, "forward", "model forward")
+    timed(runner.model, "compute_logits", "lm_head (logits)")
+    timed(runner, "sampler", "sampling")
+    try:
+        prompt = {"prompt_token_ids": list(range(1000, 1032))}
+        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        counting["on"] = True
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+        wall = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    result = {k: 1e3 * v / (steps + 1) for k, v in totals.items()}
+    result["wall per token (incl. frontend)"] = 1e3 * wall / (steps + 1)
+    result["host overhead (step - forward - logits)"] = (
+        result["step total"] - result["model forward"] - result["lm_head (logits)"])
+    return result
+
+
+def llamacpp(gguf: Path, requests, threads: int) -> dict[str, Any] | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_batch=512, n_threads=threads, verbose=False)
+
+    def generate(prompt: list[int], n: int) -> int:
+        llm.reset()
+        count = 0
+        for _token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            count += 1
+            if count >= n:
+                break
+        return count
+
+    generate(requests[0][0][:16], 4)
+    start = time.perf_counter()
+    tokens = sum(generate(ids, n) for ids, n in requests)
+    elapsed = time.perf_counter() - start
+    prompt = requests[0][0][:32]
+    first = min(_timed(lambda: generate(prompt, 1)) for _ in range(2))
+    full = min(_timed(lambda: generate(prompt, 129)) for _ in range(2))
+    return {"output_tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
+            "single_decode_tok_s": 128 / max(full - first, 1e-9), "mode": "one request at a time"}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def cold_start() -> dict[str, float]:
+    """Wall seconds of `lmc generate "..." --max-tokens 16` (whole process; first run warms caches)."""
+    cmd = [sys.executable, "-m", "lm_console.cli", "generate", "The capital of France is",
+           "--max-tokens", "16"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+        times.append(time.perf_counter() - start)
+    return {"first_run_s": times[0], "warm_run_s": times[1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gguf", default=None, help="default: the embedded model's file")
+    parser.add_argument("--variants", default="gguf,none", help="lm-console quantization values")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", default="", help="comma list of: batched,llamacpp,breakdown,cold")
+    parser.add_argument("--save-result", default=None)
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+
+    import torch
+
+    from engine.models.embedded import DEFAULT_MODEL, _EMBEDDED, _embedded_gguf_path
+
+    torch.set_num_threads(args.threads)
+    gguf = Path(args.gguf) if args.gguf else _embedded_gguf_path(_EMBEDDED[DEFAULT_MODEL])
+    requests = workload(args.seed, 49152)
+    report: dict[str, Any] = {"gguf": str(gguf), "threads": args.threads, "lmc": {}, "breakdown": {}}
+    for variant in args.variants.split(","):
+        if "batched" not in skip:
+            report["lmc"][variant] = lmc_batched(variant, requests, args.threads)
+            print(variant, json.dumps(report["lmc"][variant]), flush=True)
+        if "breakdown" not in skip:
+            report["breakdown"][variant] = lmc_step_breakdown(variant, args.threads)
+            print(variant, "step ms", json.dumps(report["breakdown"][variant]), flush=True)
+    if "llamacpp" not in skip:
+        report["llamacpp"] = llamacpp(gguf, requests, args.threads)
+        print("llama.cpp", json.dumps(report["llamacpp"]), flush=True)
+    if "cold" not in skip:
+        report["cold_start"] = cold_start()
+        print("cold start", json.dumps(report["cold_start"]), flush=True)
+    ref = report.get("llamacpp")
+    if ref:
+        for variant, r in report["lmc"].items():
+            print(f"{variant}: batched {r['output_tok_s'] / ref['output_tok_s']:.2f}x llama.cpp, "
+                  f"single stream {r['single_decode_tok_s'] / ref['single_decode_tok_s']:.2f}x")
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

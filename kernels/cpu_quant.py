@@ -1,0 +1,241 @@
+"""Quantized-weight linears for CPU inference: C kernels (kernels/cpu/quant_gemm.c) via ctypes.
+
+A `QuantWeight` holds one linear's weights in one of our packed layouts (see quant_gemm.c):
+
+- "b8": unsigned 8-bit values with an fp16 scale and offset per block of 32 (GGUF Q8_0, and
+  the formats requantized to 8 bits at load: Q6_K and others)
+- "b4": 4-bit values, two blocks' nibbles interleaved per byte, fp16 scale and offset per block
+  (GGUF Q4_0, Q4_1, Q4_K)
+- "c8": int8 per output channel (one float32 scale per row), quantization="int8"
+  (activations per block of 32 as for the others: per token cost +2.9% perplexity on SmolLM2)
+
+`quant_linear` quantizes the activations to int8 per block of 32 (as llama.cpp's Q8_0
+activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the
+int8 GEMM, which reads every weight row once
+for the whole batch. Above `dense_rows()` rows (prefill) the block formats are dequantized to a
+scratch matrix in the activations' dtype and multiplied by torch (oneDNN): that is compute-bound
+work, where bf16 matmuls outrun int8 dot products that pay a float scale per block of 32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.cpu_build import CpuKernelBuildError, load_library
+
+SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
+FORMATS = {"b8": 0, "b4": 1, "c8": 2}
+BLOCK = 32
+PAIR = 64  # K is padded to a whole number of block pairs (one 512-bit vector of int8)
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "quant_gemm_has_vnni": ([], _I),
+    "quantize_act": ([_P, _I64, _I, _I64, _I64, _I64, _I, _P, _P, _P], None),
+    "quant_gemm": ([_I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I], None),
+    "quant_dequantize": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
+}
+
+
+@functools.cache
+def load(scalar: bool = False) -> ctypes.CDLL | None:
+    """The compiled library (scalar=True: the portable path only), or None when unavailable."""
+    library = load_library(SOURCE, "CPU quantized GEMM kernels", ("LMC_SCALAR",) if scalar else ())
+    if library is None:
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return library
+
+
+def _library(scalar: bool = False) -> ctypes.CDLL:
+    library = load(scalar)
+    if library is None:
+        raise CpuKernelBuildError("the CPU quantized GEMM kernels are not available (no C "
+                                  "compiler, the build failed, or LMC_CPU_KERNELS=0)")
+    return library
+
+
+def has_vnni() -> bool:
+    """Whether the compiled kernels use AVX512-VNNI (else the portable path)."""
+    library = load()
+    return library is not None and bool(library.quant_gemm_has_vnni())
+
+
+def padded(k: int) -> int:
+    """K rounded up to a whole number of block pairs."""
+    return -(-k // PAIR) * PAIR
+
+
+# Rows above which block-format linears dequantize to the activation dtype and use torch
+# (LMC_QUANT_DENSE_ROWS; benchmarks/perplexity.py sets it high to measure the int8 path alone).
+# Measured on a Zen 4 core (3072x576 Q4_1): the int8 kernel 0.24 ms at 8 rows vs dequantize +
+# bf16 matmul 0.33 ms; at 32 rows 0.88 ms vs about 0.55 ms: oneDNN's bf16 dot products run at
+# about 470 GFLOP/s a core, the int8 kernel (a float scale per block of 32) at 130-180 GOP/s.
+DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", "16"))
+
+
+def dense_rows() -> int:
+    """The current DENSE_ROWS."""
+    return DENSE_ROWS
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """One linear's packed quantized weights [out_features, in_features] (layouts: module doc)."""
+
+    fmt: str  # b8 | b4 | c8
+    out_features: int
+    in_features: int
+    qweight: Tensor  # uint8 [N, Kp] (b8, c8) or [N, Kp / 2] (b4)
+    scales: Tensor  # float16 [N, Kp / 32] (b8, b4) or float32 [N] (c8)
+    offsets: Tensor | None  # float16 [N, Kp / 32] (b8, b4); None for c8
+    source: str  # the format it came from (e.g. "Q4_1", "int8"), for reports
+
+    @property
+    def padded_in(self) -> int:
+        return padded(self.in_features)
+
+    def nbytes(self) -> int:
+        """Resident bytes of the packed weights and their scales."""
+        total = self.qweight.nbytes + self.scales.nbytes
+        return total + (self.offsets.nbytes if self.offsets is not None else 0)
+
+
+def pack_blocks(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str) -> QuantWeight:
+    """A b8/b4 QuantWeight from unsigned values q [N, K] (0..255 or 0..15) and per-block float
+    scales d and offsets m [N, ceil(K / 32)] (w = d * q + m); K is zero-padded to Kp."""
+    n, k = q.shape
+    kp = padded(k)
+    nb = kp // BLOCK
+    qp = np.zeros((n, kp), dtype=np.uint8)
+    qp[:, :k] = q
+    dp = np.zeros((n, nb), dtype=np.float16)
+    mp = np.zeros((n, nb), dtype=np.float16)
+    dp[:, : d.shape[1]] = d
+    mp[:, : m.shape[1]] = m
+    if fmt == "b4":
+        pairs = qp.reshape(n, kp // PAIR, 2, BLOCK)
+        qp = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(n, kp // 2)
+    elif fmt != "b8":
+        raise ValueError(f"pack_blocks packs b8 or b4, not {fmt!r}")
+    return QuantWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(qp)),
+                       torch.from_numpy(dp), torch.from_numpy(mp), source)
+
+
+def quantize_int8_per_channel(weight: Tensor) -> QuantWeight:
+    """Symmetric int8 per output channel of a dense weight [N, K] (any float dtype)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int16) + 128
+    n, k = w.shape
+    qp = torch.full((n, padded(k)), 128, dtype=torch.uint8)
+    qp[:, :k] = q.to(torch.uint8)
+    return QuantWeight("c8", n, k, qp, scale.contiguous(), None, "int8")
+
+
+class _Scratch(threading.local):
+    """Grow-only per-thread buffers: a decode step allocates no activation-quantization space."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype)
+            self.buffers[name] = buf
+        return buf
+
+
+_scratch = _Scratch()
+
+
+def _check_x(x: Tensor, qw: QuantWeight) -> None:
+    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu"
+            or x.stride(1) != 1 or x.shape[1] != qw.in_features):
+        raise ValueError(f"x must be a 2-D bf16/float32 CPU tensor [M, {qw.in_features}] "
+                         f"contiguous along its last axis, got {x.dtype} {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
+def quantize_activations(x: Tensor, padded_in: int, per_token: bool,
+                         scalar: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(xq int8 [M, Kp], scales, sums) as quant_gemm reads them (views of scratch buffers)."""
+    rows, k = x.shape
+    groups = 1 if per_token else padded_in // BLOCK
+    xq = _scratch.get("xq", rows * padded_in, torch.int8)[: rows * padded_in].view(rows, padded_in)
+    xd = _scratch.get("xd", rows * groups, torch.float32)[: rows * groups].view(rows, groups)
+    xs = _scratch.get("xs", rows * groups, torch.float32)[: rows * groups].view(rows, groups)
+    _library(scalar).quantize_act(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
+                                  k, padded_in, int(per_token), xq.data_ptr(), xd.data_ptr(),
+                                  xs.data_ptr())
+    return xq, xd, xs
+
+
+def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: bool = False) -> Tensor:
+    """x [M, K] @ W^T (+ bias float32 [N]) with int8 activations; output in x's dtype."""
+    _check_x(x, qw)
+    rows = x.shape[0]
+    out = torch.empty(rows, qw.out_features, dtype=x.dtype)
+    if rows == 0:
+        return out
+    kp = qw.padded_in
+    xq, xd, xs = quantize_activations(x, kp, False, scalar)
+    _library(scalar).quant_gemm(
+        FORMATS[qw.fmt], rows, qw.out_features, kp, qw.qweight.data_ptr(), qw.scales.data_ptr(),
+        qw.offsets.data_ptr() if qw.offsets is not None else None,
+        bias.data_ptr() if bias is not None else None, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
+        out.data_ptr(), out.stride(0), int(x.dtype == torch.bfloat16))
+    return out
+
+
+def dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32, out: Tensor | None = None,
+               scalar: bool = False) -> Tensor:
+    """The dense weights [N, K] in dtype (bf16 or float32), written into `out` if given."""
+    if out is None:
+        out = torch.empty(qw.out_features, qw.in_features, dtype=dtype)
+    _library(scalar).quant_dequantize(
+        FORMATS[qw.fmt], 0, qw.out_features, qw.in_features, qw.padded_in, qw.qweight.data_ptr(),
+        qw.scales.data_ptr(), qw.offsets.data_ptr() if qw.offsets is not None else None,
+        out.data_ptr(), int(out.dtype == torch.bfloat16))
+    return out
+
+
+def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """The layer's forward: the int8 GEMM, or (block formats, many rows) dequantize + torch."""
+    if qw.fmt != "c8" and x.shape[0] > DENSE_ROWS:
+        numel = qw.out_features * qw.in_features
+        w = _scratch.get(f"dense-{x.dtype}", numel, x.dtype)[:numel].view(qw.out_features, qw.in_features)
+        dequantize(qw, x.dtype, out=w)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return quant_gemm(x, qw, bias)
+
+
+def embedding_rows(qw: QuantWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows `ids` of the dense weights, in dtype: an embedding lookup in packed weights."""
+    flat = ids.reshape(-1)
+    k = qw.in_features
+    q = qw.qweight.index_select(0, flat)
+    if qw.fmt == "c8":
+        rows = (q[:, :k].to(torch.int16) - 128).float() * qw.scales.index_select(0, flat)[:, None]
+        return rows.to(dtype).view(*ids.shape, k)
+    if qw.fmt == "b4":  # byte i of pair p: element i of block 2p (low), of block 2p + 1 (high)
+        pairs = q.view(q.shape[0], -1, 1, BLOCK)
+        q = torch.cat((pairs & 0x0F, pairs >> 4), dim=2).view(q.shape[0], -1)
+    d = qw.scales.index_select(0, flat).float().repeat_interleave(BLOCK, dim=1)
+    m = qw.offsets.index_select(0, flat).float().repeat_interleave(BLOCK, dim=1)
+    rows = torch.addcmul(m, q.float(), d)[:, :k]
+    return rows.to(dtype).view(*ids.shape, k)

@@ -1,0 +1,130 @@
+"""The quantized CPU GEMM (kernels/cpu_quant.py) against float64 references.
+
+Each layout (b8, b4, c8) is checked twice: against a float64 product of the kernel's own int8
+activations with the exact dense weights (only float32 summation noise, and the bf16 rounding of
+the output, may differ), and against the float64 product of the unquantized activations (the
+activation quantization error, a known bound). Both the AVX512-VNNI build and the portable
+(-DLMC_SCALAR) build run; K = 80 leaves a partial block and padding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_quant
+
+pytestmark = pytest.mark.skipif(cpu_quant.load() is None,
+                                reason="no C compiler (or LMC_CPU_KERNELS=0): no quantized kernels")
+
+N, K = 70, 80  # 70 rows: 17 full tiles of four and a partial one
+
+
+def _block_weight(fmt: str, seed: int = 0) -> tuple[cpu_quant.QuantWeight, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    nb = -(-K // cpu_quant.BLOCK)
+    q = rng.integers(0, 16 if fmt == "b4" else 256, (N, K)).astype(np.uint8)
+    d = (rng.random((N, nb)) * 0.02 + 0.001).astype(np.float16)
+    m = (-rng.random((N, nb)) * (0.15 if fmt == "b4" else 2.0)).astype(np.float16)
+    dense = (q * np.repeat(d.astype(np.float64), 32, 1)[:, :K]
+             + np.repeat(m.astype(np.float64), 32, 1)[:, :K])
+    return cpu_quant.pack_blocks(fmt, q, d, m, "test"), dense
+
+
+def _weights(fmt: str) -> tuple[cpu_quant.QuantWeight, np.ndarray]:
+    if fmt == "c8":
+        w = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
+        qw = cpu_quant.quantize_int8_per_channel(w)
+        dense = ((qw.qweight[:, :K].double() - 128) * qw.scales.double()[:, None]).numpy()
+        return qw, dense
+    return _block_weight(fmt)
+
+
+def _dequantized_activations(x: torch.Tensor, padded_in: int, per_token: bool, scalar: bool) -> np.ndarray:
+    xq, xd, _ = cpu_quant.quantize_activations(x, padded_in, per_token, scalar)
+    xq = xq.double().numpy()[:, :K]
+    scales = xd.double().numpy()
+    expanded = scales if per_token else np.repeat(scales, cpu_quant.BLOCK, 1)[:, :K]
+    return xq * expanded
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
+    qw, dense = _weights(fmt)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    out = cpu_quant.quant_gemm(x, qw, bias, scalar=scalar)
+    assert out.dtype == dtype and out.shape == (rows, N)
+    xdq = _dequantized_activations(x, qw.padded_in, False, scalar)
+    ref = xdq @ dense.T + bias.double().numpy()
+    tol = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+    err = np.abs(out.double().numpy() - ref) / (np.abs(ref) + np.abs(xdq) @ np.abs(dense).T * 1e-6 + 1e-30)
+    assert np.median(err) < tol and np.max(np.abs(out.double().numpy() - ref)) <= tol * np.abs(ref).max() * 4
+    # against the unquantized activations: int8 rounding moves each by at most scale / 2
+    exact = x.double().numpy() @ dense.T + bias.double().numpy()
+    bound = (np.abs(x.double().numpy() - xdq) @ np.abs(dense).T) * 1.01 + tol * np.abs(exact) + 1e-6
+    assert np.all(np.abs(out.double().numpy() - exact) <= bound)
+    assert np.abs(x.double().numpy() - xdq).max() <= np.abs(x.double().numpy()).max() / 127 / 2 * 1.001
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_activation_quantization(per_token):
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 3
+    x[1] = 0  # an all-zero row quantizes to zeros with scale 0
+    kp = cpu_quant.padded(K)
+    xq, xd, xs = cpu_quant.quantize_activations(x, kp, per_token)
+    assert xq.shape == (3, kp) and torch.all(xq[:, K:] == 0)
+    assert torch.all(xq.abs() <= 127)
+    if per_token:
+        assert torch.allclose(xd[:, 0], x.abs().amax(1) / 127)
+        assert torch.equal(xs[:, 0], xq.sum(1).float())
+    else:
+        blocks = torch.nn.functional.pad(x, (0, kp - K)).view(3, -1, cpu_quant.BLOCK)
+        assert torch.allclose(xd, blocks.abs().amax(-1) / 127)
+        assert torch.allclose(xs, xd * xq.view(3, -1, cpu_quant.BLOCK).sum(-1).float())
+    assert torch.all(xq[1] == 0) and torch.all(xd[1] == 0)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
+def test_dequantize_and_embedding_rows(fmt, scalar):
+    qw, dense = _weights(fmt)
+    out = cpu_quant.dequantize(qw, torch.float32, scalar=scalar).double().numpy()
+    assert np.abs(out - dense).max() <= 1e-6 * np.abs(dense).max()
+    bf16 = cpu_quant.dequantize(qw, torch.bfloat16, scalar=scalar)
+    assert torch.equal(bf16, torch.from_numpy(out).float().bfloat16())
+    ids = torch.tensor([[3, 0], [69, 3]])
+    rows = cpu_quant.embedding_rows(qw, ids, torch.float32)
+    assert rows.shape == (2, 2, K)
+    assert np.abs(rows.double().numpy() - dense[ids.numpy()]).max() <= 1e-6 * np.abs(dense).max()
+
+
+def test_int8_per_channel_quantization():
+    w = torch.randn(5, K, generator=torch.Generator().manual_seed(5))
+    w[2] = 0
+    qw = cpu_quant.quantize_int8_per_channel(w)
+    back = cpu_quant.dequantize(qw)
+    assert torch.all((back - w).abs() <= qw.scales[:, None] / 2 + 1e-7)
+    assert torch.all(back[2] == 0)
+
+
+def test_quant_linear_dense_path_for_many_rows():
+    """Above dense_rows() rows the block formats multiply dequantized weights with torch."""
+    qw, dense = _block_weight("b4")
+    rows = cpu_quant.dense_rows() + 1
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(6))
+    out = cpu_quant.quant_linear(x, qw)
+    ref = x.double().numpy() @ dense.T
+    assert np.abs(out.double().numpy() - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_bad_input_is_refused():
+    qw, _ = _block_weight("b8")
+    with pytest.raises(ValueError, match="contiguous along its last axis"):
+        cpu_quant.quant_gemm(torch.randn(K, 3).t(), qw)
+    with pytest.raises(ValueError, match=r"\[M, 80\]"):
+        cpu_quant.quant_gemm(torch.randn(2, K + 1), qw)
