@@ -80,6 +80,8 @@ class LogitsProjection:
     def __call__(self, hidden: Tensor, head: Linear) -> Tensor:
         """hidden [n, in] -> float32 logits [n, out]."""
         weight = head.weight
+        if head.quant is not None:  # packed weights: int8 activations round more than a bf16 output does
+            return head(hidden).float()
         if weight.dtype == torch.float32:
             return F.linear(hidden.float(), weight, head.bias)
         if hidden.is_cuda and self._mm_out_dtype:
