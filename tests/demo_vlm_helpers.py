@@ -23,8 +23,8 @@ def held_out(count: int, offset: int = 0) -> list[tuple[object, Scene]]:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    colour: bool  # names the right colour and no other
-    shape: bool  # names the right shape (singular or plural) and no other
+    colour: bool  # the first colour the answer names is the picture's
+    shape: bool  # the first shape it names (singular or plural) is the picture's
     count: bool  # says the number (word or digit)
 
     @property
@@ -33,11 +33,15 @@ class Verdict:
 
 
 def judge(answer: str, scene: Scene) -> Verdict:
-    words = re.findall(r"[a-z0-9]+", answer.lower())
-    colours = {w for w in words if w in COLOURS}
-    shapes = {_singular(w) for w in words if _singular(w) in SHAPES}
+    """What the answer names first: a small LM may ramble on after naming the picture ("... are
+    a classic example of a geometric pattern"), so later words are not held against it, but
+    the first colour and the first shape it names must be right. Hyphenated words stay whole
+    ("cross-border" names no cross)."""
+    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*", answer.lower())
+    colours = [w for w in words if w in COLOURS]
+    shapes = [_singular(w) for w in words if _singular(w) in SHAPES]
     count = COUNT_WORDS[scene.count] in words or str(scene.count) in words
-    return Verdict(colour=colours == {scene.colour}, shape=shapes == {scene.shape}, count=count)
+    return Verdict(colour=colours[:1] == [scene.colour], shape=shapes[:1] == [scene.shape], count=count)
 
 
 def _singular(word: str) -> str:
@@ -47,7 +51,7 @@ def _singular(word: str) -> str:
 
 
 def accuracy(answers: list[str], scenes: list[Scene]) -> float:
-    """Share of answers naming the picture's colour and shape (and no other)."""
+    """Share of answers naming the picture's colour and shape first."""
     assert len(answers) == len(scenes)
     return sum(judge(a, s).colour_and_shape for a, s in zip(answers, scenes)) / len(scenes)
 

@@ -1,19 +1,30 @@
-"""Train demo-vlm's vision tower and connector on synthetic pictures (CPU, a few minutes, seeded).
+"""Train demo-vlm's vision tower and connector on synthetic pictures (CPU, one thread, seeded).
 
-    PYTHONPATH=$PWD python tools/train_demo_vlm.py            # writes engine/models/demo_vlm_vision.safetensors
+The shipped engine/models/demo_vlm_vision.safetensors came from these four runs (each seeded
+and deterministic on a CPU; wall times on the shared 2-core box under heavy load):
+
+    T=tools/train_demo_vlm.py; export PYTHONPATH=$PWD
+    python $T --out /tmp/s1.safetensors                                          # 1500 steps, ~7 min
+    python $T --init /tmp/s1.safetensors --steps 1000 --lr 1e-3 --mse-weight 10 --out /tmp/s2.safetensors
+    python $T --init /tmp/s2.safetensors --steps 1500 --lr 5e-4 --mse-weight 30 --word-weight 10 \
+              --out /tmp/s3.safetensors                                          # ~4 + ~9 min
+    python $T --init /tmp/s3.safetensors --steps 0 --refit                      # 30 s: writes the weights
 
 The language model (the embedded SmolLM2-135M-Instruct) stays frozen and is never run here.
 The SigLIP tower and the Idefics3 connector are trained from scratch so that, for a picture
 from engine/models/demo_vlm_pictures.py, the connector's 16 output vectors are the LM's own
 input embeddings of the picture's caption ("Two red squares on the left." then spaces): the
 LM then reads the picture as if the caption were written in the prompt, and answers questions
-about it ("Describe the picture." -> "The picture shows two red squares on the left...").
-The loss per output vector is a cosine cross-entropy over the caption vocabulary plus a
-squared error to the target embedding (which also fixes the norm). Pictures go through the
-model directory's real Idefics3 image processor, as at inference. Training seeds are
-[0, pool); the tests use held-out seeds >= 1_000_000.
+about it ("Describe the picture." -> "Two red squares on the left."). The loss per output
+vector is a cosine cross-entropy over the caption vocabulary plus a squared error to the target
+embedding (weighted up in later stages: the LM misreads embeddings that are merely nearest to
+the right word, e.g. purple as blue), plus training-only classification heads for the four
+attributes; the last run refits the connector by weighted least squares. Teacher forcing on
+answers through the 135M LM was not used: a step costs ~100x a tower step on this CPU.
+Pictures go through the same Idefics3 image processor settings as demo-vlm at inference.
+Training seeds are [0, pool); the tests use held-out seeds >= 1_000_000.
 
-The tower and connector weights are saved in float16 (about 2.5 MB) under the names
+The tower and connector weights are saved in float16 (0.6 MB) under the names
 `model.vision_model.*` / `model.connector.*` of HF's Idefics3ForConditionalGeneration;
 engine/models/demo_vlm.py copies them into the demo-vlm directory it builds.
 """
@@ -130,6 +141,7 @@ def main() -> None:
     # One thread: on a shared 2-core box two OpenMP threads spin-wait for each other (10x slower).
     parser.add_argument("--init", type=Path, help="start from these saved weights (a second stage)")
     parser.add_argument("--mse-weight", type=float, default=1.0)
+    parser.add_argument("--word-weight", type=float, default=1.0, help="squared-error weight of caption words vs spaces")
     parser.add_argument("--refit", action="store_true", help="least-squares refit of the connector at the end")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -207,7 +219,10 @@ def main() -> None:
         aux = sum(F.cross_entropy(head(pooled), train_labels[index, k]) for k, head in enumerate(heads))
         logits = 30.0 * F.normalize(out, dim=-1) @ vocab_unit.T
         loss = F.cross_entropy(logits.flatten(0, 1), slot_class[ids].flatten())
-        loss = loss + args.mse_weight * F.mse_loss(out, embed[ids]) / target_scale + aux
+        # Squared error per embedding, the caption's words weighing word_weight times the spaces.
+        weights = torch.where(ids == pad_id, 1.0, args.word_weight)
+        squared = (out - embed[ids]).pow(2).mean(-1) / target_scale
+        loss = loss + args.mse_weight * (squared * weights).sum() / weights.sum() + aux
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
