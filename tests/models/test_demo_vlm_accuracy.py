@@ -14,7 +14,7 @@ import base64
 
 import pytest
 
-from demo_vlm_helpers import MAX_TOKENS, QUESTION, accuracy, chat_messages, held_out, judge
+from demo_vlm_helpers import MAX_TOKENS, accuracy, chat_messages, held_out, judge
 from engine import SamplingParams
 from mm_factory import png_bytes
 
@@ -74,7 +74,7 @@ def test_names_colour_and_shape_for_every_kind_of_image_source(llm, pictures, tm
     # image hashes by its pixels: one more.
     assert encoder_runs(llm) - runs == 2 * NUM_PICTURES
     counts = sum(judge(a, s).count for a, s in zip(answers[:NUM_PICTURES], scenes)) / NUM_PICTURES
-    assert counts >= 0.6, f"the number of shapes said in {counts:.0%} of the answers"
+    assert counts >= 0.7, f"the number of shapes said in {counts:.0%} of the answers"
 
 
 def test_same_pictures_again_hit_the_processor_and_encoder_caches(llm) -> None:
@@ -92,29 +92,36 @@ def test_same_pictures_again_hit_the_processor_and_encoder_caches(llm) -> None:
     assert accuracy(first, [scene for _, scene in pictures]) >= 0.7, first
 
 
-def test_two_pictures_in_one_prompt_are_described_in_order(llm) -> None:
-    pairs = held_out(20, offset=NUM_PICTURES + 1)
-    prompts = []
-    for (a, _), (b, _) in zip(pairs[0::2], pairs[1::2]):
-        prompts.append([{"role": "user", "content": [
-            {"type": "text", "text": "First picture:"}, {"type": "image", "image": a},
-            {"type": "text", "text": "Second picture:"}, {"type": "image", "image": b},
-            {"type": "text", "text": "Describe the second picture."}]}])
-    answers = texts(llm.chat(prompts, GREEDY, use_tqdm=False))
-    seconds = [scene for _, scene in pairs[1::2]]
-    assert accuracy(answers, seconds) >= 0.7, answers
+def test_two_pictures_in_one_prompt_come_in_order(llm) -> None:
+    """Pictures A and B in one prompt, then B and A: the 135M LM describes mostly the first one
+    it reads, so its first colour and shape follow the order of the images in the prompt."""
+    pictures = held_out(20, offset=300)
+    firsts, seconds = pictures[0::2], pictures[1::2]
+
+    def prompt(a, b) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "image", "image": b},
+                                             {"type": "text", "text": "Describe the pictures."}]}]
+
+    forward = texts(llm.chat([prompt(a, b) for (a, _), (b, _) in zip(firsts, seconds)], GREEDY, use_tqdm=False))
+    backward = texts(llm.chat([prompt(b, a) for (a, _), (b, _) in zip(firsts, seconds)], GREEDY, use_tqdm=False))
+    assert accuracy(forward, [scene for _, scene in firsts]) >= 0.7, forward
+    assert accuracy(backward, [scene for _, scene in seconds]) >= 0.7, backward
 
 
 def test_chunked_prefill_through_the_image_and_preemption(pictures) -> None:
-    """A 24-token budget cuts every image's 19 placeholder tokens (the chat prompt puts them at
-    offset 30) across two steps; a 40-block KV pool preempts requests mid-answer. Same accuracy."""
+    """A 16-token budget is shorter than an image's placeholder run (its 16 embeddings between
+    <fake_token_around_image><global-img> and <fake_token_around_image>), so every image is cut
+    across steps; a 40-block KV pool preempts requests mid-answer. Same accuracy."""
     from engine import LLM
+    from engine.models.demo_vlm import DEMO_IMAGE_SEQ_LEN
     from llm_helpers import assert_no_leaked_blocks
 
-    llm = LLM("demo-vlm", num_gpu_blocks_override=40, max_num_batched_tokens=24, **{**ENGINE, "max_model_len": 256})
+    budget = 16
+    llm = LLM("demo-vlm", num_gpu_blocks_override=40, max_num_batched_tokens=budget,
+              **{**ENGINE, "max_model_len": 256})
     try:
-        image_offset = _image_offset(llm)
-        assert image_offset // 24 != (image_offset + 18) // 24  # the budget really cuts the image
+        # The placeholder run: <fake_token_around_image><global-img>, the embeddings, <fake_token_around_image>.
+        assert DEMO_IMAGE_SEQ_LEN + 3 > budget  # no step can hold a whole image
         outputs = llm.chat([chat_messages(image) for image, _ in pictures[:30]], GREEDY, use_tqdm=False)
         assert llm.get_stats().num_preemptions_total > 0
         got = accuracy(texts(outputs), [scene for _, scene in pictures[:30]])
@@ -122,38 +129,3 @@ def test_chunked_prefill_through_the_image_and_preemption(pictures) -> None:
         assert_no_leaked_blocks(llm)
     finally:
         llm.shutdown()
-
-
-def _image_offset(llm) -> int:
-    """Where the first <image> placeholder token sits in demo-vlm's one-picture chat prompt."""
-    tokenizer = llm.get_tokenizer()
-    text = tokenizer.apply_chat_template(chat_messages(None, QUESTION), tokenize=False, add_generation_prompt=True)
-    ids = tokenizer.encode(text.replace("<image>", "<fake_token_around_image><global-img><image>"),
-                           add_special_tokens=False)
-    return ids.index(tokenizer.convert_tokens_to_ids("<image>"))
-
-
-def test_transformers_loads_the_trained_weights_and_agrees(llm) -> None:
-    """HF's Idefics3 on the demo-vlm directory gives the engine's image embeddings, and those are
-    the LM's embeddings of the picture's caption (nearest token per embedding)."""
-    import torch
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-
-    from engine.models.demo_vlm import caption_slots
-    from engine.models.embedded import resolve_model_path
-
-    path = resolve_model_path("demo-vlm")
-    hf = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    pictures = held_out(8, offset=200)
-    pixels = processor.image_processor(images=[[image] for image, _ in pictures], return_tensors="pt")["pixel_values"]
-    model = llm.engine_core.engine_core.model_executor.worker.model_runner.model
-    with torch.no_grad():
-        ours = torch.stack(model.embed_multimodal([p for p in pixels]))  # [8, 16, hidden]
-        theirs = hf.model.connector(hf.model.vision_model(pixel_values=pixels[:, 0]).last_hidden_state)
-        table = hf.model.text_model.embed_tokens.weight
-        nearest = (torch.nn.functional.normalize(theirs, dim=-1)
-                   @ torch.nn.functional.normalize(table, dim=-1).T).argmax(-1)
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-    expected = torch.tensor([caption_slots(processor.tokenizer, scene) for _, scene in pictures])
-    assert (nearest == expected).all(-1).float().mean() >= 0.75
