@@ -111,14 +111,14 @@ def test_two_pictures_in_one_prompt_come_in_order(llm) -> None:
 def test_chunked_prefill_through_the_image_and_preemption(pictures) -> None:
     """A 16-token budget is shorter than an image's placeholder run (its 16 embeddings between
     <fake_token_around_image><global-img> and <fake_token_around_image>), so every image is cut
-    across steps; a 40-block KV pool preempts requests mid-answer. Same accuracy."""
+    across steps; a 16-block KV pool (about three requests) preempts requests mid-answer. Same accuracy."""
     from engine import LLM
     from engine.models.demo_vlm import DEMO_IMAGE_SEQ_LEN
     from llm_helpers import assert_no_leaked_blocks
 
     budget = 16
-    llm = LLM("demo-vlm", num_gpu_blocks_override=40, max_num_batched_tokens=budget,
-              **{**ENGINE, "max_model_len": 256})
+    llm = LLM("demo-vlm", num_gpu_blocks_override=16, max_num_batched_tokens=budget,
+              **{**ENGINE, "max_model_len": 128})
     try:
         # The placeholder run: <fake_token_around_image><global-img>, the embeddings, <fake_token_around_image>.
         assert DEMO_IMAGE_SEQ_LEN + 3 > budget  # no step can hold a whole image
@@ -129,3 +129,29 @@ def test_chunked_prefill_through_the_image_and_preemption(pictures) -> None:
         assert_no_leaked_blocks(llm)
     finally:
         llm.shutdown()
+
+
+def test_transformers_loads_the_trained_weights_and_agrees(llm) -> None:
+    """HF's Idefics3 on the demo-vlm directory gives the engine's image embeddings, and those are
+    the LM's embeddings of the picture's caption (nearest token per embedding)."""
+    import torch
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    from engine.models.demo_vlm import caption_slots
+    from engine.models.embedded import resolve_model_path
+
+    path = resolve_model_path("demo-vlm")
+    hf = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    pictures = held_out(8, offset=200)
+    pixels = processor.image_processor(images=[[image] for image, _ in pictures], return_tensors="pt")["pixel_values"]
+    model = llm.engine_core.engine_core.model_executor.worker.model_runner.model
+    with torch.no_grad():
+        ours = torch.stack(model.embed_multimodal([p for p in pixels]))  # [8, 16, hidden]
+        theirs = hf.model.connector(hf.model.vision_model(pixel_values=pixels[:, 0]).last_hidden_state)
+        table = hf.model.text_model.embed_tokens.weight
+        nearest = (torch.nn.functional.normalize(theirs, dim=-1)
+                   @ torch.nn.functional.normalize(table, dim=-1).T).argmax(-1)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    expected = torch.tensor([caption_slots(processor.tokenizer, scene) for _, scene in pictures])
+    assert (nearest == expected).all(-1).float().mean() >= 0.75
