@@ -1,9 +1,13 @@
 """Build Idefics3-format VLM directories: the built-in demo VLM and the tests' tiny VLMs.
 
-No VLM weights ship on PyPI, so `demo-vlm` is the embedded SmolLM2 with a seeded, randomly
-initialised SigLIP tower and Idefics3 connector: it exercises the whole image pipeline (HF
-processor, hashing, encoder cache, placeholder merge) but its answers ignore the image. It is
-written once, atomically, under the model cache (see engine/models/embedded.py).
+No VLM weights ship on PyPI, so `demo-vlm` is the embedded SmolLM2 (frozen) with a small SigLIP
+tower and Idefics3 connector trained by tools/train_demo_vlm.py on synthetic pictures
+(engine/models/demo_vlm_pictures.py: 1-4 shapes of one colour at one side). Their weights ship
+as demo_vlm_vision.safetensors next to this module. The connector's 16 vectors per picture are
+the LM's embeddings of the picture's caption ("Two red squares on the left."), so the LM reads
+the picture as a caption and answers about its shapes, colours, counts and position; on other
+pictures it sees only the nearest such caption. The directory is written once, atomically,
+under the model cache (see engine/models/embedded.py).
 """
 
 from __future__ import annotations
@@ -17,8 +21,17 @@ from pathlib import Path
 from typing import Any
 
 DEMO_VLM_NAME = "demo-vlm"
-DEMO_VLM_LABEL = "untrained vision tower: answers ignore the image"
-_DEMO_VERSION = "3"  # bump when the recipe below changes
+DEMO_VLM_LABEL = ("sees synthetic pictures: shapes, colours, counts 1-4, positions; "
+                  "other pictures only as the nearest such scene")
+_DEMO_VERSION = "4"  # bump when the recipe below (or the trained weights) changes
+
+# The vision side tools/train_demo_vlm.py trains: 128 px pictures (no tiling), 8x8 patches of
+# 16 px, pixel-shuffled 2x2 into 16 image embeddings (image_seq_len).
+DEMO_VISION_CONFIG = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "image_size": 128, "patch_size": 16}
+DEMO_SCALE_FACTOR = 2
+DEMO_IMAGE_SEQ_LEN = (128 // 16) ** 2 // DEMO_SCALE_FACTOR**2
+DEMO_VISION_WEIGHTS = "demo_vlm_vision.safetensors"
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
@@ -39,13 +52,27 @@ CHAT_TEMPLATE = (
 )
 
 
+def caption_slots(tokenizer: Any, scene: Any) -> list[int]:
+    """The token ids demo-vlm's connector learns to emit for a picture of `scene`: its caption,
+    then spaces up to DEMO_IMAGE_SEQ_LEN."""
+    from engine.models.demo_vlm_pictures import caption
+
+    ids = tokenizer(caption(scene), add_special_tokens=False)["input_ids"]
+    space = tokenizer(" ", add_special_tokens=False)["input_ids"]
+    if len(ids) > DEMO_IMAGE_SEQ_LEN or len(space) != 1:
+        raise ValueError(f"caption {caption(scene)!r} does not fit {DEMO_IMAGE_SEQ_LEN} image embeddings")
+    return ids + space * (DEMO_IMAGE_SEQ_LEN - len(ids))
+
+
 def build_idefics3_dir(path: Path, tokenizer_dir: Path, text_config: dict[str, Any],
                        vision_config: dict[str, Any], *, scale_factor: int = 2, longest_edge: int = 64,
                        max_image_size: int = 32, seed: int = 0, text_weights_dir: Path | None = None,
-                       do_image_splitting: bool = True) -> Path:
+                       do_image_splitting: bool = True, vision_weights: Path | None = None) -> Path:
     """Save an HF Idefics3 model + processor into `path`.
 
     The LM is random (seeded) unless text_weights_dir gives a Llama checkpoint to copy in; the
+    tower and connector are random unless vision_weights gives a safetensors file of their
+    `model.vision_model.*` / `model.connector.*` tensors (all of them, or ValueError). The
     tokenizer of tokenizer_dir gains the Idefics3 image tokens. transformers'
     Idefics3ForConditionalGeneration and AutoProcessor load the result.
     """
@@ -69,6 +96,8 @@ def build_idefics3_dir(path: Path, tokenizer_dir: Path, text_config: dict[str, A
     _randomize(model, seed)
     if text_weights_dir is not None:
         _copy_text_weights(model, Path(text_weights_dir))
+    if vision_weights is not None:
+        _load_vision_weights(model, Path(vision_weights))
     model.save_pretrained(path)
     image_processor = Idefics3ImageProcessorPil(
         do_resize=True, size={"longest_edge": longest_edge}, max_image_size={"longest_edge": max_image_size},
@@ -133,9 +162,34 @@ def _copy_text_weights(model: Any, text_dir: Path) -> None:
         model.model.connector.modality_projection.proj.weight.mul_(float(embed.float().std()))
 
 
+def _load_vision_weights(model: Any, file: Path) -> None:
+    """Copy trained tower + connector tensors in; every one of them must be present and fit."""
+    from safetensors.torch import load_file
+    import torch
+
+    params = {name: p for name, p in model.named_parameters()
+              if name.startswith(("model.vision_model.", "model.connector."))}
+    tensors = load_file(str(file))
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
+    if missing or unknown:
+        raise ValueError(f"{file}: vision weights do not match the model (missing {missing[:3]}, "
+                         f"unexpected {unknown[:3]})")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tensors[name].shape != param.shape:
+                raise ValueError(f"{file}: {name} has shape {tuple(tensors[name].shape)}, the model "
+                                 f"wants {tuple(param.shape)}")
+            param.copy_(tensors[name].to(param.dtype))
+
+
 def demo_vlm_target(models_dir: Path) -> Path:
-    """Where the demo VLM lives (built or not) in the model cache `models_dir`."""
-    return models_dir / f"{DEMO_VLM_NAME}-v{_DEMO_VERSION}"
+    """Where the demo VLM lives (built or not) in the model cache `models_dir`: named by the recipe
+    version and the trained weights' digest, so retrained weights never meet a stale build."""
+    import hashlib
+
+    digest = hashlib.sha256(Path(__file__).with_name(DEMO_VISION_WEIGHTS).read_bytes()).hexdigest()[:12]
+    return models_dir / f"{DEMO_VLM_NAME}-v{_DEMO_VERSION}-{digest}"
 
 
 def demo_vlm_dir(models_dir: Path, text_model_dir: Callable[[], Path]) -> Path:
@@ -153,13 +207,12 @@ def demo_vlm_dir(models_dir: Path, text_model_dir: Callable[[], Path]) -> Path:
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id", "pad_token_id",
         "tie_word_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "head_dim") if k in text}
-    vision_config = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "image_size": 128, "patch_size": 16}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-demo-vlm-"))
     try:
-        build_idefics3_dir(tmp, text_dir, text_config, vision_config, scale_factor=2, longest_edge=256,
-                           max_image_size=128, seed=1234, text_weights_dir=text_dir)
+        build_idefics3_dir(tmp, text_dir, text_config, DEMO_VISION_CONFIG, scale_factor=DEMO_SCALE_FACTOR,
+                           longest_edge=128, max_image_size=128, seed=1234, text_weights_dir=text_dir,
+                           do_image_splitting=False, vision_weights=Path(__file__).with_name(DEMO_VISION_WEIGHTS))
         (tmp / "lmc_demo.json").write_text(json.dumps({"label": DEMO_VLM_LABEL, "version": _DEMO_VERSION}))
         try:
             os.rename(tmp, target)

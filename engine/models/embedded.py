@@ -199,8 +199,8 @@ def _demo_vlm_entry() -> KnownModel:
     built = _is_model_dir(target)
     return KnownModel(
         name=DEMO_VLM_NAME,
-        description=f"demo vision-language model: {DEFAULT_MODEL} + a random SigLIP tower and "
-                    f"Idefics3 connector ({DEMO_VLM_LABEL})",
+        description=f"demo vision-language model: {DEFAULT_MODEL} (frozen) + a small SigLIP tower and "
+                    f"Idefics3 connector trained on synthetic pictures ({DEMO_VLM_LABEL})",
         license="Apache-2.0", source=f"built locally from {DEFAULT_MODEL}",
         gguf_path=None, converted=built, path=target if built else None)
 

@@ -130,4 +130,4 @@ def test_cli_chat_image_option_and_models_listing(png) -> None:
     assert result.exit_code == 0, result.output
     assert "text-only" in result.stderr and "hello" in result.stdout  # the fake engine has no vision
     listing = runner.invoke(app, ["models"])
-    assert listing.exit_code == 0 and "demo-vlm" in listing.stdout and "ignore the image" in listing.stdout
+    assert listing.exit_code == 0 and "demo-vlm" in listing.stdout and "synthetic pictures" in listing.stdout
