@@ -55,8 +55,12 @@ def core_ray_environment() -> dict[str, str]:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         environment["RAY_ADDRESS"] = address
-    if _LOOPBACK_SWITCH in os.environ:
-        environment[_LOOPBACK_SWITCH] = os.environ[_LOOPBACK_SWITCH]
+    # RAY_AUTH_MODE: ray.init sets it in the process that started the cluster (token auth, with
+    # the token in ~/.ray); a core without it is refused by that cluster. RAY_AUTH_TOKEN(_PATH):
+    # a token the user handed to the frontend.
+    for name in (_LOOPBACK_SWITCH, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        if name in os.environ:
+            environment[name] = os.environ[name]
     return environment
 
 
