@@ -150,14 +150,17 @@ def test_async_llm_streams_tagged_stats_and_events_and_dies_with_a_core(tiny_lla
             per_core_blocks = llm.config.cache_config.num_blocks - 1
             assert recorder.stats and recorder.stats[-1].num_total_blocks == 2 * per_core_blocks
 
+            started = asyncio.Event()
+
             async def long_request() -> None:
-                params = SamplingParams(max_tokens=200, ignore_eos=True)
+                params = SamplingParams(max_tokens=230, ignore_eos=True)
                 async for _ in llm.generate({"prompt_token_ids": [5] * 20}, params, "long"):
-                    pass
+                    started.set()
 
             task = asyncio.ensure_future(long_request())
-            while llm.engine_core.router.owner_of("long") is None:
-                await asyncio.sleep(0.01)
+            # Bounded: the fake engine is fast, and a request that already finished has no owner.
+            await asyncio.wait_for(started.wait(), 30)
+            assert llm.engine_core.router.owner_of("long") is not None
             os.kill(llm.engine_core.core_pids[0], signal.SIGKILL)
             with pytest.raises(EngineDeadError):
                 await asyncio.wait_for(task, 2.0)

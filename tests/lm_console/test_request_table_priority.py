@@ -7,7 +7,7 @@ import asyncio
 from textual.app import App, ComposeResult
 
 from lm_console.request_book import RUNNING, WAITING, TrackedRequest
-from lm_console.tui.widgets.request_table import RequestTable
+from lm_console.tui.widgets.request_table import COLUMNS, RequestTable
 
 
 class _TableApp(App):
@@ -23,7 +23,7 @@ def test_priority_column_appears_with_the_first_priority() -> None:
             plain = TrackedRequest("a", "server", 0.0, num_prompt_tokens=5, state=RUNNING)
             table.show([plain], 1.0, 1)
             await pilot.pause()
-            assert [c.value for c in table.columns] == ["id", "state", "prompt", "gen", "cached", "TTFT", "elapsed"]
+            assert tuple(c.value for c in table.columns) == COLUMNS and "prio" not in COLUMNS
             urgent = TrackedRequest("b", "server", 0.5, num_prompt_tokens=7, state=WAITING, priority=-3)
             table.show([plain, urgent], 1.0, 2)
             await pilot.pause()
