@@ -31,32 +31,23 @@ from typing import Any  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SCENES_DIR = HERE / "scenes"
-IMAGE = HERE / "scenes" / "lighthouse.png"
+IMAGE = HERE / "scenes" / "two_red_squares.png"
 PNG_FONT = "DejaVu Sans Mono"
 SIZE = (120, 36)
 DASHBOARD_ENGINE = dict(dtype="float32", max_model_len=1024, num_gpu_blocks_override=160, max_num_seqs=12,
                         max_num_batched_tokens=128, seed=0)
 CHAT_ENGINE = dict(dtype="float32", max_model_len=2048, num_gpu_blocks_override=160, seed=0)
 QUESTION = "What does a paged KV cache buy me? Two sentences."
-IMAGE_QUESTION = "What is in this picture?"
+IMAGE_QUESTION = "Describe the picture."
 
 
 def make_picture(path: Path) -> None:
-    """A small, fixed picture for the image chat: a lighthouse by the sea at dusk."""
-    from PIL import Image, ImageDraw
+    """The image chat's picture: two red squares on the left, drawn as demo-vlm's training
+    pictures are (engine/models/demo_vlm_pictures.py), so the reply shows what it sees."""
+    from engine.models.demo_vlm_pictures import Scene, draw_scene
 
-    image = Image.new("RGB", (96, 64))
-    draw = ImageDraw.Draw(image)
-    for y in range(40):  # the sky: dusk gradient
-        draw.line([(0, y), (95, y)], fill=(40 + y * 4, 60 + y * 2, 140 - y))
-    draw.ellipse([62, 18, 78, 34], fill=(250, 200, 90))  # the sun
-    draw.rectangle([0, 40, 95, 63], fill=(30, 70, 130))  # the sea
-    draw.polygon([(20, 44), (26, 12), (32, 44)], fill=(235, 235, 235))  # the tower
-    for y in (20, 30):
-        draw.rectangle([22, y, 30, y + 3], fill=(200, 40, 40))
-    draw.rectangle([24, 8, 28, 12], fill=(255, 240, 120))  # the lamp
     path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    draw_scene(Scene(shape="square", colour="red", count=2, position="left"), seed=0).save(path)
 
 
 # -- scenes: the same code drives the engine (recording) and the replay ------------------------------
@@ -124,7 +115,7 @@ async def chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], Awaita
 
 
 async def image_chat_scene(client: Any, clock: Any, shoot: Callable[[Any, str], Awaitable[None]]) -> None:
-    """`lmc chat --model demo-vlm --image lighthouse.png`: the picture, its size and hash, the reply."""
+    """`lmc chat --model demo-vlm --image two_red_squares.png`: the picture, its size and hash, the reply."""
     from lm_console.client.types import GenParams
     from lm_console.tui.app import ConsoleApp
     from lm_console.tui.demo import drive_chat

@@ -187,7 +187,8 @@ class FakeConsoleClient:
         outputs, _ = core.step()
         if not outputs:
             return
-        executor = core.model_executor
+        # Core 0's timing is self.executor (a subclass over a real engine sets its own clock's).
+        executor = self.executor if index == 0 else core.model_executor
         now = self.clock()
         done = now + executor.last_step_time_s  # tokens leave when the simulated compute ends
         stats: SchedulerStats | None = None

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.protocol import EngineCoreOutput
 from engine.metrics.stats import RequestBlocksState, SchedulerStats
+from engine.frontend.dp_router import DPRouter
 from lm_console.client.fake import FakeConsoleClient, _Stream
 from lm_console.client.replay import Frame, Recording
 from lm_console.client.types import EngineInfo, GenParams, KVEventRecord
@@ -28,6 +29,9 @@ class SteppedEngineClient(FakeConsoleClient):
 
         self.llm = LLM(model, multiprocess=False, enable_kv_cache_events=True, **engine_args)
         self.core = self.llm.engine_core.engine_core
+        self.cores = [self.core]  # FakeConsoleClient steps every data-parallel core: here one
+        self.router = DPRouter(1)
+        self._core_of: dict[str, int] = {}
         self.tokenizer = self.llm.tokenizer
         self.input_processor = self.llm.input_processor
         self.step_time_s = step_time_s
