@@ -78,7 +78,12 @@ def test_the_dashboard_shows_the_servers_own_state(served) -> None:  # noqa: ANN
             state = server.call(llm.get_block_pool_state)
             received = app.telemetry.view.num_stats
             await until(pilot, app, lambda: app.telemetry.view.num_stats >= received + 2)  # fresh snapshots
-            await until(pilot, app, lambda: len(app.server_requests.active) == 4)
+            # The table is polled on its own: wait for a poll taken after the engine fell asleep.
+            def table_caught_up() -> bool:
+                rows = [r.state for r in app.server_requests.rows(time.time())]
+                return len(app.server_requests.active) == 4 and rows.count("RUNNING") >= state.num_running_reqs
+
+            await until(pilot, app, table_caught_up, "the server's table after the engine slept")
             seen.update(state=state, view=app.telemetry.view, map=app.query_one(BlockMap).states,
                         scheduler=text_of(app.query_one(SchedulerPanel)),
                         table=str(app.query_one(RequestTable).border_title),
