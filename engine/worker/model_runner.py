@@ -343,7 +343,9 @@ class ModelRunner:
         """Apply the scheduler's diffs to self.requests and the persistent batch."""
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            gone = self.requests.pop(req_id, None)
+            if gone is not None and gone.sampling_params.prompt_logprobs is not None:
+                self._num_prompt_logprobs_reqs -= 1
             batch.remove_request(req_id)
         # A running request the scheduler skipped this step leaves the batch but keeps its state.
         scheduled = scheduler_output.num_scheduled_tokens
@@ -366,10 +368,11 @@ class ModelRunner:
                 num_computed_tokens=new_req.num_computed_tokens,
                 mm_features=new_req.mm_features,
             )
+            if new_req.req_id in self.requests:  # re-sent (e.g. resumed): counted once
+                self._num_prompt_logprobs_reqs -= self.requests[new_req.req_id].sampling_params.prompt_logprobs is not None
             self.requests[new_req.req_id] = req_state
+            self._num_prompt_logprobs_reqs += params.prompt_logprobs is not None
             batch.add_request(req_state)
-        self._num_prompt_logprobs_reqs = sum(
-            1 for state in self.requests.values() if state.sampling_params.prompt_logprobs is not None)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req_state = self.requests[req_id]

@@ -90,12 +90,19 @@ class FakeConsoleClient:
             max_model_len=model.max_model_len, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs, vocab_size=FAKE_MODEL.vocab_size,
         )
+        self.reply = reply
+        self._init_client_state(clock=clock, auto_step=auto_step, step_interval=step_interval,
+                                fail_start=fail_start, start_delay=start_delay)
+
+    def _init_client_state(self, *, clock: Callable[[], float], auto_step: bool, step_interval: float,
+                           fail_start: str | None = None, start_delay: float = 0.0) -> None:
+        """The stepping, subscription and stream state (also for the subclasses over a real
+        engine or a recording, which build their own engine side)."""
         self.auto_step = auto_step
         self.step_interval = step_interval
         self.clock = clock
         self.fail_start = fail_start
         self.start_delay = start_delay
-        self.reply = reply
         self.dead_error: EngineUnavailable | None = None
         self.submitted: list[str] = []
         self._stats_queues: list[asyncio.Queue[Any]] = []

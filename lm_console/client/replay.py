@@ -53,20 +53,7 @@ class ReplayClient(FakeConsoleClient):
         self.recording = recording
         self.info = recording.info
         self.core = None
-        self.auto_step = False
-        self.step_interval = 0.05
-        self.clock = clock
-        self.fail_start = None
-        self.start_delay = 0.0
-        self.dead_error = None
-        self.submitted: list[str] = []
-        self._stats_queues: list[asyncio.Queue[Any]] = []
-        self._event_queues: list[asyncio.Queue[Any]] = []
-        self._streams: dict[str, _Stream] = {}
-        self._num_event_batches = 0
-        self._ticker = None
-        self._wake = asyncio.Event()
-        self._is_shut_down = False
+        self._init_client_state(clock=clock, auto_step=False, step_interval=0.05)
         self._next_frame = 0
         self._next_poll = 0
         self._next_decode = 0

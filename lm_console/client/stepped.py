@@ -9,13 +9,12 @@ only stand-ins are times: the clock is the scene's and each step counts `step_ti
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from engine.protocol import EngineCoreOutput
 from engine.metrics.stats import RequestBlocksState, SchedulerStats
 from engine.frontend.dp_router import DPRouter
-from lm_console.client.fake import FakeConsoleClient, _Stream
+from lm_console.client.fake import FakeConsoleClient
 from lm_console.client.replay import Frame, Recording
 from lm_console.client.types import EngineInfo, GenParams, KVEventRecord
 
@@ -46,21 +45,8 @@ class SteppedEngineClient(FakeConsoleClient):
             vocab_size=min(model_config.vocab_size, len(self.tokenizer)),
             multimodal=self.input_processor.mm_processor is not None, notice=_model_notice(model_config.model_dir),
         )
-        self.auto_step = False
-        self.step_interval = step_time_s
-        self.clock = clock
-        self.fail_start = None
-        self.start_delay = 0.0
-        self.dead_error = None
-        self.submitted: list[str] = []
-        self._stats_queues: list[asyncio.Queue[Any]] = []
-        self._event_queues: list[asyncio.Queue[Any]] = []
-        self._streams: dict[str, _Stream] = {}
+        self._init_client_state(clock=clock, auto_step=False, step_interval=step_time_s)
         self._token_ids: dict[str, list[int]] = {}
-        self._num_event_batches = 0
-        self._ticker = None
-        self._wake = asyncio.Event()
-        self._is_shut_down = False
 
         class _Timing:  # FakeConsoleClient.step reads the simulated step time here
             last_step_time_s = step_time_s
