@@ -9,6 +9,9 @@ Variants (all from the same model, loaded in one process):
   int8   per-channel int8 weights, int8 activations per block of 32 (quantization="int8")
   q8_0 / q4_0 / q4_1   the dense weights requantized to that GGUF block format (int8 activations);
          for a model that came from a Q4 file, q4_* quantize its weights twice (not in the default list)
+  llamacpp   llama.cpp (llama-cpp-python, the optional [bench] extra) on the same GGUF file, the
+         same token ids and windows: the reference the Q4 formats are held to (skipped when
+         llama-cpp-python is not installed)
 
 The quantized variants run every linear through the int8 kernel (the decode path), not the
 dequantize-to-bf16 prefill path, so the figures are those of generated tokens.
@@ -30,7 +33,31 @@ from engine.models.quant import _drop_dense
 from engine.models.quant.perplexity import perplexity, stdlib_text
 from kernels import cpu_quant
 
-VARIANTS = ("fp32", "bf16", "gguf", "int8", "q8_0", "q4_0", "q4_1")
+VARIANTS = ("fp32", "bf16", "gguf", "int8", "q8_0", "q4_0", "q4_1", "llamacpp")
+
+
+def llamacpp_perplexity(gguf: Path, token_ids: list[int], window: int, threads: int = 2) -> float:
+    """exp(mean NLL) from llama.cpp's logits, windows as engine.models.quant.perplexity's."""
+    import math
+
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=window, n_batch=window, n_ubatch=window,
+                n_threads=threads, logits_all=True, verbose=False)
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        ids = token_ids[start : start + window]
+        if len(ids) < 2:
+            break
+        llm.reset()
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
+        peak = logits.max(axis=1, keepdims=True)
+        log_z = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+        total += float((log_z - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
+        count += len(ids) - 1
+    return math.exp(total / count)
 
 
 def requantize_model(model: torch.nn.Module, type_name: str) -> None:
@@ -75,12 +102,21 @@ def run(model: str | None, num_tokens: int, window: int, variants: tuple[str, ..
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(stdlib_text())["input_ids"][:num_tokens]
     if gguf_source(model_dir) is None:
-        variants = tuple(v for v in variants if v != "gguf")
+        variants = tuple(v for v in variants if v not in ("gguf", "llamacpp"))
+    if "llamacpp" in variants:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python is not installed: skipping the llamacpp variant")
+            variants = tuple(v for v in variants if v != "llamacpp")
     cpu_quant.DENSE_ROWS = 1 << 30  # every quantized linear on the int8 kernel
     results = {}
     for variant in variants:
         start = time.perf_counter()
-        ppl = perplexity(load_variant(model_dir, hf_config, variant), ids, window)
+        if variant == "llamacpp":
+            ppl = llamacpp_perplexity(gguf_source(model_dir), ids, window)
+        else:
+            ppl = perplexity(load_variant(model_dir, hf_config, variant), ids, window)
         results[variant] = {"perplexity": ppl, "seconds": time.perf_counter() - start}
     base = results["fp32"]["perplexity"]
     for result in results.values():
@@ -93,7 +129,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--variants", default="fp32,bf16,gguf,int8,q8_0")
+    parser.add_argument("--variants", default="fp32,bf16,gguf,int8,q8_0,llamacpp")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     report = run(args.model, args.tokens, args.window, tuple(args.variants.split(",")))
