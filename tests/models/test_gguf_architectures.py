@@ -9,7 +9,9 @@ tensors, then loaded through the engine's path for a .gguf model (convert once, 
 
 from __future__ import annotations
 
+import functools
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,11 +40,21 @@ ARCHS = {
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A private conversion cache for this module's GGUF files."""
-    root = tmp_path_factory.mktemp("gguf_archs")
+    return tmp_path_factory.mktemp("gguf_archs")
+
+
+@contextmanager
+def _private_cache(root: Path):
+    """Convert this module's GGUF files into a cache of their own (the embedded model's
+    conversion, which the tiny models' tokenizer files come from, stays in the shared one)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LMC_CACHE_DIR", str(root / "cache"))
-        yield root
+        yield
+
+
+def _convert(path: Path) -> Path:
+    with _private_cache(path.parent):
+        return resolve_model_path(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,7 @@ def model(request, workdir, vocab):
         f32 = write_gguf(hf, workdir / f"{name}-f32.gguf", arch, vocab)
         quant = write_gguf(hf, workdir / f"{name}-mixed.gguf", arch, vocab, "Q8_0", MIXED_TYPES)
         _built[name] = {"name": name, "hf": hf, "f32": f32, "quant": quant,
-                        "f32_dir": resolve_model_path(str(f32)), "quant_dir": resolve_model_path(str(quant))}
+                        "f32_dir": _convert(f32), "quant_dir": _convert(quant)}
     return _built[name]
 
 
@@ -100,15 +112,14 @@ def _load(model_dir: Path, quantization: str | None = None) -> torch.nn.Module:
 
 
 def test_gguf_greedy_tokens_match_hf(model):
-    """Our model on the converted file == HF on the same dequantized weights (F32 and quantized);
-    on the F32 file also == HF on the source checkpoint, and the weights come back as they were."""
+    """Our model on the converted file == HF on the same weights: the source checkpoint for the
+    F32 file (whose weights come back as they were), the dequantized ones for the quantized file."""
     from safetensors.torch import load_file
 
     prompt = _prompt()
-    for kind in ("f32", "quant"):
-        ours = _our_greedy(_load(model[f"{kind}_dir"]), prompt)
-        assert ours == _hf_greedy(model[f"{kind}_dir"], prompt), f"{model['name']} {kind}"
+    # F32: HF on the source checkpoint (the converted weights are checked equal to it below).
     assert _our_greedy(_load(model["f32_dir"]), prompt) == _hf_greedy(model["hf"], prompt)
+    assert _our_greedy(_load(model["quant_dir"]), prompt) == _hf_greedy(model["quant_dir"], prompt)
     source = load_file(str(model["hf"] / "model.safetensors"))
     converted = load_file(str(model["f32_dir"] / "model.safetensors"))
     assert set(converted) == set(source) - ({"lm_head.weight"} if model["name"] == "gemma3" else set())
@@ -136,15 +147,20 @@ def test_gguf_metadata_round_trips(model):
         assert got["attention_bias"] is False
 
 
+@functools.cache
+def _smollm2_ids(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(None))(text)["input_ids"]
+
+
 def test_gguf_tokenizer_from_metadata(model):
     """The file's tokenizer (tokenizer.ggml.*): SmolLM2's ids on text within the cut vocabulary,
     its special tokens and chat template; no architecture's tokenizer class re-spells it."""
     from transformers import AutoTokenizer
 
-    from engine.models.embedded import resolve_model_path as resolve
-
     text = "The one part of this and that, which will have more from them"
-    full = AutoTokenizer.from_pretrained(resolve(None))(text)["input_ids"]
+    full = _smollm2_ids(text)
     assert max(full) < VOCAB  # every merge used lies inside the cut vocabulary
     tokenizer = AutoTokenizer.from_pretrained(model["f32_dir"])
     assert tokenizer(text)["input_ids"] == full
@@ -189,8 +205,9 @@ def test_engine_serves_a_gemma3_gguf(model, make_llm):
 
     gemma = model
     prompt = _prompt()
-    llm = make_llm(str(gemma["quant"]), dtype="float32", multiprocess=False, max_model_len=128,
-                   kv_cache_memory=1 << 24, block_size=8, num_threads=1, quantization="none")
+    with _private_cache(gemma["quant"].parent):  # the engine resolves the .gguf path itself
+        llm = make_llm(str(gemma["quant"]), dtype="float32", multiprocess=False, max_model_len=128,
+                       kv_cache_memory=1 << 24, block_size=8, num_threads=1, quantization="none")
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == _hf_greedy(gemma["quant_dir"], prompt)
@@ -222,13 +239,13 @@ GOOD_KEYS = {"block_count": 1, "context_length": 64, "embedding_length": 64, "fe
 def test_gguf_errors_are_specific(workdir, vocab):
     """An unsupported architecture, a missing key, an unsupported rope scaling: each named."""
     with pytest.raises(UnsupportedArchitectureError, match=r"'phi3' is not supported; supported: llama, qwen2"):
-        resolve_model_path(str(_small_gguf(workdir / "phi3.gguf", "phi3", vocab, **GOOD_KEYS)))
+        _convert(_small_gguf(workdir / "phi3.gguf", "phi3", vocab, **GOOD_KEYS))
     missing = {k: v for k, v in GOOD_KEYS.items() if k != "context_length"}
     with pytest.raises(InvalidGGUFError, match=r"no qwen3\.context_length key"):
-        resolve_model_path(str(_small_gguf(workdir / "nokey.gguf", "qwen3", vocab, **missing)))
+        _convert(_small_gguf(workdir / "nokey.gguf", "qwen3", vocab, **missing))
     yarn = {**GOOD_KEYS, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}
     with pytest.raises(UnsupportedArchitectureError, match="rope scaling 'yarn' is not supported"):
-        resolve_model_path(str(_small_gguf(workdir / "yarn.gguf", "qwen2", vocab, **yarn)))
+        _convert(_small_gguf(workdir / "yarn.gguf", "qwen2", vocab, **yarn))
     models = workdir / "cache" / "models"
     assert not [p for p in models.iterdir() if p.is_dir() and not p.name.startswith(".")
                 and not (p / "model.safetensors").exists()]  # no half-converted directory left
