@@ -220,17 +220,19 @@ def llama3_rope_factors(params: Mapping[str, float], theta: float, head_dim: int
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended))
 
 
-def llama3_rope_from_freqs(freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+def llama3_rope_from_freqs(freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
     """HF llama3 rope_scaling that reproduces a file's rope_freqs tensor (checked, else raises).
 
     The tensor keeps 1 for short wavelengths, `factor` for long ones and a blend between, where
     the blend weight is linear in 1 / wavelength: two or more blended frequencies fix it (up to a
     common scale of original_max_position_embeddings, low and high that changes nothing; low = 1
     as every llama3 release). With fewer, high / low = 4 (llama 3.1 / 3.2) is assumed, and the
-    result is checked against the tensor either way."""
+    result is checked against the tensor either way. None for a tensor of ones (no scaling)."""
     if freqs.shape != (head_dim // 2,):
         raise InvalidGGUFError(f"GGUF rope_freqs has shape {freqs.shape}, expected ({head_dim // 2},)")
     factor = float(str(np.float32(freqs.max())))  # as written: 8.0, not 8.0000001
+    if factor <= 1 + 1e-6 and freqs.min() >= 1 - 1e-6:
+        return None  # all ones: no scaling
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     x = inv_freq / (2 * math.pi)  # 1 / wavelength
     band = (freqs > 1 + 1e-6) & (freqs < factor * (1 - 1e-6))
@@ -243,21 +245,26 @@ def llama3_rope_from_freqs(freqs: np.ndarray, theta: float, head_dim: int) -> di
         high = 4.0
         if band.sum() == 1:
             original = (weight[0] + 1 / 3) * 3 / x[band][0]
-        else:  # no blended frequency: any band inside the gap between kept and slowed ones
-            kept, slowed = x[freqs <= 1 + 1e-6], x[freqs >= factor * (1 - 1e-6)]
-            gap_low = slowed.max() if slowed.size else x.min() / 2
-            gap_high = kept.min() if kept.size else x.max() * 2
-            original = math.sqrt(4 / (gap_low * gap_high)) if gap_high > 4 * gap_low else 0.0
+        else:  # no blended frequency: put the band between the kept and the slowed wavelengths
+            wavelen = 1 / x
+            kept = wavelen[freqs <= 1 + 1e-6].max(initial=wavelen.min() / 2)
+            slowed = wavelen[freqs >= factor * (1 - 1e-6)].min(initial=wavelen.max() * 2)
+            original = math.sqrt(kept * slowed)  # < every slowed wavelength (low = 1)
+            high = math.sqrt(original / kept)  # original / high > every kept wavelength
     params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
               "high_freq_factor": float(high), "original_max_position_embeddings": float(original)}
-    if not (original > 0 and high > 1 and factor >= 1) or not np.allclose(
-            llama3_rope_factors(params, theta, head_dim), freqs, rtol=1e-4):
+    if not (original > 0 and high > 1 and factor >= 1 and _reproduces(params, freqs, theta, head_dim)):
         raise UnsupportedArchitectureError("GGUF rope_freqs do not follow llama3 rope scaling; "
                                            "supported: llama3 rope_freqs, linear rope scaling")
-    params["original_max_position_embeddings"] = round(original)  # an int in every HF config
-    if not np.allclose(llama3_rope_factors(params, theta, head_dim), freqs, rtol=1e-4):
-        params["original_max_position_embeddings"] = float(original)
-    return params
+    # The fit's 3.99999997 / 8191.9998 are the release's 4 / 8192: keep the round values when
+    # they reproduce the tensor as well (an int original_max_position_embeddings, as HF configs).
+    rounded = {**params, "high_freq_factor": float(f"{high:.6g}"),
+               "original_max_position_embeddings": round(original)}
+    return rounded if _reproduces(rounded, freqs, theta, head_dim) else params
+
+
+def _reproduces(params: Mapping[str, Any], freqs: np.ndarray, theta: float, head_dim: int) -> bool:
+    return bool(np.allclose(llama3_rope_factors(params, theta, head_dim), freqs, rtol=1e-4))
 
 
 def _gemma3_fields(meta: _Meta, config: dict[str, Any], rope_theta: float,
