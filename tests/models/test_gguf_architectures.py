@@ -249,3 +249,43 @@ def test_gguf_errors_are_specific(workdir, vocab):
     models = workdir / "cache" / "models"
     assert not [p for p in models.iterdir() if p.is_dir() and not p.name.startswith(".")
                 and not (p / "model.safetensors").exists()]  # no half-converted directory left
+
+
+def test_gemma3_sentencepiece_tokenizer(workdir):
+    """Gemma's own vocabulary kind (tokenizer.ggml.model "llama": scored pieces, byte fallback,
+    no space prefix, BOS added): Gemma's tokenizer class reads it from the file."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from engine.models.gguf_convert import convert_gguf
+
+    pieces = ["▁", "t", "h", "e", "a", "c", "i", "s", "n", "th", "the", "▁the", "at", "▁c", "▁cat",
+              "is", "▁is", "in", "▁in"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *pieces,
+              "<start_of_turn>", "<end_of_turn>"]
+    path = workdir / "gemma3-spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    for key, value in GOOD_KEYS.items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"gemma3.{key}", value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0])
+    writer.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * len(pieces) + [3, 3])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    convert_gguf(path, workdir / "gemma3-spm")
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "gemma3-spm")
+    ids = tokenizer("the cat is in the<end_of_turn>x")["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == [
+        "<bos>", "the", "▁cat", "▁is", "▁in", "▁the", "<end_of_turn>", "<0x78>"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "the cat is in thex"
+    assert json.loads((workdir / "gemma3-spm" / "config.json").read_text())["vocab_size"] == len(tokens)
