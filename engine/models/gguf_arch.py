@@ -192,6 +192,22 @@ def gguf_config_dict(reader: Any) -> dict[str, Any]:
     return config
 
 
+# Control tokens that end a chat turn (llama.cpp also stops on these, whatever the eos id says).
+_END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+
+
+def end_of_generation_ids(reader: Any) -> list[int]:
+    """eos first, then the file's eot / eom ids and its end-of-turn control tokens (Gemma's
+    <end_of_turn> is not its eos): generation_config.json's eos_token_id list."""
+    ids = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None:
+        control = np.flatnonzero(np.asarray(types.contents()) == 3)  # 3: CONTROL
+        ids += [int(i) for i in control
+                if bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace") in _END_OF_TURN]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def _rope_scaling(reader: Any, meta: _Meta, theta: float, head_dim: int) -> dict[str, Any] | None:
     """HF rope_scaling from rope.scaling.* keys or a llama3 `rope_freqs` tensor; None if none."""
     kind = meta.get("rope.scaling.type")

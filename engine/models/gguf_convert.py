@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from engine.models.gguf_arch import (  # noqa: F401 - re-exported: the converter's public names
-    SUPPORTED_GGUF_ARCHITECTURES, gguf_architecture, gguf_config_dict, hf_tensor_name, is_norm,
-    unpermute_rope_rows,
+    SUPPORTED_GGUF_ARCHITECTURES, end_of_generation_ids, gguf_architecture, gguf_config_dict,
+    hf_tensor_name, is_norm, unpermute_rope_rows,
 )
 
 # Tensors the file may carry that are not checkpoint weights (read as metadata instead).
@@ -68,9 +68,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = AutoConfig.for_model(config_dict["model_type"], **fields)
     config.architectures = config_dict["architectures"]
     config.save_pretrained(out_dir)
+    stop_ids = end_of_generation_ids(reader)
     GenerationConfig(
         bos_token_id=config_dict["bos_token_id"],
-        eos_token_id=config_dict["eos_token_id"],
+        eos_token_id=stop_ids if len(stop_ids) > 1 else config_dict["eos_token_id"],
         pad_token_id=config_dict["pad_token_id"],
     ).save_pretrained(out_dir)
     save_file(gguf_state_dict(reader, config_dict), str(out_dir / "model.safetensors"),

@@ -253,7 +253,8 @@ def test_gguf_errors_are_specific(workdir, vocab):
 
 def test_gemma3_sentencepiece_tokenizer(workdir):
     """Gemma's own vocabulary kind (tokenizer.ggml.model "llama": scored pieces, byte fallback,
-    no space prefix, BOS added): Gemma's tokenizer class reads it from the file."""
+    no space prefix, BOS added): Gemma's tokenizer class reads it from the file; its
+    <end_of_turn> control token ends generation besides <eos>."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -289,3 +290,6 @@ def test_gemma3_sentencepiece_tokenizer(workdir):
         "<bos>", "the", "▁cat", "▁is", "▁in", "▁the", "<end_of_turn>", "<0x78>"]
     assert tokenizer.decode(ids, skip_special_tokens=True) == "the cat is in thex"
     assert json.loads((workdir / "gemma3-spm" / "config.json").read_text())["vocab_size"] == len(tokens)
+    # Generation also stops at <end_of_turn>, which is not Gemma's eos (as llama.cpp does).
+    generation = json.loads((workdir / "gemma3-spm" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [1, tokens.index("<end_of_turn>")]
