@@ -199,18 +199,25 @@ def test_gguf_packed_weights_are_the_files(model, cpu_quant):
 
 
 @pytest.mark.parametrize("model", ["gemma3"], indirect=True)
-def test_engine_serves_a_gemma3_gguf(model, make_llm):
-    """The whole path from a .gguf model argument: LLM(...) greedy == HF on the file's weights."""
+def test_engine_serves_a_gemma3_gguf(model, make_llm, cpu_quant):
+    """The whole path from a .gguf model argument: LLM(...) greedy == HF on the file's weights;
+    with quantization="gguf" the engine runs on the file's blocks (the tied head's Q8_0)."""
     from engine import SamplingParams
 
-    gemma = model
     prompt = _prompt()
-    with _private_cache(gemma["quant"].parent):  # the engine resolves the .gguf path itself
-        llm = make_llm(str(gemma["quant"]), dtype="float32", multiprocess=False, max_model_len=128,
-                       kv_cache_memory=1 << 24, block_size=8, num_threads=1, quantization="none")
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == _hf_greedy(gemma["quant_dir"], prompt)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    engine_args = dict(dtype="float32", multiprocess=False, max_model_len=128, kv_cache_memory=1 << 24,
+                       block_size=8, num_threads=1)
+    outputs = {}
+    for quantization in ("none", "gguf"):
+        with _private_cache(model["quant"].parent):  # the engine resolves the .gguf path itself
+            llm = make_llm(str(model["quant"]), quantization=quantization, **engine_args)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outputs[quantization] = out[0].outputs[0].token_ids
+    assert outputs["none"] == _hf_greedy(model["quant_dir"], prompt)
+    head = llm.engine_core.engine_core.model_executor.worker.model_runner.model.lm_head
+    assert head.quant is not None and head.quant.source == "Q8_0"
+    assert len(outputs["gguf"]) == NUM_NEW
 
 
 def _small_gguf(path: Path, arch: str, vocab, **keys) -> Path:
