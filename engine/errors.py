@@ -38,6 +38,10 @@ class UnsupportedArchitectureError(EngineError, ValueError):
     """config.architectures names a model class this engine does not implement."""
 
 
+class InvalidGGUFError(EngineError, ValueError):
+    """A GGUF file lacks a metadata key or tensor its architecture needs, or holds an unusable one."""
+
+
 class InsufficientKVCacheError(EngineError, ValueError):
     """The KV cache budget cannot hold even one request of max_model_len tokens."""
 

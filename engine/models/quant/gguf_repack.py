@@ -10,8 +10,9 @@ so the values are bit-for-bit the file's):
   from the dequantized values (asymmetric min/max: exact where a block spans its 16 levels)
 - any other quantized type (Q6_K, Q5_*, ...) -> b8, requantized per block of 32 (symmetric int8)
 
-F32 / F16 / BF16 tensors are left to the dense path. Q and K rows are un-permuted as in
-gguf_convert (llama.cpp interleaves rope halves); a row permutation moves whole rows of blocks.
+F32 / F16 / BF16 tensors are left to the dense path. Names follow the file's architecture
+(gguf_arch.py); Q and K rows of llama files are un-permuted as in gguf_convert (llama.cpp
+interleaves rope halves); a row permutation moves whole rows of blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.models.gguf_convert import hf_tensor_name, unpermute_rope_rows
+from engine.models.gguf_arch import gguf_architecture, hf_tensor_name, unpermute_rope_rows
 from kernels.cpu_quant import BLOCK, QuantWeight, pack_blocks
 
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
@@ -103,15 +104,16 @@ def read_gguf_quantized(gguf_path: Path, hf_config: Any) -> dict[str, Unpacked]:
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     reader = GGUFReader(str(gguf_path))
+    arch = gguf_architecture(reader)
     out: dict[str, Unpacked] = {}
     for t in reader.tensors:
         type_name = t.tensor_type.name
         if type_name in _DENSE_TYPES or len(t.shape) != 2:
             continue
         cols, rows = (int(n) for n in t.shape)  # GGUF lists dims innermost first
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         unpacked = unpack_tensor(type_name, np.asarray(t.data), rows, cols)
-        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.k_proj.weight"):
+        if arch.permuted_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             n_heads = heads if ".q_proj." in name else kv_heads
             unpacked.q = unpermute_rope_rows(unpacked.q, n_heads)
             unpacked.d = unpermute_rope_rows(unpacked.d, n_heads)
