@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from engine import LLM, EngineArgs, SamplingParams  # noqa: E402
 from engine.errors import EngineDeadError  # noqa: E402
-from engine.executor.ray_utils import RAY_NAMESPACE  # noqa: E402
+from engine.executor.ray_utils import RAY_NAMESPACE, WorkerNodeInfo  # noqa: E402
 from engine.frontend.dp_client import SyncDPClient  # noqa: E402
 from engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
 from llm_helpers import random_prompts  # noqa: E402
@@ -57,6 +57,27 @@ def test_core_bundle_and_frontend_host() -> None:
                        {"GPU": 4.0}) == {"CPU": 1.0}  # the core's workers reserve their own GPUs
     assert frontend_host(["a", "a"], "a", "10.0.0.1") is None  # one machine: ipc / loopback
     assert frontend_host(["a", "b"], "a", "10.0.0.1") == "10.0.0.1"  # tcp + CURVE on this node
+
+
+def test_a_core_on_another_node_gets_curve_tcp_sockets() -> None:
+    """The frontend binds tcp with CURVE on its node's address; the core's KV-events PUB on the core's."""
+    args = EngineArgs(data_parallel_size=2, data_parallel_backend="ray", enable_kv_cache_events=True)
+    resources = RayEngineProcess(args, actor=None, node=WorkerNodeInfo("other", "127.0.0.2", 1), host="127.0.0.1",
+                                 name="lmc-core-test")
+    try:
+        addresses = resources.addresses
+        assert addresses.input_address.startswith("tcp://127.0.0.1:") and not addresses.input_address.endswith(":*")
+        assert addresses.output_addresses[0].startswith("tcp://127.0.0.1:") and addresses.curve is not None
+        assert addresses.kv_events_endpoint == "tcp://127.0.0.2:*" and addresses.ipc_dir is None
+    finally:
+        resources.close()
+    same_node = RayEngineProcess(EngineArgs(), actor=None, node=WorkerNodeInfo("here", "127.0.0.1", 1), host=None,
+                                 name="lmc-core-test")
+    try:
+        assert same_node.addresses.input_address.startswith("ipc://") and same_node.addresses.curve is None
+        assert os.stat(same_node.addresses.ipc_dir).st_mode & 0o777 == 0o700
+    finally:
+        same_node.close()
 
 
 def test_dp2_over_ray_equals_dp1_and_a_dead_core_actor_fails_every_caller(local_ray, tiny_llama_dir) -> None:
