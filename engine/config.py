@@ -287,10 +287,11 @@ class EngineArgs:
         if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
             raise InvalidEngineArgsError(
                 "data_parallel_routing='prefix' needs enable_prefix_caching=True (it follows each core's prefix cache).")
-        if size > 1:
+        if size > 1 or self.data_parallel_backend == "ray":  # ray: even one core runs as an actor
             if not self.multiprocess:
                 raise InvalidEngineArgsError(
-                    f"data_parallel_size={size} needs multiprocess=True: each engine core runs in its own process.")
+                    f"data_parallel_size={size} with data_parallel_backend={self.data_parallel_backend!r} needs "
+                    "multiprocess=True: each engine core runs in its own process.")
             if self.kv_events_endpoint is not None:
                 raise InvalidEngineArgsError(
                     f"kv_events_endpoint={self.kv_events_endpoint!r} cannot be shared by {size} engine cores: leave "

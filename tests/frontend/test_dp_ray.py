@@ -16,7 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from engine import LLM, EngineArgs, SamplingParams  # noqa: E402
-from engine.errors import EngineDeadError  # noqa: E402
+from engine.errors import EngineDeadError, InvalidEngineArgsError  # noqa: E402
 from engine.executor.ray_utils import RAY_NAMESPACE, WorkerNodeInfo  # noqa: E402
 from engine.frontend.dp_client import SyncDPClient  # noqa: E402
 from engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
@@ -57,6 +57,11 @@ def test_core_bundle_and_frontend_host() -> None:
                        {"GPU": 4.0}) == {"CPU": 1.0}  # the core's workers reserve their own GPUs
     assert frontend_host(["a", "a"], "a", "10.0.0.1") is None  # one machine: ipc / loopback
     assert frontend_host(["a", "b"], "a", "10.0.0.1") == "10.0.0.1"  # tcp + CURVE on this node
+
+
+def test_ray_cores_need_multiprocess() -> None:
+    with pytest.raises(InvalidEngineArgsError, match="multiprocess=True"):
+        LLM(None, data_parallel_backend="ray", multiprocess=False)  # even one core would be an actor
 
 
 def test_a_core_on_another_node_gets_curve_tcp_sockets() -> None:
