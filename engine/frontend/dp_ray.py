@@ -17,7 +17,9 @@ core waits on it and, when it fails (the actor's process killed, its node lost),
 core's reader thread through a pipe that stands in for a process sentinel, so every caller
 gets EngineDeadError at once. Orphans: the actors are owned by the frontend's Ray driver, so
 Ray ends them when the frontend exits, however it exits; shutdown kills them and removes the
-placement group (and stops the Ray instance the frontend started, if it started one).
+placement group (and stops the Ray instance the frontend started, if it started one). Ray ends
+those actors with SIGKILL, so a core on the frontend's node also watches the frontend's process
+and removes its socket directory when it is gone.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
+import shutil
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -50,12 +55,43 @@ class RayEngineCoreActor:
     def node_info(self) -> bytes:
         return node_info()
 
-    def run(self, engine_args: EngineArgs, addresses: EngineAddresses, identity: bytes) -> None:
-        """The engine core, as in a core process; returns when the core shuts down."""
+    def run(self, engine_args: EngineArgs, addresses: EngineAddresses, identity: bytes,
+            frontend_pid: int | None = None) -> None:
+        """The engine core, as in a core process; returns when the core shuts down.
+
+        frontend_pid: the frontend's process on this node, whose private socket directory this
+        core removes as soon as that process is gone.
+        """
         # The actor's owner (the frontend's driver) ending ends the actor: no death pipe needed.
+        # But Ray ends it with SIGKILL, so the core's own clean-up would not run: a frontend
+        # killed with SIGKILL would leave its socket directory behind without this watcher.
+        if frontend_pid is not None and addresses.ipc_dir is not None:
+            threading.Thread(target=_remove_when_gone, args=(frontend_pid, addresses.ipc_dir),
+                             name="FrontendWatch", daemon=True).start()
         from engine.core.engine_core_proc import run_engine_core
 
         run_engine_core(engine_args, addresses, identity, None)
+
+
+def _remove_when_gone(pid: int, path: str) -> None:
+    """Remove path once process pid has exited (pidfd where Linux has it, else polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+        os.close(fd)
+    else:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            time.sleep(0.2)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def core_bundle(engine_args: EngineArgs, cluster_resources: dict[str, float]) -> dict[str, float]:
@@ -154,7 +190,8 @@ class RayEngineProcess(EngineProcess):
         """Start the core's busy loop in its actor (Ray serializes the arguments; the engine's
         own messages then go over the sockets bound above)."""
         ray = import_ray(_OPTION)
-        run_ref = self.actor.run.remote(self.engine_args, self.addresses, self.core_identity)
+        frontend_pid = os.getpid() if self.host is None else None  # same node: same pids
+        run_ref = self.actor.run.remote(self.engine_args, self.addresses, self.core_identity, frontend_pid)
         self.proc = _RayCoreHandle(ray, self.actor, run_ref, self.node.pid)
 
     def exit_description(self) -> str:

@@ -59,6 +59,26 @@ def test_core_bundle_and_frontend_host() -> None:
     assert frontend_host(["a", "b"], "a", "10.0.0.1") == "10.0.0.1"  # tcp + CURVE on this node
 
 
+def test_a_core_removes_the_socket_dir_of_a_frontend_that_is_gone(tmp_path) -> None:
+    """Ray ends the core actors of a dead frontend with SIGKILL; their watcher cleans up first."""
+    import subprocess
+    import sys
+
+    from engine.frontend.dp_ray import _remove_when_gone
+
+    socket_dir = tmp_path / "lmc-engine-x"
+    socket_dir.mkdir()
+    frontend = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    watcher = threading.Thread(target=_remove_when_gone, args=(frontend.pid, str(socket_dir)))
+    watcher.start()
+    assert socket_dir.exists()
+    frontend.kill()
+    watcher.join(30)  # returns once the process is gone (and reaped below if need be)
+    frontend.wait()
+    watcher.join()
+    assert not socket_dir.exists()
+
+
 def test_ray_cores_need_multiprocess() -> None:
     with pytest.raises(InvalidEngineArgsError, match="multiprocess=True"):
         LLM(None, data_parallel_backend="ray", multiprocess=False)  # even one core would be an actor
