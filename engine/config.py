@@ -76,7 +76,7 @@ class EngineArgs:
     # frontend; each core's data_parallel_rank is set by the DP client (leave it at 0).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    data_parallel_backend: str = "mp"  # mp (one process per core) | ray (not supported yet)
+    data_parallel_backend: str = "mp"  # mp (one process per core) | ray (one Ray actor per core)
     data_parallel_routing: str = "least_loaded"  # least_loaded | prefix (prefer the longest cached prefix)
     # Reliability (issue 18): logprobs per token a request may ask for (vLLM's max_logprobs;
     # -1: no limit), and how long the frontend waits for the engine core's heartbeat before it
@@ -287,15 +287,11 @@ class EngineArgs:
         if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
             raise InvalidEngineArgsError(
                 "data_parallel_routing='prefix' needs enable_prefix_caching=True (it follows each core's prefix cache).")
-        if size > 1:
-            if self.data_parallel_backend == "ray":
-                raise InvalidEngineArgsError(
-                    "data_parallel_backend='ray' is not supported yet: the engine cores run as local processes "
-                    "(data_parallel_backend='mp'); distributed_executor_backend='ray' spreads each core's workers "
-                    "over a Ray cluster.")
+        if size > 1 or self.data_parallel_backend == "ray":  # ray: even one core runs as an actor
             if not self.multiprocess:
                 raise InvalidEngineArgsError(
-                    f"data_parallel_size={size} needs multiprocess=True: each engine core runs in its own process.")
+                    f"data_parallel_size={size} with data_parallel_backend={self.data_parallel_backend!r} needs "
+                    "multiprocess=True: each engine core runs in its own process.")
             if self.kv_events_endpoint is not None:
                 raise InvalidEngineArgsError(
                     f"kv_events_endpoint={self.kv_events_endpoint!r} cannot be shared by {size} engine cores: leave "

@@ -87,9 +87,13 @@ class EngineAddresses:
 
 
 def make_engine_addresses(transport: str = "ipc", num_clients: int = 1,
-                          kv_events: bool = False, kv_events_endpoint: str | None = None
-                          ) -> EngineAddresses:
-    """Fresh addresses: ipc paths in a new 0700 temp dir, or tcp ports on 127.0.0.1."""
+                          kv_events: bool = False, kv_events_endpoint: str | None = None,
+                          host: str = "127.0.0.1", kv_events_host: str | None = None) -> EngineAddresses:
+    """Fresh addresses: ipc paths in a new 0700 temp dir, or tcp ports on 127.0.0.1.
+
+    host / kv_events_host (tcp only): where the frontend's sockets / the core's KV-events PUB
+    bind when the core runs on another machine (a Ray data-parallel core); CURVE either way.
+    """
     if transport == "ipc":
         ipc_dir = tempfile.mkdtemp(prefix="lmc-engine-")  # mkdtemp creates it 0700
         os.chmod(ipc_dir, 0o700)
@@ -104,9 +108,9 @@ def make_engine_addresses(transport: str = "ipc", num_clients: int = 1,
     if transport == "tcp":
         # Port 0: the frontend binds first and reads back the port (see bind_socket).
         return EngineAddresses(
-            input_address="tcp://127.0.0.1:*",
-            output_addresses=["tcp://127.0.0.1:*"] * num_clients,
-            kv_events_endpoint=(kv_events_endpoint or "tcp://127.0.0.1:*") if kv_events else None,
+            input_address=f"tcp://{host}:*",
+            output_addresses=[f"tcp://{host}:*"] * num_clients,
+            kv_events_endpoint=(kv_events_endpoint or f"tcp://{kv_events_host or host}:*") if kv_events else None,
             curve=CurveKeys.generate(),
         )
     from engine.errors import InvalidEngineArgsError

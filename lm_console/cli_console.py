@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
-    BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt,
+    BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt,
     KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, console_threads,
     engine_args, parallel_args, parse_range,
@@ -94,6 +94,7 @@ def tui(
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
     distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
+    data_parallel_backend: DataParallelBackendOpt = "mp",
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
     kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01,
 ) -> None:
@@ -106,7 +107,7 @@ def tui(
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
-                              data_parallel_routing))
+                              data_parallel_routing, data_parallel_backend))
     args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
                 kv_cache_metrics_sample=kv_cache_metrics_sample)
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)

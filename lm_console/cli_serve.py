@@ -15,7 +15,8 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
-    AsyncSchedulingOpt, BlockSizeOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt,
+    AsyncSchedulingOpt, BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt,
+    ExecutorBackendOpt,
     KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
     parallel_args,
@@ -38,6 +39,7 @@ def serve(
     num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
     tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
     distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
+    data_parallel_backend: DataParallelBackendOpt = "mp",
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
@@ -86,7 +88,7 @@ def serve(
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                        enable_prefix_caching, num_threads, async_scheduling)
     args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
-                              data_parallel_routing))
+                              data_parallel_routing, data_parallel_backend))
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:

@@ -34,13 +34,15 @@ DataParallelOpt = Annotated[int, typer.Option(
     help="Engine cores behind one frontend, each with the whole model and its own KV cache (the console: c cycles).")]
 ExecutorBackendOpt = Annotated[str, typer.Option(
     help="Where a core's workers run: uni (in the core) | ray (Ray actors, across a Ray cluster).")]
+DataParallelBackendOpt = Annotated[str, typer.Option(
+    help="Where the --data-parallel-size engine cores run: mp (processes here) | ray (Ray actors, across a Ray cluster).")]
 DataParallelRoutingOpt = Annotated[str, typer.Option(
     help="least_loaded | prefix (prefer the core holding the request's longest cached prefix).")]
 
 
 def parallel_args(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                   distributed_executor_backend: str = "uni",
-                  data_parallel_routing: str = "least_loaded") -> dict[str, Any]:
+                  data_parallel_routing: str = "least_loaded", data_parallel_backend: str = "mp") -> dict[str, Any]:
     """EngineArgs keyword arguments of the scale-out flags (defaults left out; the engine checks them)."""
     args: dict[str, Any] = {}
     if tensor_parallel_size != 1:
@@ -51,6 +53,8 @@ def parallel_args(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
         args["distributed_executor_backend"] = distributed_executor_backend
     if data_parallel_routing != "least_loaded":
         args["data_parallel_routing"] = data_parallel_routing
+    if data_parallel_backend != "mp":
+        args["data_parallel_backend"] = data_parallel_backend
     return args
 
 

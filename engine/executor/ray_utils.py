@@ -28,13 +28,13 @@ RAY_NAMESPACE = "lm-console"
 PLACEMENT_TIMEOUT_S = float(os.environ.get("LMC_RAY_PLACEMENT_TIMEOUT", "60"))
 
 
-def import_ray() -> Any:
-    """The ray module, or a clear error naming the extra to install."""
+def import_ray(option: str = "distributed_executor_backend") -> Any:
+    """The ray module, or a clear error naming the option that asked for it and the extra to install."""
     try:
         import ray
     except ImportError:
         raise InvalidEngineArgsError(
-            "distributed_executor_backend='ray' needs Ray: pip install 'lm-console[ray]' (or pip install ray).") from None
+            f"{option}='ray' needs Ray: pip install 'lm-console[ray]' (or pip install ray).") from None
     return ray
 
 
@@ -64,9 +64,9 @@ def core_ray_environment() -> dict[str, str]:
     return environment
 
 
-def connect() -> bool:
+def connect(option: str = "distributed_executor_backend") -> bool:
     """Join the cluster (see the module docstring); True when this call started a local instance."""
-    ray = import_ray()
+    ray = import_ray(option)
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
@@ -86,21 +86,23 @@ def worker_bundle(device: str) -> dict[str, float]:
     return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
 
 
-def make_placement_group(world_size: int, device: str) -> Any:
-    """One bundle per rank, reserved before any actor starts; a clear error when the cluster is too small."""
+def make_placement_group(world_size: int, device: str, bundle: dict[str, float] | None = None,
+                         what: str = "workers", remedy: str = "lower tensor_parallel_size") -> Any:
+    """One bundle per rank (worker_bundle(device) unless given), reserved before any actor starts;
+    a clear error when the cluster is too small."""
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundle = worker_bundle(device)
+    bundle = bundle or worker_bundle(device)
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         raise EngineStartupError(
-            f"The Ray cluster cannot place {world_size} workers with {bundle} each within "
+            f"The Ray cluster cannot place {world_size} {what} with {bundle} each within "
             f"{PLACEMENT_TIMEOUT_S:.0f} s: it has {ray.cluster_resources()} in all and "
-            f"{ray.available_resources()} free. Add nodes (ray start --address ...) or lower tensor_parallel_size."
+            f"{ray.available_resources()} free. Add nodes (ray start --address ...) or {remedy}."
         ) from None
     return group
 
@@ -114,6 +116,16 @@ class WorkerNodeInfo(msgspec.Struct, array_like=True):
     gpu_ids: list[str] = []
 
 
+def node_info() -> bytes:
+    """This actor's WorkerNodeInfo, msgpack-encoded."""
+    import ray
+
+    context = ray.get_runtime_context()
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+    return msgspec.msgpack.encode(WorkerNodeInfo(context.get_node_id(), ray.util.get_node_ip_address(),
+                                                 os.getpid(), gpu_ids))
+
+
 class RayWorkerWrapper:
     """The body of one worker actor: the engine's Worker, built once the executor knows the ranks."""
 
@@ -121,12 +133,7 @@ class RayWorkerWrapper:
         self.worker: Any = None
 
     def node_info(self) -> bytes:
-        import ray
-
-        context = ray.get_runtime_context()
-        gpu_ids = [str(i) for i in ray.get_gpu_ids()]
-        return msgspec.msgpack.encode(WorkerNodeInfo(context.get_node_id(), ray.util.get_node_ip_address(),
-                                                     os.getpid(), gpu_ids))
+        return node_info()
 
     def free_port(self) -> int:
         """A free TCP port on this node (torch.distributed's rendezvous, served by rank 0)."""

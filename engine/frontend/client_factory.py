@@ -14,14 +14,19 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
+def _data_parallel(engine_args: EngineArgs) -> bool:
+    """The DP client: several cores, or one core as a Ray actor (data_parallel_backend="ray")."""
+    return engine_args.data_parallel_size > 1 or engine_args.data_parallel_backend == "ray"
+
+
 def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
                 ) -> tuple[EngineCoreClient, EngineConfig]:
-    """The client LLM uses and the frontend config: SyncDPClient for data_parallel_size > 1,
+    """The client LLM uses and the frontend config: SyncDPClient for data_parallel_size > 1 or Ray cores,
     SyncMPClient by default, InprocClient with multiprocess=False.
 
     while_starting runs while separate core processes start (not for the in-process core).
     """
-    if engine_args.data_parallel_size > 1:
+    if _data_parallel(engine_args):
         client: EngineCoreClient = SyncDPClient(engine_args, while_starting=while_starting)
         return client, engine_args.create_frontend_config(client.ready_info)  # type: ignore[attr-defined]
     if engine_args.multiprocess:
@@ -34,7 +39,7 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
 def make_async_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
                       ) -> AsyncMPClient | AsyncDPClient:
     """The client AsyncLLM uses: AsyncDPClient for data_parallel_size > 1, else AsyncMPClient."""
-    if engine_args.data_parallel_size > 1:
+    if _data_parallel(engine_args):
         return AsyncDPClient(engine_args, while_starting=while_starting)
     return AsyncMPClient(engine_args, while_starting=while_starting)
 

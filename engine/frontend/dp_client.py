@@ -1,6 +1,7 @@
 """Data parallelism: data_parallel_size engine cores behind one frontend client (vLLM: DPLBAsyncMPClient).
 
-Each core is a full EngineCore in its own process (engine/frontend/engine_process.py), with its
+Each core is a full EngineCore in its own process (engine/frontend/engine_process.py; with
+data_parallel_backend="ray" a Ray actor, engine/frontend/dp_ray.py), with its
 own executor and KV cache and its data_parallel_rank in its config; it tags its outputs,
 SchedulerStats and KV event batches with that rank. One MPClient per core reads that core's
 outputs into a _CoreSink, which resolves the core's own utility calls, lets the DPRouter
@@ -56,6 +57,7 @@ class _CoreGroup:
         self.router = router
         self.sinks: list[_CoreSink] = []
         self.resources: list[Any] = []  # each core's EngineProcess
+        self.after_close: Callable[[], None] | None = None  # the Ray backend's placement group and actors
         self.lock = threading.Lock()
         self.close_lock = threading.Lock()
         self.stopping = False
@@ -83,6 +85,8 @@ class _CoreGroup:
         with self.close_lock:
             for sink, resources in zip(self.sinks, self.resources):
                 resources.close(sink)
+            if self.after_close is not None:
+                self.after_close()
         closer = self.closer
         if closer is not None and closer is not threading.current_thread():
             closer.join()
@@ -122,7 +126,13 @@ class DPClient(EngineCoreClient):
         # handshake is awaited in rank order.
         launched: list[EngineProcess] = []
         try:
-            for rank in range(num_cores):
+            if engine_args.data_parallel_backend == "ray":  # Ray actors (engine/frontend/dp_ray.py)
+                from engine.frontend.dp_ray import RayCores
+
+                ray_cores = RayCores(engine_args, [core_engine_args(engine_args, r) for r in range(num_cores)])
+                self.group.after_close = ray_cores.close
+                launched.extend(ray_cores.processes)
+            for rank in range(len(launched), num_cores):
                 launched.append(EngineProcess(core_engine_args(engine_args, rank)))
                 launched[-1].launch()
             if while_starting is not None:
@@ -138,6 +148,8 @@ class DPClient(EngineCoreClient):
         except BaseException:
             for resources in launched:  # a core that failed closed itself; close() is idempotent
                 resources.close()
+            if self.group.after_close is not None:
+                self.group.after_close()
             raise
         self._latest_stats: dict[int, SchedulerStats] = {}
         self.ready_info = self.cores[0].ready_info

@@ -25,7 +25,7 @@ import zmq
 import engine.errors
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, EngineStartupError
-from engine.ipc import MsgpackDecoder, MsgpackEncoder, make_engine_addresses, make_socket
+from engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_engine_addresses, make_socket
 from engine.protocol import (
     EngineCoreReadyInfo, EngineCoreRequestType, EngineCoreStartupFailure,
 )
@@ -57,9 +57,7 @@ class EngineProcess:
     def __init__(self, engine_args: EngineArgs, num_clients: int = 1) -> None:
         engine_args._verify()  # a bad argument fails here, before any socket or process exists
         self.engine_args = engine_args
-        self.addresses = make_engine_addresses(
-            engine_args.zmq_transport, num_clients, engine_args.enable_kv_cache_events,
-            engine_args.kv_events_endpoint)
+        self.addresses = self._make_addresses(num_clients)
         self.context = zmq.Context()
         curve = self.addresses.curve
         self.input_socket, self.addresses.input_address = make_socket(
@@ -74,6 +72,16 @@ class EngineProcess:
         self.reader_thread: threading.Thread | None = None
         self.closing = False
         self.closed = False
+
+    def _make_addresses(self, num_clients: int) -> EngineAddresses:
+        """The sockets' addresses (a core on another machine needs others: RayEngineProcess)."""
+        args = self.engine_args
+        return make_engine_addresses(args.zmq_transport, num_clients, args.enable_kv_cache_events,
+                                     args.kv_events_endpoint)
+
+    def exit_description(self) -> str:
+        """Why the core is gone, for the EngineDeadError of its unexpected exit."""
+        return f"The engine core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode}."
 
     def start(self, while_starting: Callable[[], None] | None = None) -> EngineCoreReadyInfo:
         """Start the core and wait for its handshake; raise its start-up error if it fails.
@@ -117,8 +125,7 @@ class EngineProcess:
                 logger.warning("Ignored an unexpected message during the engine handshake")
             elif self.proc.sentinel in events and not self.input_socket.poll(100):
                 raise EngineStartupError(
-                    f"The engine core process exited with code {self.proc.exitcode} before it was "
-                    "ready; its stderr above has the details.")
+                    f"{self.exit_description()} It was not ready yet; its stderr above has the details.")
         raise EngineStartupError(f"The engine core was not ready after {STARTUP_TIMEOUT_S:.0f} s.")
 
     def send(self, request_type: EngineCoreRequestType, obj: Any, encoder: MsgpackEncoder) -> None:

@@ -289,9 +289,7 @@ def _read_outputs(resources: EngineProcess, sink: OutputSink, liveness_timeout_s
                 if socket.poll(50):  # outputs sent just before the exit
                     drain()
                 if not resources.closing:
-                    code = resources.proc.exitcode
-                    sink.on_dead(EngineDeadError(
-                        f"The engine core process (pid {resources.proc.pid}) died with exit code {code}."))
+                    sink.on_dead(EngineDeadError(resources.exit_description()))
                 return
             if liveness_timeout_s is not None and time.monotonic() - last_heard >= liveness_timeout_s:
                 if socket.poll(0):
