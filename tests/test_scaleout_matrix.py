@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,29 +38,20 @@ MAX_TOKENS = 10
 TOP = 5  # logprobs per position for the near-tie rule
 
 
-@dataclass(frozen=True)
-class Mode:
-    engine_args: dict[str, Any]
-    ray: bool = False
-    # The kill at the end of the run: "worker" (rank `rank`), "core" (DP: core `rank`), or None.
-    kill: str | None = None
-    rank: int = 0
-    async_caller: bool = False  # drive the engine through AsyncLLM rather than LLM
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-MODES = {
-    "tp2_mp": Mode(dict(tensor_parallel_size=2)),
-    "tp2_ray": Mode(dict(tensor_parallel_size=2, distributed_executor_backend="ray"), ray=True),
-    "dp2": Mode(dict(data_parallel_size=2)),
+RAY = dict(distributed_executor_backend="ray")
+MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
+    "tp2_mp": dict(tensor_parallel_size=2),
+    "tp2_ray": dict(tensor_parallel_size=2, **RAY),
+    "dp2": dict(data_parallel_size=2),
     # The core in its own process (as under `lmc serve`), its worker on a thread: 2 batches in flight.
-    "async": Mode(dict(async_scheduling=True)),
+    "async": dict(async_scheduling=True),
+    "async_dp2": dict(async_scheduling=True, data_parallel_size=2),
     # The MultiprocExecutor's batch queue: max_concurrent_batches = 2 over worker processes.
-    "async_dp2": Mode(dict(async_scheduling=True, data_parallel_size=2)),
-    "async_tp2_mp": Mode(dict(async_scheduling=True, tensor_parallel_size=2)),
-    "async_tp2_ray": Mode(dict(async_scheduling=True, tensor_parallel_size=2, distributed_executor_backend="ray"),
-                          ray=True),
-    "async_tp3_mp": Mode(dict(async_scheduling=True, tensor_parallel_size=3)),
+    "async_tp2_mp": dict(async_scheduling=True, tensor_parallel_size=2),
+    "async_tp2_ray": dict(async_scheduling=True, tensor_parallel_size=2, **RAY),
+    "async_tp3_mp": dict(async_scheduling=True, tensor_parallel_size=3),
+    # Two engine cores of two worker processes each: a worker's death under DP.
+    "dp2_tp2_mp": dict(data_parallel_size=2, tensor_parallel_size=2),
 }
 
 # (model, mode, what the kill at the end hits, its rank, AsyncLLM caller, slow). Engine start-up
@@ -80,6 +71,7 @@ CELLS = [
     ("gemma3", "tp2_ray", "worker", 0, True, True),
     ("llama", "async_tp2_ray", "worker", 1, False, True),
     ("embedded", "async_tp3_mp", "worker", 2, False, True),
+    ("qwen3", "dp2_tp2_mp", "worker", 1, True, True),
 ]
 
 MODEL_FIXTURES = {"llama": "tiny_llama_dir", "qwen3": "tiny_qwen3_dir", "gemma3": "tiny_gemma3_dir",
@@ -177,14 +169,14 @@ def _ray_workers(ray: Any, core_pid: int, tp: int) -> list[psutil.Process]:
     return [psutil.Process(ray.get(ray.get_actor(name).getpid.remote())) for name in names]
 
 
-def _victim(engine: Any, mode: Mode, kill: str, rank: int, ray: Any) -> int:
+def _victim(engine: Any, args: dict[str, Any], kill: str, rank: int, ray: Any) -> int:
     core_pids = _core_pids(engine)
     if kill == "core":
         return core_pids[rank]
-    if mode.ray:
-        return _ray_workers(ray, core_pids[0], mode.engine_args["tensor_parallel_size"])[rank].pid
-    workers = sorted(_mp_workers(core_pids[0]), key=lambda p: p.create_time())
-    assert len(workers) == mode.engine_args["tensor_parallel_size"]
+    if ray is not None:
+        return _ray_workers(ray, core_pids[0], args["tensor_parallel_size"])[rank].pid
+    workers = sorted(_mp_workers(core_pids[-1]), key=lambda p: p.create_time())  # DP: the last core's
+    assert len(workers) == args["tensor_parallel_size"]
     return workers[rank].pid
 
 
@@ -256,6 +248,7 @@ def _kill_llm_callers(llm: LLM, pid: int) -> float:
         thread.join(30)
     assert not any(t.is_alive() for t in threads)
     assert all(isinstance(errors.get(k), EngineDeadError) for k in ("generate", "poll")), errors
+    assert not any("\x1b" in str(e) for e in errors.values())  # no terminal colour codes (Ray's)
     return max(caught_at.values()) - killed_at
 
 
@@ -266,9 +259,10 @@ def _kill_async_callers(engine: AsyncLLM, pid: int) -> float:
             await stream.__anext__()  # both requests are running
 
         async def drain(stream: Any) -> float:
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError) as error:
                 async for _ in stream:
                     pass
+            assert "\x1b" not in str(error.value)  # no terminal colour codes (Ray's)
             return time.monotonic()
 
         killed_at = time.monotonic()
@@ -286,13 +280,13 @@ def _kill_async_callers(engine: AsyncLLM, pid: int) -> float:
 def test_greedy_equals_tp1_no_leaks_and_sigkill_is_engine_dead(
         request: pytest.FixtureRequest, model: str, mode_name: str, kill: str, rank: int,
         async_caller: bool) -> None:
-    mode = MODES[mode_name]
-    ray = request.getfixturevalue("local_ray") if mode.ray else None
+    args = MODES[mode_name]
+    ray = request.getfixturevalue("local_ray") if args.get("distributed_executor_backend") == "ray" else None
     model_dir = request.getfixturevalue(MODEL_FIXTURES[model])
     ref = _reference(model, model_dir)
     shm_before = _shm()
     processes: list[psutil.Process] = []
-    kwargs = dict(ARGS, **mode.engine_args)
+    kwargs = dict(ARGS, **args)
     engine = (AsyncLLM(str(model_dir), stat_loggers=[], **kwargs) if async_caller
               else LLM(str(model_dir), **kwargs))
     try:
@@ -301,16 +295,16 @@ def test_greedy_equals_tp1_no_leaks_and_sigkill_is_engine_dead(
         print(f"{model} {mode_name}: {exact}/{len(completions)} outputs exactly equal to TP=1 sync")
         states = _block_states(engine)
         assert [s.all_free for s in states] == [True] * len(states), "KV blocks leaked"
-        assert engine.config.scheduler_config.async_scheduling == bool(mode.engine_args.get("async_scheduling"))
+        assert engine.config.scheduler_config.async_scheduling == bool(args.get("async_scheduling"))
 
         core_pids = _core_pids(engine)
-        if mode.ray:
+        if ray is not None:
             processes = [psutil.Process(p) for p in core_pids]
-            processes += _ray_workers(ray, core_pids[0], mode.engine_args["tensor_parallel_size"])
+            processes += _ray_workers(ray, core_pids[0], args["tensor_parallel_size"])
         else:
             processes = [p for pid in core_pids
                          for p in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True))]
-        victim = _victim(engine, mode, kill, rank, ray)
+        victim = _victim(engine, args, kill, rank, ray)
         waited = _kill_async_callers(engine, victim) if async_caller else _kill_llm_callers(engine, victim)
         print(f"{model} {mode_name}: EngineDeadError in every caller {waited:.2f} s after SIGKILL of {kill} {rank}")
         assert waited < 2.0
@@ -319,5 +313,5 @@ def test_greedy_equals_tp1_no_leaks_and_sigkill_is_engine_dead(
     _, alive = psutil.wait_procs(processes, timeout=30)
     assert not alive, f"orphan processes left: {alive}"
     assert not (_shm() - shm_before), "shared-memory segments left in /dev/shm"
-    if mode.ray:
+    if ray is not None:
         assert not ray.util.list_named_actors()  # the core's actors went with it

@@ -64,3 +64,11 @@ def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, 
     finally:
         llm.shutdown()
     assert not ray.util.list_named_actors()  # the core's actors went with it
+
+
+def test_ray_error_messages_lose_their_colour_codes() -> None:
+    from engine.executor.ray_executor import _first_line
+
+    error = RuntimeError("\x1b[36mray::RayWorkerWrapper.execute_method()\x1b[39m (pid=7, ip=127.0.0.1)\n  File ...")
+    assert _first_line(error) == "ray::RayWorkerWrapper.execute_method() (pid=7, ip=127.0.0.1)"
+    assert _first_line(RuntimeError("")) == "RuntimeError('')"
