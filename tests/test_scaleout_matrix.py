@@ -50,11 +50,14 @@ MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
     "async_tp2_mp": dict(async_scheduling=True, tensor_parallel_size=2),
     "async_tp2_ray": dict(async_scheduling=True, tensor_parallel_size=2, **RAY),
     "async_tp3_mp": dict(async_scheduling=True, tensor_parallel_size=3),
+    # 6 usable blocks of 16 tokens for 4 requests of up to 50 tokens: preemptions with a batch in flight.
+    "async_tp2_mp_preempt": dict(async_scheduling=True, tensor_parallel_size=2, max_model_len=64,
+                                 num_gpu_blocks_override=7),
     # Two engine cores of two worker processes each: a worker's death under DP.
     "dp2_tp2_mp": dict(data_parallel_size=2, tensor_parallel_size=2),
 }
 
-# (model, mode, what the kill at the end hits, its rank, AsyncLLM caller, slow). Engine start-up
+# (model, mode, what the kill at the end hits (None: no kill), its rank, AsyncLLM caller, slow). Engine start-up
 # dominates: a core forks from the frontend's forkserver in about a second, while TP workers come
 # from a fresh forkserver in the core (torch imported again: 15-30 s on the shared 2-core box) and
 # Ray actors take as long; so the default run keeps one TP cell and the rest is slow.
@@ -65,11 +68,11 @@ CELLS = [
     ("gemma3", "dp2", "core", 1, False, False),
     ("llama", "async_dp2", "core", 1, False, False),
     ("qwen3", "async_tp2_mp", "worker", 0, True, False),
-    ("llama", "async_tp2_mp", "worker", 1, False, True),
+    ("llama", "async_tp2_mp_preempt", None, 0, False, True),
     ("gemma3", "async_tp2_mp", "core", 0, False, True),
     ("qwen3", "tp2_ray", "core", 0, False, True),
     ("gemma3", "tp2_ray", "worker", 0, True, True),
-    ("llama", "async_tp2_ray", "worker", 1, False, True),
+    ("llama", "async_tp2_ray", "worker", 1, True, True),
     ("embedded", "async_tp3_mp", "worker", 2, False, True),
     ("qwen3", "dp2_tp2_mp", "worker", 1, True, True),
 ]
@@ -315,7 +318,7 @@ def _kill_async_callers(engine: AsyncLLM, pid: int) -> float:
 # -- the matrix -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("model", "mode_name", "kill", "rank", "async_caller"), _cell_params())
 def test_greedy_equals_tp1_no_leaks_and_sigkill_is_engine_dead(
-        request: pytest.FixtureRequest, model: str, mode_name: str, kill: str, rank: int,
+        request: pytest.FixtureRequest, model: str, mode_name: str, kill: str | None, rank: int,
         async_caller: bool) -> None:
     args = MODES[mode_name]
     ray = request.getfixturevalue("local_ray") if args.get("distributed_executor_backend") == "ray" else None
@@ -335,6 +338,8 @@ def test_greedy_equals_tp1_no_leaks_and_sigkill_is_engine_dead(
         if async_caller:
             _abort_mid_stream(engine, ref)
         assert engine.config.scheduler_config.async_scheduling == bool(args.get("async_scheduling"))
+        if mode_name.endswith("_preempt"):
+            assert engine.get_stats().num_preemptions_total > 0
 
         core_pids = _core_pids(engine)
         if ray is not None:
@@ -343,10 +348,12 @@ def test_greedy_equals_tp1_no_leaks_and_sigkill_is_engine_dead(
         else:
             processes = [p for pid in core_pids
                          for p in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True))]
-        victim = _victim(engine, args, kill, rank, ray)
-        waited = _kill_async_callers(engine, victim) if async_caller else _kill_llm_callers(engine, victim)
-        print(f"{model} {mode_name}: EngineDeadError in every caller {waited:.2f} s after SIGKILL of {kill} {rank}")
-        assert waited < 2.0
+        if kill is not None:
+            victim = _victim(engine, args, kill, rank, ray)
+            waited = _kill_async_callers(engine, victim) if async_caller else _kill_llm_callers(engine, victim)
+            print(f"{model} {mode_name}: EngineDeadError in every caller {waited:.2f} s after SIGKILL of "
+                  f"{kill} {rank}")
+            assert waited < 2.0
     finally:
         engine.shutdown()
     _, alive = psutil.wait_procs(processes, timeout=30)
