@@ -50,9 +50,10 @@ MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
     "async_tp2_mp": dict(async_scheduling=True, tensor_parallel_size=2),
     "async_tp2_ray": dict(async_scheduling=True, tensor_parallel_size=2, **RAY),
     "async_tp3_mp": dict(async_scheduling=True, tensor_parallel_size=3),
-    # 6 usable blocks of 16 tokens for 4 requests of up to 50 tokens: preemptions with a batch in flight.
+    # 5 usable blocks of 16 tokens for 4 requests of 6 to 50 tokens (9 blocks): a preemption with
+    # a batch in flight.
     "async_tp2_mp_preempt": dict(async_scheduling=True, tensor_parallel_size=2, max_model_len=64,
-                                 num_gpu_blocks_override=7),
+                                 num_gpu_blocks_override=6),
     # Two engine cores of two worker processes each: a worker's death under DP.
     "dp2_tp2_mp": dict(data_parallel_size=2, tensor_parallel_size=2),
 }
