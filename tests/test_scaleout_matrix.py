@@ -68,7 +68,7 @@ CELLS = [
     ("qwen3", "dp2", "core", 0, True, False),
     ("gemma3", "async", "core", 0, True, False),
     ("gemma3", "dp2", "core", 1, False, False),
-    ("llama", "async_dp2", "core", 1, False, False),
+    ("llama", "async_dp2", "core", 1, False, True),
     ("qwen3", "async_tp2_mp", "worker", 0, True, False),
     ("llama", "async_tp2_mp_preempt", None, 0, False, True),
     ("gemma3", "async_tp2_mp", "core", 0, False, True),
