@@ -38,10 +38,8 @@ ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_ove
 MAX_TOKENS = 10
 TOP = 5  # logprobs per position for the near-tie rule
 
-
 RAY = dict(distributed_executor_backend="ray")
 MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
-    "tp2_mp": dict(tensor_parallel_size=2),
     "tp2_ray": dict(tensor_parallel_size=2, **RAY),
     "dp2": dict(data_parallel_size=2),
     # The core in its own process (as under `lmc serve`), its worker on a thread: 2 batches in flight.
@@ -59,8 +57,8 @@ MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
     "dp2_tp2_mp": dict(data_parallel_size=2, tensor_parallel_size=2),
 }
 
-# (model, mode, what the kill at the end hits (None: no kill), its rank, AsyncLLM caller, slow). Engine start-up
-# dominates: a core forks from the frontend's forkserver in about a second, while TP workers come
+# (model, mode, what the kill at the end hits (None: no kill), its rank, AsyncLLM caller, slow).
+# Engine start-up dominates: a core forks from the frontend's forkserver in about a second, while TP workers come
 # from a fresh forkserver in the core (torch imported again: 15-30 s on the shared 2-core box) and
 # Ray actors take as long; so the default run keeps one TP cell and the rest is slow.
 CELLS = [
