@@ -64,6 +64,23 @@ def tiny_gemma3_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gemma3_vlm_dir(tmp_path_factory.mktemp("tiny_gemma3_vlm"))
 
 
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray instance on loopback for the whole session (started by the first test that
+    asks for it, shut down at the end); an engine core with a Ray backend joins it (RAY_ADDRESS)."""
+    import os
+
+    # Set before Ray loads: a single-machine instance on 127.0.0.1 (Ray otherwise uses the machine's address).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
+    from engine.executor.ray_utils import RAY_NAMESPACE
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture
 def make_llm():
     """Build LLMs for one test; afterwards assert that none of them leaked a KV block."""

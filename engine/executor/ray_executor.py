@@ -17,6 +17,7 @@ the engine core: Ray stops them when the core exits, however it exits.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -129,14 +130,14 @@ class RayDistributedExecutor(Executor):
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.RayActorError as error:
-            raise EngineDeadError(f"A Ray worker actor died during {_name(method)}: {error}") from None
+            raise EngineDeadError(f"A Ray worker actor died during {_name(method)}: {_first_line(error)}") from None
         except ray.exceptions.RayTaskError as error:
             # A rank's collective fails when its peer dies: name the dead actor, the cause.
             dead = self._dead_rank(wait_s=1.0)
             if dead is not None:
                 raise EngineDeadError(
                     f"The Ray worker actor of rank {dead} died during {_name(method)} (the other ranks' "
-                    f"collectives failed with it: {str(error).splitlines()[0] if str(error) else error!r})") from None
+                    f"collectives failed with it: {_first_line(error)})") from None
             raise
         except ray.exceptions.GetTimeoutError:
             raise EngineUnresponsiveError(
@@ -163,7 +164,7 @@ class RayDistributedExecutor(Executor):
             ray.get(done)
             reason = f"The Ray worker actor of rank {rank} ended."
         except Exception as error:  # noqa: BLE001 - RayActorError: the actor died (or Ray went away)
-            reason = f"The Ray worker actor of rank {rank} died: {type(error).__name__}: {error}"
+            reason = f"The Ray worker actor of rank {rank} died: {type(error).__name__}: {_first_line(error)}"
         if not self.shutting_down and self.failure_callback is not None:
             self.failure_callback(reason)
 
@@ -213,3 +214,13 @@ def _local_ranks(infos: list[WorkerNodeInfo]) -> tuple[list[int], dict[str, str]
 
 def _name(method: str | Callable[..., Any]) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", "a function")
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _first_line(error: BaseException) -> str:
+    """A Ray error's first line without the terminal colour codes Ray puts in it (the message
+    reaches the console, HTTP answers and logs, where they show as garbage)."""
+    text = _ANSI_ESCAPE.sub("", str(error)).strip()
+    return text.splitlines()[0] if text else repr(error)

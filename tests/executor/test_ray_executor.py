@@ -16,19 +16,9 @@ ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.errors import EngineDeadError  # noqa: E402
-from engine.executor.ray_utils import RAY_NAMESPACE  # noqa: E402
 from llm_helpers import random_prompts  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray instance on loopback for this module; the engine core joins it (RAY_ADDRESS)."""
-    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
-    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
-    yield ray
-    ray.shutdown()
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -74,3 +64,11 @@ def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, 
     finally:
         llm.shutdown()
     assert not ray.util.list_named_actors()  # the core's actors went with it
+
+
+def test_ray_error_messages_lose_their_colour_codes() -> None:
+    from engine.executor.ray_executor import _first_line
+
+    error = RuntimeError("\x1b[36mray::RayWorkerWrapper.execute_method()\x1b[39m (pid=7, ip=127.0.0.1)\n  File ...")
+    assert _first_line(error) == "ray::RayWorkerWrapper.execute_method() (pid=7, ip=127.0.0.1)"
+    assert _first_line(RuntimeError("")) == "RuntimeError('')"
