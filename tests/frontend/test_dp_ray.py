@@ -17,21 +17,12 @@ ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from engine import LLM, EngineArgs, SamplingParams  # noqa: E402
 from engine.errors import EngineDeadError, InvalidEngineArgsError  # noqa: E402
-from engine.executor.ray_utils import RAY_NAMESPACE, WorkerNodeInfo  # noqa: E402
+from engine.executor.ray_utils import WorkerNodeInfo  # noqa: E402
 from engine.frontend.dp_client import SyncDPClient  # noqa: E402
 from engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
 from llm_helpers import random_prompts  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray instance on loopback for this module; the engine core joins it (RAY_ADDRESS)."""
-    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
-    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
-    yield ray
-    ray.shutdown()
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
@@ -143,7 +134,9 @@ def test_dp2_over_ray_equals_dp1_and_a_dead_core_actor_fails_every_caller(local_
 
         thread = threading.Thread(target=generate)
         thread.start()
+        deadline = time.monotonic() + 60
         while sum(s.num_running_reqs for s in client.get_stats_per_core()) < 4:
+            assert thread.is_alive() and time.monotonic() < deadline, "the requests never ran together"
             time.sleep(0.01)
         os.kill(core_pids[1], signal.SIGKILL)
         killed = time.monotonic()
