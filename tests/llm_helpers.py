@@ -113,3 +113,19 @@ def assert_no_leaked_blocks(llm) -> None:
     state = llm if isinstance(llm, BlockPoolState) else llm.get_block_pool_state()
     assert state.num_running_reqs == 0 and state.num_waiting_reqs == 0, "requests left in the engine"
     assert state.num_free_blocks == state.num_blocks - 1, "KV blocks leaked"
+
+
+def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    """Each token-id prompt's greedy continuation (ignore_eos, max_tokens tokens), in order."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def prefix_sharing_prompts(vocab_size: int, num_tails: int) -> list[list[int]]:
+    """num_tails prompts behind one 100-token prefix (prefix-cache hits), then 4 unrelated ones."""
+    prefix = random_prompts(vocab_size, 1, 100, 100, seed=7)[0]
+    tails = random_prompts(vocab_size, num_tails, 3, 90, seed=8)
+    return [prefix + tail for tail in tails] + random_prompts(vocab_size, 4, 20, 200, seed=9)

@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Deliberate imports against the order: (importer, imported) -> why. Keep this short.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("engine.config", "engine.models.embedded"): (
+    ("engine.config.engine_args", "engine.models.embedded"): (
         "EngineArgs.create_engine_config resolves a model name to its directory, converting the "
         "embedded GGUF or building demo-vlm on first use; it runs in the engine core's process "
         "(the frontend builds its config from the ready handshake instead)"),

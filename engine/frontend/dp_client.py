@@ -31,7 +31,7 @@ from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.dp_router import DPRouter
 from engine.frontend.engine_process import EngineProcess
 from engine.frontend.mp_client import (
-    AsyncMPClient, MPClient, OutputSink, SyncMPClient, _AsyncSink, _SyncSink,
+    AsyncMPClient, MPClient, OutputSink, SinkStateMixin, SyncMPClient, _AsyncSink, _SyncSink,
 )
 from engine.metrics.stats import BlockPoolState, PrefixCacheStatsSnapshot, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
@@ -108,7 +108,7 @@ class _CoreSink(OutputSink):
         self.group.shared.deliver(item)
 
 
-class DPClient(EngineCoreClient):
+class DPClient(SinkStateMixin, EngineCoreClient):
     """data_parallel_size engine-core processes behind one client; see the module docstring."""
 
     def __init__(self, engine_args: EngineArgs, shared: OutputSink,
@@ -156,10 +156,6 @@ class DPClient(EngineCoreClient):
         self.ready_infos = [core.ready_info for core in self.cores]
 
     # -- inputs -----------------------------------------------------------------------------
-    def _check_alive(self) -> None:
-        if self.sink.dead_error is not None:
-            raise fresh_error(self.sink.dead_error)
-
     def add_request(self, request: EngineCoreRequest) -> None:
         self.add_requests([request])
 
@@ -218,18 +214,6 @@ class DPClient(EngineCoreClient):
     @property
     def core_pids(self) -> list[int]:
         return [core.proc.pid for core in self.cores]
-
-    @property
-    def errored(self) -> bool:
-        return self.sink.errored
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self.sink.dead_error
-
-    def shutdown(self) -> None:
-        """Stop every core (idempotent, any thread)."""
-        self._finalizer()
 
 
 class SyncDPClient(DPClient):

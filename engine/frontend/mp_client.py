@@ -92,7 +92,32 @@ class OutputSink:
         self.deliver(error)
 
 
-class MPClient(EngineCoreClient):
+class SinkStateMixin:
+    """The state of a client whose cores report to one OutputSink, and its shutdown (MPClient, DPClient)."""
+
+    sink: OutputSink
+    _finalizer: weakref.finalize
+
+    def _check_alive(self) -> None:
+        """Raise (a fresh copy of) the error the core died with, if it died."""
+        if self.sink.dead_error is not None:
+            raise fresh_error(self.sink.dead_error)
+
+    @property
+    def errored(self) -> bool:
+        """True once the core died unexpectedly."""
+        return self.sink.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.sink.dead_error
+
+    def shutdown(self) -> None:
+        """Stop the core process(es) and release sockets (idempotent, any thread)."""
+        self._finalizer()
+
+
+class MPClient(SinkStateMixin, EngineCoreClient):
     """Starts the core process, sends inputs, and reads outputs on a background thread."""
 
     def __init__(self, engine_args: EngineArgs, sink: OutputSink, client_index: int = 0,
@@ -122,8 +147,7 @@ class MPClient(EngineCoreClient):
 
     # -- inputs -----------------------------------------------------------------------------
     def _send(self, request_type: EngineCoreRequestType, obj: Any) -> None:
-        if self.sink.dead_error is not None:
-            raise fresh_error(self.sink.dead_error)
+        self._check_alive()
         self.resources.send(request_type, obj, self.encoder)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -157,20 +181,6 @@ class MPClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return self.call_utility_future(method, *args).result()
-
-    # -- state ------------------------------------------------------------------------------
-    @property
-    def errored(self) -> bool:
-        """True once the core died unexpectedly."""
-        return self.sink.errored
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self.sink.dead_error
-
-    def shutdown(self) -> None:
-        """Stop the core process and release sockets (idempotent, any thread)."""
-        self._finalizer()
 
 
 class _SyncSink(OutputSink):

@@ -9,7 +9,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.kv_cache_interface import SlidingWindowSpec
 from engine.kv_cache_interface import cdiv
-from llm_helpers import compare_greedy, hf_greedy, random_prompts
+from llm_helpers import compare_greedy, greedy_token_ids, hf_greedy, prefix_sharing_prompts, random_prompts
 
 MAX_TOKENS = 32
 WINDOW = 24  # tiny_gemma3_dir's sliding_window
@@ -24,11 +24,6 @@ IN_PROCESS = {"multiprocess": False, "dtype": "float32", "num_threads": 1}
 
 def _greedy(n: int = MAX_TOKENS, logprobs: int | None = None) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
-
-
-def _token_ids(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_gemma3_greedy_matches_hf(make_llm, tiny_gemma3_dir) -> None:
@@ -46,17 +41,14 @@ def test_gemma3_greedy_matches_hf(make_llm, tiny_gemma3_dir) -> None:
 def gemma3_prompts(tiny_gemma3_dir) -> list[list[int]]:
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(tiny_gemma3_dir).vocab_size
-    prefix = random_prompts(vocab, 1, 100, 100, seed=7)[0]
-    tails = random_prompts(vocab, 8, 3, 90, seed=8)
-    return [prefix + tail for tail in tails] + random_prompts(vocab, 4, 20, 200, seed=9)
+    return prefix_sharing_prompts(AutoConfig.from_pretrained(tiny_gemma3_dir).vocab_size, 8)
 
 
 @pytest.fixture(scope="module")
 def gemma3_baseline(tiny_gemma3_dir, gemma3_prompts) -> list[list[int]]:
     llm = LLM(str(tiny_gemma3_dir), **IN_PROCESS, enable_prefix_caching=False, num_gpu_blocks_override=NUM_BLOCKS)
     try:
-        return _token_ids(llm, gemma3_prompts)
+        return greedy_token_ids(llm, gemma3_prompts)
     finally:
         llm.shutdown()
 
@@ -64,7 +56,7 @@ def gemma3_baseline(tiny_gemma3_dir, gemma3_prompts) -> list[list[int]]:
 def test_gemma3_prefix_caching_does_not_change_outputs(make_llm, tiny_gemma3_dir, gemma3_prompts,
                                                        gemma3_baseline) -> None:
     llm = make_llm(str(tiny_gemma3_dir), **IN_PROCESS, num_gpu_blocks_override=NUM_BLOCKS)
-    assert _token_ids(llm, gemma3_prompts) == gemma3_baseline
+    assert greedy_token_ids(llm, gemma3_prompts) == gemma3_baseline
     # Second pass: every prompt's blocks are cached in the full group, and the sliding groups
     # hold the blocks of the last window, so the hybrid lookup finds long hits.
     outputs = llm.generate([{"prompt_token_ids": p} for p in gemma3_prompts], _greedy(24), use_tqdm=False)
@@ -76,7 +68,7 @@ def test_gemma3_prefix_caching_does_not_change_outputs(make_llm, tiny_gemma3_dir
 def test_gemma3_chunked_prefill_does_not_change_outputs(make_llm, tiny_gemma3_dir, gemma3_prompts,
                                                         gemma3_baseline) -> None:
     llm = make_llm(str(tiny_gemma3_dir), **IN_PROCESS, max_num_batched_tokens=32, num_gpu_blocks_override=NUM_BLOCKS)
-    assert _token_ids(llm, gemma3_prompts) == gemma3_baseline
+    assert greedy_token_ids(llm, gemma3_prompts) == gemma3_baseline
 
 
 def test_gemma3_preemption_does_not_change_outputs(make_llm, tiny_gemma3_dir, gemma3_prompts,
@@ -85,7 +77,7 @@ def test_gemma3_preemption_does_not_change_outputs(make_llm, tiny_gemma3_dir, ge
     # (one request needs at most 16 full blocks + 5 sliding groups x 5 blocks with 32-token chunks).
     llm = make_llm(str(tiny_gemma3_dir), **IN_PROCESS, num_gpu_blocks_override=64,
                    max_model_len=256, max_num_batched_tokens=32, enable_prefix_caching=False)
-    assert _token_ids(llm, gemma3_prompts) == gemma3_baseline
+    assert greedy_token_ids(llm, gemma3_prompts) == gemma3_baseline
     assert llm.get_stats().num_preemptions_total > 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from llm_helpers import compare_greedy, hf_greedy, random_prompts, text_prompts
+from llm_helpers import compare_greedy, greedy_token_ids, hf_greedy, prefix_sharing_prompts, random_prompts, text_prompts
 
 MAX_TOKENS = 64
 
@@ -40,32 +40,23 @@ def test_greedy_matches_hf_on_embedded_model(make_llm, embedded_model_dir) -> No
     assert exact >= len(prompts) - 2
 
 
-def _token_ids(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 @pytest.fixture(scope="module")
 def shared_prefix_prompts(tiny_llama_dir) -> list[list[int]]:
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(tiny_llama_dir).vocab_size
-    prefix = random_prompts(vocab, 1, 100, 100, seed=7)[0]
-    tails = random_prompts(vocab, 12, 3, 90, seed=8)
-    return [prefix + tail for tail in tails] + random_prompts(vocab, 4, 20, 200, seed=9)
+    return prefix_sharing_prompts(AutoConfig.from_pretrained(tiny_llama_dir).vocab_size, 12)
 
 
 @pytest.fixture(scope="module")
 def baseline_ids(tiny_llama_dir, shared_prefix_prompts) -> list[list[int]]:
     llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
-    return _token_ids(llm, shared_prefix_prompts)
+    return greedy_token_ids(llm, shared_prefix_prompts)
 
 
 def test_prefix_caching_does_not_change_outputs(make_llm, tiny_llama_dir, shared_prefix_prompts,
                                                 baseline_ids) -> None:
     llm = make_llm(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=True)
-    assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
+    assert greedy_token_ids(llm, shared_prefix_prompts) == baseline_ids
     # Second pass: everything is a prefix hit now.
     outputs = llm.generate([{"prompt_token_ids": p} for p in shared_prefix_prompts],
                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
@@ -76,7 +67,7 @@ def test_prefix_caching_does_not_change_outputs(make_llm, tiny_llama_dir, shared
 def test_chunked_prefill_does_not_change_outputs(make_llm, tiny_llama_dir, shared_prefix_prompts,
                                                  baseline_ids) -> None:
     llm = make_llm(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=32)
-    assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
+    assert greedy_token_ids(llm, shared_prefix_prompts) == baseline_ids
 
 
 def test_preemption_does_not_change_outputs(make_llm, tiny_llama_dir, shared_prefix_prompts,
@@ -84,5 +75,5 @@ def test_preemption_does_not_change_outputs(make_llm, tiny_llama_dir, shared_pre
     # 40 blocks of 16 tokens for 16 requests of up to ~215 tokens: preemption is certain.
     llm = make_llm(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=40,
                    max_model_len=512)
-    assert _token_ids(llm, shared_prefix_prompts) == baseline_ids
+    assert greedy_token_ids(llm, shared_prefix_prompts) == baseline_ids
     assert llm.get_stats().num_preemptions_total > 0

@@ -1,4 +1,4 @@
-"""Console test helpers: a fixed clock and a fake AsyncLLM for the bench/batch commands."""
+"""Console test fixtures: a fixed clock, a fake AsyncLLM for the bench/batch commands, a stand-in OpenAI server."""
 
 from __future__ import annotations
 
@@ -99,3 +99,15 @@ def fake_async_llm(monkeypatch: pytest.MonkeyPatch) -> type[FakeAsyncLLM]:
 @pytest.fixture
 def clock() -> FixedClock:
     return FixedClock()
+
+
+@pytest.fixture
+def standin():  # noqa: ANN201
+    """A stand-in OpenAI server (openai_standin.py) on a free loopback port; `.state` records what it saw."""
+    from http_helpers import ServerThread
+    from openai_standin import StandinState, standin_app
+
+    state = StandinState()
+    with ServerThread(standin_app(state)) as server:
+        server.state = state  # type: ignore[attr-defined]
+        yield server

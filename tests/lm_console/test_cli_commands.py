@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from console_helpers import kv_event_publisher, publishing
 from typer.testing import CliRunner
 
 from lm_console.cli import app
@@ -171,32 +172,11 @@ def test_generate_quantized(tiny_llama_dir: Path) -> None:
 
 
 def test_events_from_a_zmq_endpoint(tmp_path: Path) -> None:
-    import threading
-    import time
-
-    import zmq
-
     from engine.metrics.kv_events import BlockRemoved, BlockStored
-    from engine.metrics.kv_events import KVEventPublisher
 
-    context = zmq.Context()
-    publisher = KVEventPublisher(context, f"ipc://{tmp_path}/kv.sock")
-    stop = threading.Event()
-
-    def publish() -> None:  # PUB/SUB drops what is sent before the subscriber joins: keep sending
-        while not stop.is_set():
-            publisher.publish([BlockStored([b"\x0a" * 8], None, list(range(4)), 4), BlockRemoved([b"\x0b" * 8])])
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=publish, daemon=True)
-    thread.start()
-    try:
+    events = [BlockStored([b"\x0a" * 8], None, list(range(4)), 4), BlockRemoved([b"\x0b" * 8])]
+    with kv_event_publisher(f"ipc://{tmp_path}/kv.sock") as publisher, publishing(publisher, events, 0.02):
         result = runner.invoke(app, ["events", "--endpoint", publisher.endpoint, "--count", "4", "--duration", "20"])
-    finally:
-        stop.set()
-        thread.join()
-        publisher.close()
-        context.term()
     assert result.exit_code == 0, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(events) == 4 and events[0]["type"] in ("BlockStored", "BlockRemoved")

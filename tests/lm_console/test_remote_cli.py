@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+from console_helpers import kv_event_publisher, publishing
 from http_helpers import ServerThread
 from openai_standin import MODEL, WORDS, StandinState, standin_app
 from typer.testing import CliRunner
@@ -21,14 +21,6 @@ STANDIN_SCRIPT = Path(__file__).with_name("openai_standin.py")
 def flat(output: str) -> str:
     """CLI output with rich's error box and line wrapping taken out."""
     return " ".join(output.replace("│", " ").split())
-
-
-@pytest.fixture
-def standin():  # noqa: ANN201
-    state = StandinState()
-    with ServerThread(standin_app(state)) as server:
-        server.state = state  # type: ignore[attr-defined]
-        yield server
 
 
 def test_tui_url_attaches_with_the_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,30 +84,14 @@ def test_batch_url_keeps_order_and_concurrency(standin, tmp_path: Path) -> None:
 
 
 def test_events_url_reads_the_zmq_publisher_or_says_there_is_none(standin) -> None:  # noqa: ANN001
-    import zmq
-
-    from engine.metrics.kv_events import BlockStored, KVEventPublisher
+    from engine.metrics.kv_events import BlockStored
 
     none = runner.invoke(app, ["events", "--url", standin.url, "--count", "1"])
     assert none.exit_code != 0 and "--kv-events-endpoint" in none.output
-    context = zmq.Context()
-    publisher = KVEventPublisher(context, "tcp://127.0.0.1:*")
-    stop = threading.Event()
-
-    def publish() -> None:
-        while not stop.wait(0.05):
-            publisher.publish([BlockStored([b"\x07" * 32], None, list(range(16)), 16)])
-
-    thread = threading.Thread(target=publish, daemon=True)
-    thread.start()
-    try:
+    events = [BlockStored([b"\x07" * 32], None, list(range(16)), 16)]
+    with kv_event_publisher() as publisher, publishing(publisher, events, 0.05):
         result = runner.invoke(app, ["events", "--url", standin.url, "--kv-events-endpoint", publisher.endpoint,
                                      "--count", "3", "--duration", "60"])
-    finally:
-        stop.set()
-        thread.join()
-        publisher.close()
-        context.term()
     assert result.exit_code == 0, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(events) == 3 and events[0]["type"] == "BlockStored" and events[0]["block_hashes"] == ["07" * 32]

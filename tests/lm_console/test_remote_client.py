@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from console_helpers import kv_event_publisher
 from http_helpers import ServerThread
 from openai_standin import MODEL, WORDS, StandinState, set_metrics, standin_app
 
@@ -27,14 +28,6 @@ from lm_console.client.vllm_metrics import MetricsSampler, parse_metrics
 
 def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-@pytest.fixture
-def standin():  # noqa: ANN201
-    state = StandinState()
-    with ServerThread(standin_app(state)) as server:
-        server.state = state  # type: ignore[attr-defined]
-        yield server
 
 
 def test_sse_reader_follows_the_spec() -> None:
@@ -184,14 +177,9 @@ def test_bad_requests_and_a_dying_server(standin) -> None:  # noqa: ANN001
 
 
 def test_kv_events_from_a_zmq_publisher(standin) -> None:  # noqa: ANN001
-    import zmq
+    from engine.metrics.kv_events import BlockStored
 
-    from engine.metrics.kv_events import BlockStored, KVEventPublisher
-
-    context = zmq.Context()
-    publisher = KVEventPublisher(context, "tcp://127.0.0.1:*")
-
-    async def scenario():  # noqa: ANN202
+    async def scenario(publisher):  # noqa: ANN001, ANN202
         client = RemoteConsoleClient(standin.url, kv_events_endpoint=publisher.endpoint)
         info = await client.start()
         stream = client.kv_events_stream()
@@ -204,11 +192,8 @@ def test_kv_events_from_a_zmq_publisher(standin) -> None:  # noqa: ANN001
         await client.shutdown()
         return info, records
 
-    try:
-        info, records = run(scenario())
-    finally:
-        publisher.close()
-        context.term()
+    with kv_event_publisher() as publisher:
+        info, records = run(scenario(publisher))
     assert UNAVAILABLE_KV_EVENTS not in info.unavailable
     assert records[0].kind == "BlockStored" and records[0].block_hashes == ["01" * 32]
     assert records[0].num_tokens == 16

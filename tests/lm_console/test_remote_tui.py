@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from console_helpers import DEADLINE_S, SIZE, kv_event_publisher, text_of, until
 from http_helpers import API_KEY, ServerThread, lmc_app
 from openai_standin import WORDS, StandinState, set_metrics, standin_app
 
@@ -18,21 +19,6 @@ from lm_console.tui.widgets.kv_event_log import KVEventLog
 from lm_console.tui.widgets.request_table import RequestTable
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
 
-SIZE = (120, 36)
-DEADLINE_S = 120  # a liveness bound for polling loops, not a performance assertion
-
-
-def text_of(widget) -> str:  # noqa: ANN001
-    return str(widget.render())
-
-
-async def until(pilot, app: ConsoleApp, condition, what: str = "the expected state") -> None:  # noqa: ANN001
-    """Tick the app until `condition()` holds."""
-    end = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < end, f"the console never showed {what} (dead: {app.dead_error!r})"
-        await pilot.pause(0.05)
-        app.tick()
 
 
 @pytest.fixture(scope="module")
@@ -274,13 +260,9 @@ def test_bench_serve_url_measures_the_server(served, tmp_path) -> None:  # noqa:
 
 
 def test_a_metrics_only_server_degrades_each_panel_with_a_note() -> None:
-    import zmq
-
-    from engine.metrics.kv_events import BlockStored, KVEventPublisher
+    from engine.metrics.kv_events import BlockStored
 
     state = StandinState()
-    context = zmq.Context()
-    publisher = KVEventPublisher(context, "tcp://127.0.0.1:*")
 
     async def scenario(server: ServerThread, endpoint: str | None) -> dict:
         set_metrics(server.app, running=3, waiting=1, usage=0.25)
@@ -290,12 +272,9 @@ def test_a_metrics_only_server_degrades_each_panel_with_a_note() -> None:
             await until(pilot, app, lambda: app.telemetry.view.num_running == 3)
             if endpoint:
                 log = app.query_one(KVEventLog)
-                end = time.monotonic() + DEADLINE_S
-                while log.num_received == 0:  # PUB/SUB: publish until the subscription has joined
-                    assert time.monotonic() < end
-                    publisher.publish([BlockStored([b"\x02" * 32], None, list(range(16)), 16)])
-                    await pilot.pause(0.05)
-                    app.tick()
+                # PUB/SUB: publish until the subscription has joined.
+                await until(pilot, app, lambda: log.num_received > 0, "a KV event",
+                            poke=lambda: publisher.publish([BlockStored([b"\x02" * 32], None, list(range(16)), 16)]))
             app.tick()
             await pilot.pause()
             seen = {"pool_title": str(app.query_one("#block-pool").border_title),
@@ -308,13 +287,9 @@ def test_a_metrics_only_server_degrades_each_panel_with_a_note() -> None:
             await pilot.press("q")
         return seen
 
-    try:
-        with ServerThread(standin_app(state)) as server:
-            bare = asyncio.run(scenario(server, None))
-            with_events = asyncio.run(scenario(server, publisher.endpoint))
-    finally:
-        publisher.close()
-        context.term()
+    with kv_event_publisher() as publisher, ServerThread(standin_app(state)) as server:
+        bare = asyncio.run(scenario(server, None))
+        with_events = asyncio.run(scenario(server, publisher.endpoint))
     assert bare["state"] == "serving" and "standin-model @ http://127.0.0.1" in bare["header"]
     assert bare["pool_title"] == "KV block pool ─ usage 25% of 2,048"
     assert "no block map from this server" in bare["pool_note"] and bare["map"] == b""

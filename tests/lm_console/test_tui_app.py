@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from console_helpers import SIZE, text_of, until
+
 from engine.metrics.kv_events import BlockRemoved, BlockStored
 from engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, PrefixCacheStatsSnapshot,
@@ -19,15 +21,8 @@ from lm_console.tui.widgets.chat_message import ChatMessage
 from lm_console.tui.widgets.kv_event_log import KVEventLog
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
 
-SIZE = (120, 36)
-
-
 def run(coro) -> None:  # noqa: ANN001
     asyncio.run(coro)
-
-
-def text_of(widget) -> str:  # noqa: ANN001
-    return str(widget.render())
 
 
 def sample(clock, **fields) -> SchedulerStats:  # noqa: ANN001
@@ -128,10 +123,7 @@ def test_load_generator_fills_the_request_table() -> None:
         app = ConsoleApp(client, load=True, tick_hz=20)
         app.shape.rate = 40.0
         async with app.run_test(size=SIZE) as pilot:
-            for _ in range(200):  # up to 10 s on a busy machine
-                await pilot.pause(0.05)
-                if app.book.num_finished >= 2:
-                    break
+            await until(pilot, app, lambda: app.book.num_finished >= 2, "two finished requests", tick=False)
             assert app.load is not None and app.load.num_submitted >= 2
             assert app.book.num_finished >= 1
             assert app.telemetry.view.num_stats > 0
@@ -178,10 +170,8 @@ def test_chat_streams_and_stops() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause(0.1)
             await pilot.press(*"hi there", "enter")
-            for _ in range(100):
-                await pilot.pause(0.05)
-                if app.query_one("ChatView").streaming is None and len(app.session.messages) == 2:
-                    break
+            await until(pilot, app, lambda: app.query_one("ChatView").streaming is None
+                        and len(app.session.messages) == 2, "the first reply", tick=False)
             messages = list(app.query(ChatMessage))
             assert [m.role for m in messages][-2:] == ["user", "assistant"]
             assert "fake engine" in messages[-1].text and "hi there" in messages[-1].text
@@ -192,10 +182,8 @@ def test_chat_streams_and_stops() -> None:
             await pilot.press(*"again", "enter")
             await pilot.pause(0.3)
             await pilot.press("escape")
-            for _ in range(40):
-                await pilot.pause(0.05)
-                if app.query_one("ChatView").streaming is None:
-                    break
+            await until(pilot, app, lambda: app.query_one("ChatView").streaming is None, "the stream stopped",
+                        tick=False)
             assert app.query_one("ChatView").streaming is None
             assert len(app.session.messages) == 4
             await pilot.press(*"/image cat.png", "enter")

@@ -5,9 +5,9 @@ table, the inspector and the block details show equals the engine's own state at
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from console_helpers import SIZE, text_of, until
 
 from lm_console.client.asyncllm import AsyncLLMConsoleClient
 from lm_console.client.types import GenParams, hash_hex
@@ -20,21 +20,7 @@ from lm_console.tui.widgets.prompt_input import PromptInput
 from lm_console.tui.widgets.request_table import RequestTable
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
 
-SIZE = (120, 36)
-DEADLINE_S = 120  # a liveness bound for polling loops, not a performance assertion
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=2, seed=0)
-
-
-def text_of(widget) -> str:  # noqa: ANN001
-    return str(widget.render())
-
-
-async def until(pilot, app: ConsoleApp, condition, what: str = "the expected state") -> None:  # noqa: ANN001
-    end = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < end, f"the console never showed {what} (dead: {app.dead_error!r})"
-        await pilot.pause(0.05)
-        app.tick()
 
 
 def make_app(model: str, **kwargs) -> tuple[ConsoleApp, AsyncLLMConsoleClient]:  # noqa: ANN003

@@ -36,7 +36,7 @@ from engine.errors import DuplicateRequestError
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.core.sched.scheduler import _Admission
+    from engine.core.sched.step_state import _Admission
     from engine.model_runner_output import ModelRunnerOutput
     from engine.protocol import EngineCoreOutputs
     from engine.scheduler_output import SchedulerOutput

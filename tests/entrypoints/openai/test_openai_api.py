@@ -32,12 +32,6 @@ def server(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512, num_gpu_blocks_override=512, num_threads=1)
     yield llm

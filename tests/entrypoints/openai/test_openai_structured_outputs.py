@@ -41,12 +41,6 @@ def server(tiny_llama_dir):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
 def test_chat_response_format_json_schema_and_json_object(client) -> None:
     response = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=3,

@@ -1,20 +1,23 @@
-"""EngineArgs (user-facing knobs) -> EngineConfig (vLLM's VllmConfig): frozen sub-configs.
+"""EngineArgs: the user-facing knobs, validated and resolved into an EngineConfig.
 
-EngineConfig holds ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig and DeviceConfig,
-plus the connector and multimodal configs. Each field has one type in every process: dtype and
-device are names, paths are str. The engine core resolves the config (create_engine_config);
-the frontend rebuilds it from the core's ready handshake (create_frontend_config).
+create_engine_config runs where the engine core runs (it resolves the model and the device);
+the frontend rebuilds its config from the core's ready handshake (create_frontend_config).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.config.cache import CacheConfig
+from engine.config.device import DeviceConfig
+from engine.config.engine_config import EngineConfig
+from engine.config.model import ModelConfig
+from engine.config.parallel import ParallelConfig
+from engine.config.scheduler import SchedulerConfig
 from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.errors import InvalidEngineArgsError
 
@@ -343,152 +346,6 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
     return requested
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model and the facts about it that the layers need, resolved once from config.json.
-
-    The engine core resolves it (create_engine_config) and sends it in the ready handshake, so the
-    frontend holds the same values. Paths are str (one type in every process and on the wire);
-    dtype is a name (engine.platform.torch_dtype gives the torch dtype where torch is used).
-    For a VLM the facts are the language model's (its text_config).
-    """
-
-    model_name: str  # as the user named it (the embedded default's name for None)
-    model_dir: str  # a Hugging Face-format directory
-    tokenizer_dir: str
-    architectures: tuple[str, ...]  # config.json's architectures (the model registry's key)
-    is_multimodal: bool  # an image pipeline exists for the architecture (engine/multimodal/processing.py)
-    dtype: str  # float32 | bfloat16 | float16
-    seed: int
-    max_model_len: int
-    max_position_embeddings: int
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    quantization: str | None = None  # "gguf" | "int8" | None (dense); resolve_quantization
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str, *, model_name: str, tokenizer_dir: str, dtype: str, seed: int,
-                       max_model_len: int | None, quantization: str | None = None) -> ModelConfig:
-        """Read the model's facts from model_dir's config; max_model_len None: the model's (capped)."""
-        from engine.multimodal.processing import is_multimodal_architecture
-
-        hf_config = load_hf_config(model_dir)
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        # A config without max_position_embeddings is taken as a 2048-token model.
-        model_max = int(getattr(text, "max_position_embeddings", 2048) or 2048)
-        max_model_len = max_model_len or min(model_max, 8192)
-        if max_model_len > model_max:
-            raise InvalidEngineArgsError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}."
-            )
-        num_attention_heads = int(text.num_attention_heads)
-        architectures = tuple(getattr(hf_config, "architectures", None) or ())
-        return cls(
-            model_name=model_name, model_dir=model_dir, tokenizer_dir=tokenizer_dir, architectures=architectures,
-            is_multimodal=is_multimodal_architecture(architectures), dtype=dtype, seed=seed,
-            max_model_len=max_model_len, max_position_embeddings=model_max, vocab_size=int(text.vocab_size),
-            hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
-            num_attention_heads=num_attention_heads,
-            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_attention_heads),
-            head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // num_attention_heads),
-            quantization=quantization,
-        )
-
-    @property
-    def hf_config(self) -> Any:
-        """The transformers config of model_dir, the one place it is held (loaded once per process).
-
-        The model code and the core's multimodal budget read it. transformers imports torch
-        with it, so the frontend never asks for it.
-        """
-        return load_hf_config(self.model_dir)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV cache: block geometry, prefix caching and the memory budget."""
-
-    block_size: int = 16  # tokens per block
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256_cbor"  # engine/kv_cache_hashing.py
-    kv_cache_memory: int | None = None  # bytes of KV cache on CPU (None: 1 GiB)
-    gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory the engine may use
-    num_gpu_blocks_override: int | None = None  # skip the memory budget, use this many blocks
-    enable_kv_cache_events: bool = False
-    kv_cache_metrics: bool = False  # sampled block lifetimes (engine/core/kv_cache/block_metrics.py)
-    kv_cache_metrics_sample: float = 0.01  # the fraction of allocated blocks that record them
-    # Blocks in the pool (the null block included). None in the config the workers start with:
-    # the core decides it once from their memory budget, and the config it hands on (scheduler,
-    # KV connector, ready handshake, frontend) carries it.
-    num_blocks: int | None = None
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The per-step budget of the scheduler."""
-
-    max_num_batched_tokens: int = 2048  # tokens per step (>= max_model_len without chunked prefill)
-    max_num_seqs: int = 128  # requests per step
-    enable_chunked_prefill: bool = True
-    log_stats: bool = True  # SchedulerStats on every step's outputs
-    # Schedule step N+1 while step N runs (AsyncScheduler: placeholders for the tokens in flight;
-    # the executor then keeps max_concurrent_batches = 2 batches in EngineCore's batch queue).
-    async_scheduling: bool = False
-    policy: str = "fcfs"  # "fcfs" | "priority" (lower Request.priority first, ties by arrival)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the model is spread over workers and engine cores (one of each for now)."""
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # Executor.get_class: uni | fake | mp | ray
-    data_parallel_rank: int = 0  # this engine core's index among data_parallel_size
-    data_parallel_backend: str = "mp"  # mp | ray
-
-
-@dataclass(frozen=True)
-class DeviceConfig:
-    """Where and how the model runs: the device by name (engine.platform.torch_device gives the torch one)."""
-
-    device: str = "cpu"  # cpu | cuda
-    num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
-    attention_backend: str = "auto"  # auto | torch | triton (engine/attention/selector.py)
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """Constrained decoding (engine/structured_output/): the grammar backend."""
-
-    backend: str = "xgrammar"  # the only backend
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Every resolved setting, one frozen sub-config per concern (vLLM: VllmConfig)."""
-
-    model_config: ModelConfig
-    cache_config: CacheConfig = field(default_factory=CacheConfig)
-    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    device_config: DeviceConfig = field(default_factory=DeviceConfig)
-    # Connectors and multimodal settings (engine/distributed/, engine/multimodal/config.py).
-    kv_transfer_config: KVTransferConfig | None = None
-    ec_transfer_config: ECTransferConfig | None = None
-    mm_config: MultiModalConfig | None = None
-    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-
-    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
-        """This config with the KV cache's block count decided (the core calls it once)."""
-        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, num_blocks=num_blocks))
-
-
 def _verify_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
     """Tensor parallelism splits the query and KV heads: both must divide by tp_size."""
     for what, count in (("num_attention_heads", model.num_attention_heads), ("num_key_value_heads", model.num_kv_heads)):
@@ -504,11 +361,3 @@ def _physical_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-@functools.lru_cache(maxsize=8)
-def load_hf_config(model_dir: str) -> Any:
-    """transformers' AutoConfig for model_dir, once per process (imports transformers and torch)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
