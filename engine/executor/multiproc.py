@@ -140,8 +140,13 @@ class MultiprocExecutor(Executor):
         ready = wait_for_objects(list(sentinels))
         if self._shutting_down:
             return
-        rank, proc = sentinels[ready[0]]
-        proc.join(0.1)
+        gone = [sentinels[sentinel] for sentinel in ready]
+        for _rank, proc in gone:
+            proc.join(0.1)
+        # When one worker is killed, the others' collectives fail and they exit too; on a busy
+        # machine several sentinels are ready by the time this thread runs. Name the one a
+        # signal ended (the cause), not a survivor that exited on its peer's broken connection.
+        rank, proc = min(gone, key=lambda item: (not (item[1].exitcode or 0) < 0, item[0]))
         reason = f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
         logger.error("The engine is dead: %s.", reason)
         self.failure_reason = reason
