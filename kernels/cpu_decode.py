@@ -1,0 +1,64 @@
+"""The whole-stack decode driver (kernels/cpu/decode_stack.c) via ctypes: one call per step.
+
+A batch-1 decode step of the embedded model runs ~15 small kernels per layer; called one by one
+from Python each pays a torch dispatch or a ctypes call (argument conversion, checks, a fresh
+output tensor), about as much again as the kernel's own work at one row. The driver runs the
+same kernels in the same order from C, over persistent buffers: the quantized path's hidden
+states are bit-identical to the layer-by-layer forward's.
+
+The driver takes the kernels as function pointers read from their loaded libraries
+(quant_gemm.c, fused_ops.c, paged_attention.c), so it always runs the kernels the rest of the
+engine runs and compiles none of them twice. Its arrays' layouts (enums in decode_stack.c) are
+mirrored here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from kernels import cpu_attention, cpu_ops, cpu_quant
+from kernels.cpu_build import load_library
+
+SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
+
+# decode_stack.c's enums, in order.
+KERNELS = ("quantize_act", "quant_gemm", "rms_norm_bf16", "add_rms_norm_bf16", "rms_norm_heads_bf16",
+           "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16")
+GLOBALS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "qk_norm",
+           "max_rows", "max_position")
+LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias")
+LAYER_TAIL = ("in_norm", "post_norm", "q_norm", "k_norm", "k_cache", "v_cache", "block_stride", "window")
+LAYER_FIELDS = 4 * len(LINEAR) + len(LAYER_TAIL)
+STEP = ("rows", "embeds", "out", "positions", "slots", "block_table", "block_table_stride", "seq_lens")
+BUFFERS = ("res_a", "res_b", "normed", "qkv", "attn", "gate_up", "act", "xq", "xd", "xs", "cos", "sin")
+FMT_DENSE_BF16 = 16
+
+_P, _F = ctypes.c_void_p, ctypes.c_float
+
+
+@functools.cache
+def load(scalar: bool = False) -> ctypes.CDLL | None:
+    """The driver library (scalar=True: no AVX512-BF16 dense GEMV), or None when unavailable."""
+    library = load_library(SOURCE, "CPU decode-stack driver", ("LMC_SCALAR",) if scalar else ())
+    if library is None:
+        return None
+    library.decode_stack_run.argtypes = [_P, _P, _P, _P, _F, _F, _F, _P, _P, _P, _P]
+    library.decode_stack_run.restype = ctypes.c_int
+    library.decode_stack_has_bf16.argtypes, library.decode_stack_has_bf16.restype = [], ctypes.c_int
+    return library
+
+
+@functools.cache
+def kernel_table() -> ctypes.Array | None:
+    """The driver's function-pointer table (KERNELS order), or None if a library is missing."""
+    libraries = {"quant": cpu_quant.load(), "ops": cpu_ops.load(), "attention": cpu_attention.load()}
+    if any(lib is None for lib in libraries.values()):
+        return None
+    owners = {"quantize_act": "quant", "quant_gemm": "quant", "paged_decode_attention_bf16": "attention"}
+    table = (ctypes.c_void_p * len(KERNELS))()
+    for i, name in enumerate(KERNELS):
+        fn = getattr(libraries[owners.get(name, "ops")], name)
+        table[i] = ctypes.cast(fn, ctypes.c_void_p).value
+    return table
