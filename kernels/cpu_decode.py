@@ -18,8 +18,11 @@ import ctypes
 import functools
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 from kernels import cpu_attention, cpu_ops, cpu_quant
-from kernels.cpu_build import load_library
+from kernels.cpu_build import CpuKernelBuildError, load_library
 
 SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
 
@@ -47,7 +50,31 @@ def load(scalar: bool = False) -> ctypes.CDLL | None:
     library.decode_stack_run.argtypes = [_P, _P, _P, _P, _F, _F, _F, _P, _P, _P, _P]
     library.decode_stack_run.restype = ctypes.c_int
     library.decode_stack_has_bf16.argtypes, library.decode_stack_has_bf16.restype = [], ctypes.c_int
+    library.decode_stack_dense_linear.argtypes = [_P, _P, ctypes.c_int64, ctypes.c_int64, _P, ctypes.c_int64]
+    library.decode_stack_dense_linear.restype = None
     return library
+
+
+def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scalar: bool = False) -> Tensor:
+    """x [M, K] bf16 @ weight [N, K] bf16 ^T (+ bias float32 [N]) -> bf16 [M, N] with the driver's
+    own dense GEMV (the one its FMT_DENSE_BF16 linears run; exposed for tests)."""
+    library = load(scalar)
+    if library is None:
+        raise CpuKernelBuildError("the CPU decode-stack driver is not available")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype != torch.bfloat16 or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 2-D bf16 tensor, got {t.dtype} {tuple(t.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns, weight {weight.shape[1]}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 [{weight.shape[0]}]")
+    n, k = weight.shape
+    lin = (ctypes.c_int64 * len(LINEAR))(FMT_DENSE_BF16, n, k, k, weight.data_ptr(), 0, 0,
+                                          bias.data_ptr() if bias is not None else 0)
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    library.decode_stack_dense_linear(lin, x.data_ptr(), k, x.shape[0], out.data_ptr(), n)
+    return out
 
 
 @functools.cache

@@ -80,30 +80,49 @@ enum { B_RES_A, B_RES_B, B_NORMED, B_QKV, B_ATTN, B_GATE_UP, B_ACT, B_XQ, B_XD, 
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
+/* sum_k x[k] w[k] of bf16 vectors, float32 accumulation (portable order: k ascending). */
+static inline float dot_bf16(const bf16 *w, const bf16 *x, int64_t K) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; k++) acc += bf16_to_float(w[k]) * bf16_to_float(x[k]);
+    return acc;
+}
+
+#define DENSE_TILE 4
+
 /* Dense bf16 GEMV/GEMM for a few rows: out[m, n] = sum_k x[m, k] w[n, k] (+ bias), float32
- * accumulation, one bf16 rounding at the store (as torch's bf16 linear rounds its output). */
+ * accumulation, one bf16 rounding at the store (as torch's bf16 linear rounds its output).
+ * Output rows go in tiles of four (independent accumulators keep the dot-product units busy);
+ * each tile's weights are read from memory once for all the tokens. */
 static void dense_rows(const int64_t *lin, const bf16 *x, int64_t ldx, int64_t rows, bf16 *out,
                        int64_t ldo) {
     const int64_t N = lin[L_N], K = lin[L_K];
     const bf16 *w = PTR(const bf16 *, lin[L_W]);
     const float *bias = PTR(const float *, lin[L_BIAS]);
+    const int64_t tiles = (N + DENSE_TILE - 1) / DENSE_TILE;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const bf16 *wrow = w + n * K;
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t n0 = tile * DENSE_TILE, nt = N - n0 < DENSE_TILE ? N - n0 : DENSE_TILE;
         for (int64_t m = 0; m < rows; m++) {
             const bf16 *xrow = x + m * ldx;
-            float acc = 0.f;
-            int64_t k = 0;
+            float result[DENSE_TILE];
 #if DS_BF16
-            __m512 v = _mm512_setzero_ps();
-            for (; k + 32 <= K; k += 32)
-                v = _mm512_dpbf16_ps(v, (__m512bh)_mm512_loadu_si512((const void *)(wrow + k)),
-                                     (__m512bh)_mm512_loadu_si512((const void *)(xrow + k)));
-            acc = _mm512_reduce_add_ps(v);
+            if (nt == DENSE_TILE && K % 32 == 0) {
+                __m512 acc[DENSE_TILE];
+                for (int r = 0; r < DENSE_TILE; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < K; k += 32) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xrow + k));
+                    for (int r = 0; r < DENSE_TILE; r++)
+                        acc[r] = _mm512_dpbf16_ps(
+                            acc[r], (__m512bh)_mm512_loadu_si512((const void *)(w + (n0 + r) * K + k)), xv);
+                }
+                for (int r = 0; r < DENSE_TILE; r++) result[r] = _mm512_reduce_add_ps(acc[r]);
+            } else
 #endif
-            for (; k < K; k++) acc += bf16_to_float(wrow[k]) * bf16_to_float(xrow[k]);
-            if (bias) acc += bias[n];
-            out[m * ldo + n] = float_to_bf16(acc);
+            {
+                for (int64_t r = 0; r < nt; r++) result[r] = dot_bf16(w + (n0 + r) * K, xrow, K);
+            }
+            for (int64_t r = 0; r < nt; r++)
+                out[m * ldo + n0 + r] = float_to_bf16(result[r] + (bias ? bias[n0 + r] : 0.f));
         }
     }
 }
@@ -200,3 +219,9 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
 }
 
 int decode_stack_has_bf16(void) { return DS_BF16; }
+
+/* One dense linear alone (tests: the driver's only arithmetic of its own). lin: L_COUNT int64. */
+void decode_stack_dense_linear(const int64_t *lin, const bf16 *x, int64_t ldx, int64_t rows,
+                               bf16 *out, int64_t ldo) {
+    dense_rows(lin, x, ldx, rows, out, ldo);
+}
