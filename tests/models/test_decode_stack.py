@@ -3,7 +3,7 @@
 Quantized models: the driver calls the same kernels in the same order, so every logit of every
 step must be bit-identical, with the driver serving the pure-decode steps (counted) and the
 usual forward the others (prefill, chunked prefill beside decodes, more rows than MAX_ROWS).
-Dense bf16 (LMC_DECODE_STACK=dense): the driver's own GEMV accumulates in another order than
+Dense bf16: the driver's own GEMV accumulates in another order than
 oneDNN, so the logits are close and the greedy tokens equal.
 """
 
@@ -106,17 +106,20 @@ def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monke
 
 
 def test_dense_bf16_is_close_with_equal_greedy_tokens(tiny_llama_dir, monkeypatch, driver_steps):
-    (ref_logits, ref_greedy), (logits, greedy) = _both(tiny_llama_dir, "none", monkeypatch, "dense")
+    (ref_logits, ref_greedy), (logits, greedy) = _both(tiny_llama_dir, "none", monkeypatch)
     assert driver_steps == [1, 1, 1, 3, 3]
     scale = ref_logits.abs().max()
     assert (logits - ref_logits).abs().max() <= 0.02 * scale
     assert greedy == ref_greedy
 
 
-def test_dense_bf16_stays_off_by_default(tiny_llama_dir, monkeypatch, driver_steps):
-    monkeypatch.setenv("LMC_DECODE_STACK", "1")
-    model = _model(tiny_llama_dir, "none")
-    assert "dense" in decode_stack.unsupported_reason(model.model)
+@pytest.mark.parametrize("mode,dtype", [("quant", torch.bfloat16), ("1", torch.float32)])
+def test_dense_bf16_off_in_quant_mode_and_float32_never(mode, dtype, tiny_llama_dir, monkeypatch, driver_steps):
+    monkeypatch.setenv("LMC_DECODE_STACK", mode)
+    bump_weights_version()
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, config, dtype, torch.device("cpu"))
+    assert decode_stack.unsupported_reason(model.model) is not None
     prompt = list(range(10, 40))
     harness = PagedHarness(model)
     harness.step([("a", prompt)])
