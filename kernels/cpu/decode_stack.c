@@ -27,6 +27,10 @@
 
 #include "cpu_common.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__) && !defined(LMC_SCALAR)
 #include <immintrin.h>
 #define DS_BF16 1
@@ -197,10 +201,19 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
             memcpy(k_cache + at, qkv + m * qkv_n + q_size, (size_t)kv_size * sizeof(bf16));
             memcpy(v_cache + at, qkv + m * qkv_n + q_size + kv_size, (size_t)kv_size * sizeof(bf16));
         }
+#ifdef _OPENMP
+        /* The kernel gives each request to one thread: with one row, a parallel region would
+         * only add a fork and a join (and a wait for a descheduled thread on a busy machine). */
+        const int threads = omp_get_max_threads();
+        if (rows == 1) omp_set_num_threads(1);
+#endif
         const int status = ((decode_attn_fn)kern[K_DECODE_ATTN])(
             qkv, qkv_n, attn, q_size, NULL, k_cache, v_cache, block_stride, block_table,
             step[S_BLOCK_TABLE_STRIDE], seq_lens, (int)rows, (int)heads, (int)kv_heads, (int)D,
             (int)block_size, scale, (int)y[Y_WINDOW], soft_cap);
+#ifdef _OPENMP
+        if (rows == 1) omp_set_num_threads(threads);
+#endif
         if (status != 0) return status;
         linear(kern, y + Y_O, attn, q_size, rows, x, H, buf);
         add_rms_norm(x, H, res, H, normed, H, PTR(const bf16 *, y[Y_POST_NORM]), rows, H, eps);
