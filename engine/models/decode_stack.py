@@ -34,9 +34,12 @@ from engine.forward_context import get_forward_context
 from engine.models import layers as layers_module
 from kernels import cpu_decode, cpu_quant
 
-# Rows above which a step takes the usual forward: the quantized linears switch to
-# dequantize + oneDNN above cpu_quant.dense_rows() there, and the driver would not.
-MAX_ROWS = 8
+# Rows above which a step takes the usual forward. Quantized: up to cpu_quant.dense_rows(),
+# where the layer path's linears switch to dequantize + oneDNN (the driver would not). Dense:
+# the driver's GEMV re-reads each weight tile per row from L1; oneDNN's blocked GEMM overtakes
+# it as rows grow, so a smaller bound.
+MAX_ROWS = 16
+DENSE_MAX_ROWS = 8
 
 
 def _mode() -> str:
@@ -110,9 +113,10 @@ class DecodeStack:
     """The C driver's view of one LlamaModel: its plan (pointers into the model's weights and
     KV caches, rebuilt when either changes) and persistent scratch buffers."""
 
-    def __init__(self, model: Any, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
-        self.max_rows = min(max_rows, cpu_quant.dense_rows())
+        dense = any(linear.quant is None for layer in model.layers for linear in _linears(layer))
+        self.max_rows = DENSE_MAX_ROWS if dense else min(MAX_ROWS, cpu_quant.dense_rows())
         self.library = cpu_decode.load()
         self.kernels = cpu_decode.kernel_table()
         self._caches: list[Tensor | None] = []

@@ -2,7 +2,8 @@
 
 Quantized models: the driver calls the same kernels in the same order, so every logit of every
 step must be bit-identical, with the driver serving the pure-decode steps (counted) and the
-usual forward the others (prefill, chunked prefill beside decodes, more rows than MAX_ROWS).
+usual forward the others (prefill, chunked prefill beside decodes, more rows than its bound:
+16 quantized, 8 dense).
 Dense bf16: the driver's own GEMV accumulates in another order than
 oneDNN, so the logits are close and the greedy tokens equal.
 """
@@ -75,11 +76,12 @@ def _run(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list[
         got.append(harness.step([("a", [token])]))
     got.append(harness.step([("b", prompt[:7]), ("a", [prompt[24]])]))  # prefill + decode: fallback
     got.append(harness.step([("c", prompt[5:9]), ("d", prompt[9:12])] + [(f"e{i}", prompt[i:i + 2])
-                                                                        for i in range(6)]))
-    names = ["a", "b", "c", "d"] + [f"e{i}" for i in range(6)]  # 10 requests
+                                                                        for i in range(13)]))
+    names = ["a", "b", "c", "d"] + [f"e{i}" for i in range(13)]  # 17 requests
     greedy = []
-    for step in range(3):
-        rows = names[:3] if step < 2 else names  # 3 rows, then 10 (> MAX_ROWS: fallback)
+    for step in range(4):
+        # 3 rows twice, then 17 (> 16: fallback), then 12 (quantized: the driver; dense: > 8)
+        rows = names[:3] if step < 2 else names if step == 2 else names[:12]
         logits = harness.step([(name, [prompt[30 + step + i]]) for i, name in enumerate(rows)])
         got.append(logits)
         greedy += logits.argmax(dim=-1).tolist()
@@ -87,7 +89,7 @@ def _run(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list[
 
 
 def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
-    prompt = torch.randint(0, 500, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     monkeypatch.setenv("LMC_DECODE_STACK", "0")
     reference = _run(_model(model_dir, quant), prompt)
     model = _model(model_dir, quant)  # the same weights (loaded and quantized alike)
@@ -100,7 +102,7 @@ def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monkeypatch, driver_steps):
     (ref_logits, ref_greedy), (logits, greedy) = _both(request.getfixturevalue(fixture), quant, monkeypatch)
-    assert driver_steps == [1, 1, 1, 3, 3], "the driver serves exactly the pure-decode steps of <= 8 rows"
+    assert driver_steps == [1, 1, 1, 3, 3, 12], "the driver serves exactly the pure-decode steps of <= 16 rows"
     assert torch.equal(logits, ref_logits)
     assert greedy == ref_greedy
 
