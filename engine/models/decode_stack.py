@@ -125,6 +125,7 @@ class DecodeStack:
         self._keep: list[Tensor] = []
         self._layers: Tensor | None = None
         self._dense: list[tuple[Any, Tensor]] = []  # (linear, the weight Parameter the plan reads)
+        self._usable = False  # whether the last _build made a plan (else the caches do not suit)
 
     # -- plan ---------------------------------------------------------------------------------
     def _stale(self) -> bool:
@@ -138,7 +139,15 @@ class DecodeStack:
         return any(linear.weight is not weight for linear, weight in self._dense)
 
     def _build(self) -> bool:
-        """(Re)build the plan; False if the KV caches do not suit the driver."""
+        """(Re)build the plan; False if the KV caches do not suit the driver (remembered until
+        the caches or the weights change, so an unsuitable model pays one check per step)."""
+        self._caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
+        self._weights_version = layers_module.weights_version()
+        self._dense = []
+        self._usable = self._make_plan()
+        return self._usable
+
+    def _make_plan(self) -> bool:
         model = self.model
         first = model.layers[0].self_attn
         attn0 = first.attn
@@ -195,8 +204,6 @@ class DecodeStack:
         self._args = (ctypes.c_void_p(self._globals.data_ptr()), ctypes.c_void_p(self._layers.data_ptr()),
                       ctypes.c_void_p(model.norm.weight.data_ptr()), self._eps, self._scale, self._soft_cap,
                       ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(model.rotary_emb.sin.data_ptr()))
-        self._caches = caches
-        self._weights_version = layers_module.weights_version()
         return True
 
     # -- step ---------------------------------------------------------------------------------
@@ -210,7 +217,7 @@ class DecodeStack:
                 or md.bidirectional_spans or md.max_query_len != 1 or rows > self.max_rows
                 or md.num_reqs != rows or md.num_actual_tokens != rows or positions.shape[0] != rows):
             return None
-        if self._stale() and not self._build():
+        if not (self._build() if self._stale() else self._usable):
             return None
         slots, block_table, seq_lens = md.slot_mapping, md.block_table, md.seq_lens
         if (slots.dtype != torch.int64 or block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32

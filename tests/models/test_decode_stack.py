@@ -127,3 +127,18 @@ def test_dense_bf16_off_in_quant_mode_and_float32_never(mode, dtype, tiny_llama_
     harness.step([("a", prompt)])
     harness.step([("a", [3])])
     assert driver_steps == []
+
+
+def test_rebound_kv_caches_rebuild_the_plan(tiny_llama_dir, monkeypatch, driver_steps):
+    """A new set of KV caches (bind_kv_caches again) must be what the driver reads and writes."""
+    first, second = (torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(s)).tolist()
+                     for s in (2, 3))
+    monkeypatch.setenv("LMC_DECODE_STACK", "0")
+    reference = _run(_model(tiny_llama_dir, "int8"), second)
+    monkeypatch.setenv("LMC_DECODE_STACK", "1")
+    bump_weights_version()
+    model = _model(tiny_llama_dir, "int8")
+    _run(model, first)
+    logits, greedy = _run(model, second)  # a new harness: new caches bound
+    assert driver_steps == [1, 1, 1, 3, 3, 12] * 2
+    assert torch.equal(logits, reference[0]) and greedy == reference[1]
