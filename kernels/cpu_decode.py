@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from torch import Tensor
 
 from kernels import cpu_attention, cpu_ops, cpu_quant
 from kernels.cpu_build import CpuKernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
 
@@ -77,15 +80,35 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scalar: 
     return out
 
 
+_I64, _I = ctypes.c_int64, ctypes.c_int
+# The C signatures decode_stack.c's typedefs were written against: where a kernel library
+# declares another (an edited kernel), the driver stays off rather than call it wrongly.
+EXPECTED_ARGTYPES = {
+    "quantize_act": [_P, _I64, _I, _I64, _I64, _I64, _I, _P, _P, _P],
+    "quant_gemm": [_I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I],
+    "rms_norm_bf16": [_P, _I64, _P, _I64, _P, _I64, _I64, _F],
+    "add_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _F],
+    "rms_norm_heads_bf16": [_P, _I64, _P, _I64, _I64, _I64, _F],
+    "rotary_neox_bf16": [_P, _I64, _P, _P, _I64, _I64, _I64],
+    "silu_and_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64],
+    "paged_decode_attention_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P,
+                                    _I, _I, _I, _I, _I, _F, _I, _F],
+}
+
+
 @functools.cache
 def kernel_table() -> ctypes.Array | None:
-    """The driver's function-pointer table (KERNELS order), or None if a library is missing."""
+    """The driver's function-pointer table (KERNELS order), or None if a library is missing
+    or declares a kernel with another signature than the driver calls it with."""
     libraries = {"quant": cpu_quant.load(), "ops": cpu_ops.load(), "attention": cpu_attention.load()}
     if any(lib is None for lib in libraries.values()):
         return None
     owners = {"quantize_act": "quant", "quant_gemm": "quant", "paged_decode_attention_bf16": "attention"}
     table = (ctypes.c_void_p * len(KERNELS))()
     for i, name in enumerate(KERNELS):
-        fn = getattr(libraries[owners.get(name, "ops")], name)
+        fn = getattr(libraries[owners.get(name, "ops")], name, None)
+        if fn is None or list(fn.argtypes or ()) != EXPECTED_ARGTYPES[name]:
+            logger.warning("decode-stack driver off: %s is missing or its signature changed", name)
+            return None
         table[i] = ctypes.cast(fn, ctypes.c_void_p).value
     return table
