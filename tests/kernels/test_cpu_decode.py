@@ -36,3 +36,18 @@ def test_dense_linear_refuses_bad_inputs():
         cpu_decode.dense_linear(x, torch.zeros(4, 9, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bf16"):
         cpu_decode.dense_linear(x.float(), torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+def test_driver_stays_off_when_a_kernel_signature_changes():
+    from kernels import cpu_quant
+
+    fn = cpu_quant.load().quant_gemm
+    saved = fn.argtypes
+    cpu_decode.kernel_table.cache_clear()
+    try:
+        fn.argtypes = saved[:-1]  # as if quant_gemm.c had dropped an argument
+        assert cpu_decode.kernel_table() is None
+    finally:
+        fn.argtypes = saved
+        cpu_decode.kernel_table.cache_clear()
+    assert cpu_decode.kernel_table() is not None
