@@ -70,25 +70,36 @@ def _lmc_single_stream(llm, prompt: list[int], n: int = 128) -> dict[str, float]
 
 
 def lmc_step_breakdown(variant: str, threads: int, steps: int = 64) -> dict[str, float]:
-    """Mean milliseconds per batch-1 decode step, by phase (engine core in this process)."""
+    """Mean milliseconds per batch-1 decode step, by phase (engine core in this process).
+
+    Each phase's wall time, and "cpu ms" entries: the process CPU time spent in it (all
+    threads; on a shared machine the wall times include waiting for a core, CPU time does not).
+    "decode stack (C driver)" is the part of the model forward that engine/models/decode_stack.py
+    ran in one C call (the whole decoder stack of a pure-decode step; absent when it is off).
+    """
     from engine import LLM, SamplingParams
+    from engine.models import decode_stack
 
     llm = LLM(None, quantization=variant, num_threads=threads, multiprocess=False)
     core = llm.engine_core.engine_core
     runner = core.model_executor.worker.model_runner
     totals: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
     counting = {"on": False}
+    patched: list[tuple[Any, str, Any]] = []
 
     def timed(owner: Any, name: str, label: str) -> None:
         inner = getattr(owner, name)
+        patched.append((owner, name, inner))
 
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 if counting["on"]:
                     totals[label] += time.perf_counter() - start
+                    cpu[label] += time.process_time() - start_cpu
         setattr(owner, name, wrapper)
 
     timed(core, "step", "step total")
@@ -97,6 +108,7 @@ def lmc_step_breakdown(variant: str, threads: int, steps: int = 64) -> dict[str,
     timed(runner, "_prepare_inputs", "input prep")
     timed(runner, "_build_attention_metadata", "attention metadata")
     timed(runner.model, "forward", "model forward")
+    timed(decode_stack.DecodeStack, "run", "decode stack (C driver)")
     timed(runner.model, "compute_logits", "lm_head (logits)")
     timed(runner, "sampler", "sampling")
     try:
@@ -107,8 +119,11 @@ def lmc_step_breakdown(variant: str, threads: int, steps: int = 64) -> dict[str,
         llm.generate([prompt], SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
         wall = time.perf_counter() - start
     finally:
+        for owner, name, inner in patched:
+            setattr(owner, name, inner)
         llm.shutdown()
     result = {k: 1e3 * v / (steps + 1) for k, v in totals.items()}
+    result.update({f"{k} cpu ms": 1e3 * v / (steps + 1) for k, v in cpu.items()})
     result["wall per token (incl. frontend)"] = 1e3 * wall / (steps + 1)
     result["host overhead (step - forward - logits)"] = (
         result["step total"] - result["model forward"] - result["lm_head (logits)"])

@@ -23,6 +23,22 @@ from engine.errors import UnsupportedArchitectureError
 from kernels import cpu_ops, cpu_quant
 
 
+_weights_version = 0  # bumped when a layer's weights are swapped for others (see weights_version)
+
+
+def weights_version() -> int:
+    """A counter bumped whenever a layer's weights are replaced by other tensors (quantized
+    weights attached): plans holding pointers into the weights (engine/models/decode_stack.py)
+    rebuild when it moves."""
+    return _weights_version
+
+
+def bump_weights_version() -> None:
+    """Mark every plan holding weight pointers stale."""
+    global _weights_version
+    _weights_version += 1
+
+
 def cpu_kernels_serve(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the fused C kernels serve layers of this dtype on this device: bf16 on the CPU,
     once the library is built; float32 keeps the exact torch path the HF-exactness tests compare."""
@@ -52,6 +68,7 @@ class Linear(nn.Module):
         self.quant = quant
         self.packed_weight = None
         self.quant_bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        bump_weights_version()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.quant is not None:
@@ -119,6 +136,7 @@ class Embedding(nn.Module):
     def set_quant_weight(self, quant: cpu_quant.QuantWeight) -> None:
         """Look rows up in packed quantized weights from now on (the caller drops the dense W)."""
         self.quant = quant
+        bump_weights_version()
 
     def forward(self, input_ids: Tensor) -> Tensor:
         if self.quant is not None:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.attention import Attention
+from engine.models import decode_stack, layers
 from engine.models.layers import LogitsProjection, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters
 from engine.models.parallel_layers import (
     ColumnParallelLinear, LazyWeight, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
@@ -141,9 +142,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings,
                                           rope_parameters(config), dtype)
+        # The whole-stack C driver for pure-decode steps (decode_stack.py), decided on first
+        # use and again whenever the weights are swapped (quantized after load).
+        self._decode_stack: decode_stack.DecodeStack | None = None
+        self._decode_stack_version = -1
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         # inputs_embeds: text + image embeddings already merged by a multimodal wrapper.
+        if inputs_embeds is None and input_ids.shape[0] <= decode_stack.MAX_ROWS:
+            if self._decode_stack_version != layers.weights_version():
+                self._decode_stack = decode_stack.attach(self)
+                self._decode_stack_version = layers.weights_version()
+            if self._decode_stack is not None:
+                hidden = self._decode_stack.run(input_ids, positions)
+                if hidden is not None:
+                    return hidden
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         rope = self.rotary_emb(positions)  # shared by the layers
         residual = None

@@ -1,0 +1,144 @@
+"""The whole-stack decode driver (engine/models/decode_stack.py) against the layer-by-layer forward.
+
+Quantized models: the driver calls the same kernels in the same order, so every logit of every
+step must be bit-identical, with the driver serving the pure-decode steps (counted) and the
+usual forward the others (prefill, chunked prefill beside decodes, more rows than its bound:
+16 quantized, 8 dense).
+Dense bf16: the driver's own GEMV accumulates in another order than
+oneDNN, so the logits are close and the greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig
+
+from engine.models import decode_stack
+from engine.models.layers import Linear, bump_weights_version
+from engine.models.loader import load_model
+from engine.models.quant import quantize_model
+from kernels import cpu_decode, cpu_quant
+from paged_model_harness import PagedHarness
+
+pytestmark = pytest.mark.skipif(cpu_quant.load() is None or cpu_decode.load() is None,
+                                reason="no C compiler (or LMC_CPU_KERNELS=0): no driver")
+
+
+@pytest.fixture
+def driver_steps(monkeypatch) -> list[int]:
+    """Rows of each step the driver served (so a test can tell it really ran)."""
+    served: list[int] = []
+    real = decode_stack.DecodeStack.run
+
+    def spy(self, input_ids, positions):
+        out = real(self, input_ids, positions)
+        if out is not None:
+            served.append(input_ids.shape[0])
+        return out
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
+    return served
+
+
+def _quantize_b4(model: torch.nn.Module) -> None:
+    """Give every linear random 4-bit block weights (the GGUF Q4_1 layout) and the embedding b8."""
+    rng = np.random.default_rng(0)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.device.type != "meta":
+            n, k = module.weight.shape
+            nb = -(-k // cpu_quant.BLOCK)
+            q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+            d = rng.uniform(0.002, 0.02, size=(n, nb)).astype(np.float16)
+            m = (-8 * d.astype(np.float32) + rng.normal(0, 0.01, size=(n, nb))).astype(np.float16)
+            module.set_quant_weight(cpu_quant.pack_blocks("b4", q, d, m, "Q4_1"))
+            module.weight = torch.nn.Parameter(torch.empty(n, k, dtype=module.weight.dtype, device="meta"),
+                                               requires_grad=False)
+
+
+def _model(model_dir, quant: str) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(model_dir)
+    model = load_model(model_dir, config, torch.bfloat16, torch.device("cpu"))
+    if quant == "int8":
+        quantize_model(model, "int8")
+    elif quant == "b4":
+        _quantize_b4(model)
+    return model
+
+
+def _run(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Prefill, chunked prefill beside a decode, decodes of 1, 3 and 9 rows: all logits, and
+    the greedy tokens of the decode-only steps."""
+    harness = PagedHarness(model, num_blocks=96, block_size=16)
+    got = [harness.step([("a", prompt[:21])])]
+    for token in prompt[21:24]:  # one row
+        got.append(harness.step([("a", [token])]))
+    got.append(harness.step([("b", prompt[:7]), ("a", [prompt[24]])]))  # prefill + decode: fallback
+    got.append(harness.step([("c", prompt[5:9]), ("d", prompt[9:12])] + [(f"e{i}", prompt[i:i + 2])
+                                                                        for i in range(13)]))
+    names = ["a", "b", "c", "d"] + [f"e{i}" for i in range(13)]  # 17 requests
+    greedy = []
+    for step in range(4):
+        # 3 rows twice, then 17 (> 16: fallback), then 12 (quantized: the driver; dense: > 8)
+        rows = names[:3] if step < 2 else names if step == 2 else names[:12]
+        logits = harness.step([(name, [prompt[30 + step + i]]) for i, name in enumerate(rows)])
+        got.append(logits)
+        greedy += logits.argmax(dim=-1).tolist()
+    return torch.cat(got), greedy
+
+
+def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
+    prompt = torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    monkeypatch.setenv("LMC_DECODE_STACK", "0")
+    reference = _run(_model(model_dir, quant), prompt)
+    model = _model(model_dir, quant)  # the same weights (loaded and quantized alike)
+    monkeypatch.setenv("LMC_DECODE_STACK", mode)
+    bump_weights_version()
+    return reference, _run(model, prompt)
+
+
+@pytest.mark.parametrize("quant", ["int8", "b4"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monkeypatch, driver_steps):
+    (ref_logits, ref_greedy), (logits, greedy) = _both(request.getfixturevalue(fixture), quant, monkeypatch)
+    assert driver_steps == [1, 1, 1, 3, 3, 12], "the driver serves exactly the pure-decode steps of <= 16 rows"
+    assert torch.equal(logits, ref_logits)
+    assert greedy == ref_greedy
+
+
+def test_dense_bf16_is_close_with_equal_greedy_tokens(tiny_llama_dir, monkeypatch, driver_steps):
+    (ref_logits, ref_greedy), (logits, greedy) = _both(tiny_llama_dir, "none", monkeypatch)
+    assert driver_steps == [1, 1, 1, 3, 3]
+    scale = ref_logits.abs().max()
+    assert (logits - ref_logits).abs().max() <= 0.02 * scale
+    assert greedy == ref_greedy
+
+
+@pytest.mark.parametrize("mode,dtype", [("quant", torch.bfloat16), ("1", torch.float32)])
+def test_dense_bf16_off_in_quant_mode_and_float32_never(mode, dtype, tiny_llama_dir, monkeypatch, driver_steps):
+    monkeypatch.setenv("LMC_DECODE_STACK", mode)
+    bump_weights_version()
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, config, dtype, torch.device("cpu"))
+    assert decode_stack.unsupported_reason(model.model) is not None
+    prompt = list(range(10, 40))
+    harness = PagedHarness(model)
+    harness.step([("a", prompt)])
+    harness.step([("a", [3])])
+    assert driver_steps == []
+
+
+def test_rebound_kv_caches_rebuild_the_plan(tiny_llama_dir, monkeypatch, driver_steps):
+    """A new set of KV caches (bind_kv_caches again) must be what the driver reads and writes."""
+    first, second = (torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(s)).tolist()
+                     for s in (2, 3))
+    monkeypatch.setenv("LMC_DECODE_STACK", "0")
+    reference = _run(_model(tiny_llama_dir, "int8"), second)
+    monkeypatch.setenv("LMC_DECODE_STACK", "1")
+    bump_weights_version()
+    model = _model(tiny_llama_dir, "int8")
+    _run(model, first)
+    logits, greedy = _run(model, second)  # a new harness: new caches bound
+    assert driver_steps == [1, 1, 1, 3, 3, 12] * 2
+    assert torch.equal(logits, reference[0]) and greedy == reference[1]
