@@ -20,6 +20,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_common.h"
@@ -33,7 +34,6 @@
 
 enum { FMT_B8 = 0, FMT_B4 = 1, FMT_C8 = 2 };
 #define QBLOCK 32
-#define TOK_TILE 4
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -127,8 +127,224 @@ static inline void store_out(void *out, int out_bf16, int64_t i, float v) {
     else ((float *)out)[i] = v;
 }
 
+/* Block b's scale and offset of row n as floats (w = d * q + m); FMT_C8 as d = s, m = -128 s. */
+static inline void row_block_scales(int fmt, const void *wd_, const void *wm_, int64_t n, int64_t nb,
+                                    float *d, float *m) {
+    if (fmt == FMT_C8) {
+        const float s = ((const float *)wd_)[n];
+        for (int64_t b = 0; b < nb; b++) { d[b] = s; m[b] = -128.f * s; }
+        return;
+    }
+    halfs_to_floats((const uint16_t *)wd_ + n * nb, d, nb);
+    halfs_to_floats((const uint16_t *)wm_ + n * nb, m, nb);
+}
+
 #if QG_VNNI
-/* Unsigned weights of pair p (64 elements, blocks 2p | 2p+1) as 64 bytes. */
+/* ---- AVX512-VNNI: 16 output rows a tile, the tile's weights transposed into a panel ----
+ *
+ * vpdpbusd multiplies 4 adjacent bytes of each 32-bit lane. The panel puts 16 ROWS in the 16
+ * lanes (lane r of vector (b, c) holds row r's elements 4c..4c+3 of block b), so one activation
+ * dword, broadcast from memory, feeds 16 rows at once, and the 8 vectors of a block accumulate in
+ * int32 before one conversion and one float fma with (row scales x the token's block scale):
+ * 8 dot products per 4 float operations, where a row-major layout needs a float scale per
+ * dot product. The panel is built once per tile and call (a 16x16 dword transpose per 64
+ * elements, the 4-bit nibbles unpacked), and stays in L1/L2 while every token uses it. */
+#define NR 16
+#define TT 8 /* tokens a register tile */
+
+/* rows[0..15] (16 dwords each) -> cols[j] = dword j of every row. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* b[4k + j], 128-bit lane L: column 4L + j of rows 4k..4k+3 */
+        const __m512i s0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i s2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
+}
+
+/* The panel of rows [n0, n0 + nr) (nr <= 16; missing rows are zero): pw[nb][8] vectors,
+ * pd / pm [nb][16] floats. */
+static void build_panel(int fmt, const uint8_t *w, int64_t row_bytes, const void *wd_, const void *wm_,
+                        int64_t n0, int nr, int64_t Kp, __m512i *pw, float *pd, float *pm, float *tmp) {
+    const int64_t nb = Kp / QBLOCK;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t p = 0; p < Kp / 64; p++) {
+        __m512i r[NR];
+        if (fmt == FMT_B4) { /* 32 bytes a row: dwords 0..7 hold blocks 2p (low) | 2p+1 (high) */
+            for (int i = 0; i < NR; i++)
+                r[i] = i < nr ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                    (const __m256i *)(w + (n0 + i) * row_bytes + p * 32)))
+                              : _mm512_setzero_si512();
+            transpose16(r);
+            for (int c = 0; c < 8; c++) {
+                pw[(2 * p) * 8 + c] = _mm512_and_si512(r[c], low);
+                pw[(2 * p + 1) * 8 + c] = _mm512_and_si512(_mm512_srli_epi32(r[c], 4), low);
+            }
+        } else {
+            for (int i = 0; i < NR; i++)
+                r[i] = i < nr ? _mm512_loadu_si512((const void *)(w + (n0 + i) * row_bytes + p * 64))
+                              : _mm512_setzero_si512();
+            transpose16(r);
+            for (int c = 0; c < 16; c++) pw[2 * p * 8 + c] = r[c];
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        if (i < nr) {
+            row_block_scales(fmt, wd_, wm_, n0 + i, nb, tmp, tmp + nb);
+        } else {
+            for (int64_t b = 0; b < 2 * nb; b++) tmp[b] = 0.f;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            pd[b * NR + i] = tmp[b];
+            pm[b * NR + i] = tmp[nb + b];
+        }
+    }
+}
+
+/* 16 rows (a panel) x T tokens (T <= TT, a compile-time constant where inlined) -> acc[T]. */
+static inline __attribute__((always_inline)) void panel_tokens(
+    const int T, int64_t nb, int64_t Kp, const __m512i *pw, const float *pd, const float *pm,
+    const int8_t *xq, const float *xd, const float *xs, __m512 acc[TT]) {
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512i *wb = pw + b * 8;
+        const __m512 d = _mm512_loadu_ps(pd + b * NR), m = _mm512_loadu_ps(pm + b * NR);
+        for (int t = 0; t < T; t++) {
+            const int32_t *xp = (const int32_t *)(xq + t * Kp + b * QBLOCK);
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[0], _mm512_set1_epi32(xp[0]));
+            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[1], _mm512_set1_epi32(xp[1]));
+            i0 = _mm512_dpbusd_epi32(i0, wb[2], _mm512_set1_epi32(xp[2]));
+            i1 = _mm512_dpbusd_epi32(i1, wb[3], _mm512_set1_epi32(xp[3]));
+            i0 = _mm512_dpbusd_epi32(i0, wb[4], _mm512_set1_epi32(xp[4]));
+            i1 = _mm512_dpbusd_epi32(i1, wb[5], _mm512_set1_epi32(xp[5]));
+            i0 = _mm512_dpbusd_epi32(i0, wb[6], _mm512_set1_epi32(xp[6]));
+            i1 = _mm512_dpbusd_epi32(i1, wb[7], _mm512_set1_epi32(xp[7]));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+            acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b])), acc[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
+        }
+    }
+}
+
+/* 16 float32 results (+ bias) to out row `o` columns [n0, n0 + nr), as bf16 or float32. */
+static inline void store_panel_row(void *out, int out_bf16, int64_t o, int64_t n0, int nr, __m512 v,
+                                   const float *bias) {
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0));
+    if (!out_bf16) {
+        _mm512_mask_storeu_ps((float *)out + o + n0, mask, v);
+        return;
+    }
+    /* round to nearest even as float_to_bf16; a NaN keeps its top bits, made quiet */
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16((uint16_t *)out + o + n0, mask, _mm512_cvtepi32_epi16(r));
+}
+
+/* Rows [n0, n0 + nr) against every token: build the panel, then tokens TT at a time. */
+static void panel_gemm(int fmt, int64_t M, int64_t n0, int nr, int64_t Kp, const uint8_t *w,
+                       int64_t row_bytes, const void *wd_, const void *wm_, const float *bias,
+                       const int8_t *xq, const float *xd, const float *xs, void *out, int64_t ldo,
+                       int out_bf16, __m512i *pw, float *pd, float *pm, float *tmp) {
+    const int64_t nb = Kp / QBLOCK;
+    build_panel(fmt, w, row_bytes, wd_, wm_, n0, nr, Kp, pw, pd, pm, tmp);
+    __m512 acc[TT];
+    for (int64_t t0 = 0; t0 < M; t0 += TT) {
+        const int nt = M - t0 < TT ? (int)(M - t0) : TT;
+        const int8_t *x = xq + t0 * Kp;
+        const float *d = xd + t0 * nb, *s = xs + t0 * nb;
+        switch (nt) { /* constant T: the token loop unrolls, acc[] stays in registers */
+        case 8: panel_tokens(8, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        case 7: panel_tokens(7, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        case 6: panel_tokens(6, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        case 5: panel_tokens(5, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        case 4: panel_tokens(4, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        case 3: panel_tokens(3, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        case 2: panel_tokens(2, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        default: panel_tokens(1, nb, Kp, pw, pd, pm, x, d, s, acc); break;
+        }
+        for (int t = 0; t < nt; t++) store_panel_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
+    }
+}
+#else
+/* Portable: one output row n against every token, in the same int32 block sums. */
+static void row_gemm(int fmt, int64_t M, int64_t n, int64_t Kp, const uint8_t *wrow, const float *d,
+                     const float *m, const float *bias, const int8_t *xq, const float *xd,
+                     const float *xs, void *out, int64_t ldo, int out_bf16) {
+    const int64_t nb = Kp / QBLOCK;
+    for (int64_t t = 0; t < M; t++) {
+        float total = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t dot = 0;
+            for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k++)
+                dot += weight_q(wrow, fmt, k) * (int32_t)xq[t * Kp + k];
+            total += (float)dot * (d[b] * xd[t * nb + b]) + m[b] * xs[t * nb + b];
+        }
+        store_out(out, out_bf16, t * ldo + n, total + (bias ? bias[n] : 0.f));
+    }
+}
+#endif
+
+/* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL),
+ * x given quantized by quantize_act (per block). wd/wm: fp16 [N, Kp/32] for the
+ * block formats; wd: float32 [N] for FMT_C8 (wm unused). Output rows are split between the
+ * threads (16 a tile with VNNI, one at a time in the portable path); every token uses each
+ * row's weights while they are in cache, so the weights are read once per call. */
+void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, const void *wd_,
+                const void *wm_, const float *bias, const int8_t *xq, const float *xd,
+                const float *xs, void *out, int64_t ldo, int out_bf16) {
+    const int64_t nb = Kp / QBLOCK;
+    const int64_t row_bytes = fmt == FMT_B4 ? Kp / 2 : Kp;
+#if QG_VNNI
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel if (tiles > 1)
+    {
+        __m512i *pw = (__m512i *)aligned_alloc(64, (size_t)(nb > 0 ? nb : 1) * 8 * 64);
+        float *pd = (float *)aligned_alloc(64, (size_t)(nb > 0 ? nb : 1) * NR * 4 * 4);
+        float *pm = pd + nb * NR, *tmp = pm + nb * NR;
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t n0 = tile * NR;
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            panel_gemm(fmt, M, n0, nr, Kp, w, row_bytes, wd_, wm_, bias, xq, xd, xs, out, ldo,
+                       out_bf16, pw, pd, pm, tmp);
+        }
+        free(pw);
+        free(pd);
+    }
+#else
+#pragma omp parallel
+    {
+        float d[nb > 0 ? nb : 1], m[nb > 0 ? nb : 1];
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            row_block_scales(fmt, wd_, wm_, n, nb, d, m);
+            row_gemm(fmt, M, n, Kp, w + n * row_bytes, d, m, bias, xq, xd, xs, out, ldo, out_bf16);
+        }
+    }
+#endif
+}
+
+#if QG_VNNI
+/* Unsigned weights of pair p (64 elements, blocks 2p | 2p+1) of one row as 64 bytes. */
 static inline __m512i load_pair(const uint8_t *wrow, int fmt, int64_t p) {
     if (fmt != FMT_B4) return _mm512_loadu_si512((const void *)(wrow + p * 64));
     /* the 32 bytes in both halves; the upper half shifted by 4: low nibbles | high nibbles */
@@ -136,215 +352,7 @@ static inline __m512i load_pair(const uint8_t *wrow, int fmt, int64_t p) {
     const __m512i shifted = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
     return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
 }
-
-/* [a x8, b x8] from two adjacent floats (a block pair's scales). */
-static inline __m512 pair_scales(const float *ab) {
-    return _mm512_mask_broadcastss_ps(_mm512_set1_ps(ab[0]), 0xFF00, _mm_load_ss(ab + 1));
-}
-
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 #endif
-
-/* One output row n against tokens [t0, t0 + nt) of the block formats. */
-static void row_block_format(int fmt, int64_t n, int64_t t0, int nt, int64_t Kp,
-                             const uint8_t *wrow, const float *wd, const float *wm,
-                             const int8_t *xq, const float *xd, const float *xs,
-                             float *result) {
-    const int64_t nb = Kp / QBLOCK;
-    (void)n;
-#if QG_VNNI
-    const int64_t np = nb / 2;
-    __m512 acc[TOK_TILE];
-    for (int t = 0; t < TOK_TILE; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        const __m512i w = load_pair(wrow, fmt, p);
-        const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(wd[2 * p]),
-                                             _mm256_set1_ps(wd[2 * p + 1]), 1);
-        for (int t = 0; t < nt; t++) {
-            const int64_t m = t0 + t;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-            const __m512 xsc = _mm512_insertf32x8(_mm512_set1_ps(xd[m * nb + 2 * p]),
-                                                  _mm256_set1_ps(xd[m * nb + 2 * p + 1]), 1);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xsc), acc[t]);
-        }
-    }
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        __m512 off = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 16 <= nb; b += 16)
-            off = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b), _mm512_loadu_ps(xs + m * nb + b), off);
-        float o = hsum(off);
-        for (; b < nb; b++) o += wm[b] * xs[m * nb + b];
-        result[t] = hsum(acc[t]) + o;
-    }
-#else
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        float total = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            int32_t dot = 0;
-            for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k++)
-                dot += weight_q(wrow, fmt, k) * (int32_t)xq[m * Kp + k];
-            total += (float)dot * (wd[b] * xd[m * nb + b]) + wm[b] * xs[m * nb + b];
-        }
-        result[t] = total;
-    }
-#endif
-}
-
-/* FMT_C8, one row: block sums scaled by the activations' block scales, the row scale once. */
-static void row_channel_format(int64_t t0, int nt, int64_t Kp, const uint8_t *wrow, float wscale,
-                               const int8_t *xq, const float *xd, const float *xs, float *result) {
-    const int64_t nb = Kp / QBLOCK;
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        float total = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            int32_t dot = 0;
-            for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k++) dot += (int32_t)wrow[k] * (int32_t)xq[m * Kp + k];
-            total += (float)dot * xd[m * nb + b] - 128.f * xs[m * nb + b];
-        }
-        result[t] = wscale * total;
-    }
-}
-
-#define ROW_TILE 4
-
-#if QG_VNNI
-/* Block formats, rows [n, n + 4) against tokens [t0, t0 + nt): each weight pair is unpacked
- * once for the four tokens, each activation vector loaded once for the four rows. */
-static void tile_block_format(int fmt, int64_t t0, int nt, int64_t Kp, const uint8_t *w,
-                              int64_t row_bytes, const float *wd, const float *wm,
-                              const int8_t *xq, const float *xd, const float *xs,
-                              float result[ROW_TILE][TOK_TILE]) {
-    const int64_t nb = Kp / QBLOCK, np = nb / 2;
-    __m512 acc[ROW_TILE][TOK_TILE];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int t = 0; t < TOK_TILE; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        __m512i wv[ROW_TILE];
-        __m512 ws[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) {
-            wv[r] = load_pair(w + r * row_bytes, fmt, p);
-            ws[r] = pair_scales(wd + r * nb + 2 * p);
-        }
-        for (int t = 0; t < nt; t++) {
-            const int64_t m = t0 + t;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512 xsc = pair_scales(xd + m * nb + 2 * p);
-            for (int r = 0; r < ROW_TILE; r++) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], xsc), acc[r][t]);
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        for (int r = 0; r < ROW_TILE; r++) {
-            float o = 0.f;
-            for (int64_t b = 0; b < nb; b++) o += wm[r * nb + b] * xs[m * nb + b];
-            result[r][t] = _mm512_reduce_add_ps(acc[r][t]) + o;
-        }
-    }
-}
-
-/* FMT_C8, rows [n, n + 4) against tokens [t0, t0 + nt): one scale per row, so only the
- * activations' block scales enter the loop; the +128 of the stored weights is taken out once. */
-static void tile_channel_format(int64_t t0, int nt, int64_t Kp, const uint8_t *w, const float *wscale,
-                                const int8_t *xq, const float *xd, const float *xs,
-                                float result[ROW_TILE][TOK_TILE]) {
-    const int64_t nb = Kp / QBLOCK;
-    __m512 acc[ROW_TILE][TOK_TILE];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int t = 0; t < TOK_TILE; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < Kp / 64; p++) {
-        __m512i wv[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) wv[r] = _mm512_loadu_si512((const void *)(w + r * Kp + p * 64));
-        for (int t = 0; t < nt; t++) {
-            const int64_t m = t0 + t;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512 xsc = pair_scales(xd + m * nb + 2 * p);
-            for (int r = 0; r < ROW_TILE; r++) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xsc, acc[r][t]);
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        float offset = 0.f;
-        for (int64_t b = 0; b < nb; b++) offset += xs[m * nb + b];
-        for (int r = 0; r < ROW_TILE; r++)
-            result[r][t] = wscale[r] * (_mm512_reduce_add_ps(acc[r][t]) - 128.f * offset);
-    }
-}
-#endif
-
-/* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL),
- * x given quantized by quantize_act (per block). wd/wm: fp16 [N, Kp/32] for the
- * block formats; wd: float32 [N] for FMT_C8 (wm unused). Rows go in tiles of four (one thread
- * each), the tokens in tiles of four inside. */
-void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, const void *wd_,
-                const void *wm_, const float *bias, const int8_t *xq, const float *xd,
-                const float *xs, void *out, int64_t ldo, int out_bf16) {
-    const int64_t nb = Kp / QBLOCK;
-    const int64_t row_bytes = fmt == FMT_B4 ? Kp / 2 : Kp;
-    const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
-#pragma omp parallel
-    {
-        float wd[nb > 0 ? nb : 1], wm[nb > 0 ? nb : 1], result[TOK_TILE];
-#if QG_VNNI
-        float tile_d[ROW_TILE * (nb > 0 ? nb : 1)], tile_m[ROW_TILE * (nb > 0 ? nb : 1)];
-        float tile_result[ROW_TILE][TOK_TILE];
-#endif
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t n0 = tile * ROW_TILE;
-#if QG_VNNI
-            if (n0 + ROW_TILE <= N) {
-                const uint8_t *wtile = w + n0 * row_bytes;
-                if (fmt != FMT_C8) {
-                    /* the tile's rows are adjacent: one conversion of 4 * nb scales */
-                    halfs_to_floats((const uint16_t *)wd_ + n0 * nb, tile_d, ROW_TILE * nb);
-                    halfs_to_floats((const uint16_t *)wm_ + n0 * nb, tile_m, ROW_TILE * nb);
-                }
-                for (int64_t t0 = 0; t0 < M; t0 += TOK_TILE) {
-                    const int nt = M - t0 < TOK_TILE ? (int)(M - t0) : TOK_TILE;
-                    if (fmt == FMT_C8)
-                        tile_channel_format(t0, nt, Kp, wtile, (const float *)wd_ + n0, xq, xd, xs, tile_result);
-                    else
-                        tile_block_format(fmt, t0, nt, Kp, wtile, row_bytes, tile_d, tile_m, xq, xd, xs,
-                                          tile_result);
-                    for (int r = 0; r < ROW_TILE; r++) {
-                        const float b = bias ? bias[n0 + r] : 0.f;
-                        for (int t = 0; t < nt; t++)
-                            store_out(out, out_bf16, (t0 + t) * ldo + n0 + r, tile_result[r][t] + b);
-                    }
-                }
-                continue;
-            }
-#endif
-            for (int64_t n = n0; n < N && n < n0 + ROW_TILE; n++) {
-                const uint8_t *wrow = w + n * row_bytes;
-                const float b = bias ? bias[n] : 0.f;
-                if (fmt != FMT_C8) {
-                    halfs_to_floats((const uint16_t *)wd_ + n * nb, wd, nb);
-                    halfs_to_floats((const uint16_t *)wm_ + n * nb, wm, nb);
-                }
-                for (int64_t t0 = 0; t0 < M; t0 += TOK_TILE) {
-                    const int nt = M - t0 < TOK_TILE ? (int)(M - t0) : TOK_TILE;
-                    if (fmt == FMT_C8)
-                        row_channel_format(t0, nt, Kp, wrow, ((const float *)wd_)[n], xq, xd, xs, result);
-                    else
-                        row_block_format(fmt, n, t0, nt, Kp, wrow, wd, wm, xq, xd, xs, result);
-                    for (int t = 0; t < nt; t++) store_out(out, out_bf16, (t0 + t) * ldo + n, result[t] + b);
-                }
-            }
-        }
-    }
-}
 
 /* The weights as a dense matrix out[N, K] (bf16 or float32): rows [n0, n1) only. */
 void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, const uint8_t *w,
