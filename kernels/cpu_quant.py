@@ -1,10 +1,12 @@
 """Quantized-weight linears for CPU inference: C kernels (kernels/cpu/quant_gemm.c) via ctypes.
 
-A `QuantWeight` holds one linear's weights in one of our packed layouts (see quant_gemm.c):
+A `QuantWeight` holds one linear's weights in one of our packed formats, all in the tiled
+layout of quant_gemm.c (rows in tiles of 16, interleaved four elements at a time, so that a
+512-bit vector holds 16 rows; N padded to a multiple of 16, K to a multiple of 64):
 
 - "b8": unsigned 8-bit values with an fp16 scale and offset per block of 32 (GGUF Q8_0, and
   the formats requantized to 8 bits at load: Q6_K and others)
-- "b4": 4-bit values, two blocks' nibbles interleaved per byte, fp16 scale and offset per block
+- "b4": 4-bit values, two blocks' nibbles in each byte, fp16 scale and offset per block
   (GGUF Q4_0, Q4_1, Q4_K)
 - "c8": int8 per output channel (one float32 scale per row), quantization="int8"
   (activations per block of 32 as for the others: per token cost +2.9% perplexity on SmolLM2)
@@ -37,6 +39,7 @@ SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
 FORMATS = {"b8": 0, "b4": 1, "c8": 2}
 BLOCK = 32
 PAIR = 64  # K is padded to a whole number of block pairs (one 512-bit vector of int8)
+TILE = 16  # rows a tile (the int32 lanes of a 512-bit vector); N is padded to a multiple
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -78,6 +81,11 @@ def padded(k: int) -> int:
     return -(-k // PAIR) * PAIR
 
 
+def padded_rows(n: int) -> int:
+    """N rounded up to a whole number of tiles."""
+    return -(-n // TILE) * TILE
+
+
 # Rows above which block-format linears dequantize to the activation dtype and use torch
 # (LMC_QUANT_DENSE_ROWS; benchmarks/perplexity.py sets it high to measure the int8 path alone).
 # Measured on a Zen 4 core (3072x576 Q4_1): the int8 kernel 0.24 ms at 8 rows vs dequantize +
@@ -98,14 +106,18 @@ class QuantWeight:
     fmt: str  # b8 | b4 | c8
     out_features: int
     in_features: int
-    qweight: Tensor  # uint8 [N, Kp] (b8, c8) or [N, Kp / 2] (b4)
-    scales: Tensor  # float16 [N, Kp / 32] (b8, b4) or float32 [N] (c8)
-    offsets: Tensor | None  # float16 [N, Kp / 32] (b8, b4); None for c8
+    qweight: Tensor  # uint8 [Np / 16, Kp * 16] (b8, c8) or [Np / 16, Kp * 8] (b4), tiled
+    scales: Tensor  # float16 [Np / 16, Kp / 32 * 16] (b8, b4), tiled; float32 [Np] (c8)
+    offsets: Tensor | None  # float16 as scales (b8, b4); None for c8
     source: str  # the format it came from (e.g. "Q4_1", "int8"), for reports
 
     @property
     def padded_in(self) -> int:
         return padded(self.in_features)
+
+    @property
+    def padded_out(self) -> int:
+        return padded_rows(self.out_features)
 
     def nbytes(self) -> int:
         """Resident bytes of the packed weights and their scales."""
@@ -113,25 +125,39 @@ class QuantWeight:
         return total + (self.offsets.nbytes if self.offsets is not None else 0)
 
 
+def _tile_values(q: np.ndarray, fmt: str) -> np.ndarray:
+    """Unsigned values q [Np, Kp] (row-major) -> the tiled bytes [Np / 16, ...] of quant_gemm.c."""
+    n, kp = q.shape
+    tiles = q.reshape(n // TILE, TILE, kp // 4, 4)  # rows, 4-element chunks
+    if fmt == "b4":  # chunk c of block 2p low, of block 2p + 1 high
+        pairs = tiles.reshape(n // TILE, TILE, kp // PAIR, 2, 8, 4)
+        tiles = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // TILE, TILE, kp // 8, 4)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3)).reshape(n // TILE, -1)
+
+
+def _tile_scales(v: np.ndarray) -> np.ndarray:
+    """Per-block values [Np, nb] -> [Np / 16, nb * 16] (block-major within a tile)."""
+    n, nb = v.shape
+    return np.ascontiguousarray(v.reshape(n // TILE, TILE, nb).transpose(0, 2, 1)).reshape(n // TILE, -1)
+
+
 def pack_blocks(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str) -> QuantWeight:
     """A b8/b4 QuantWeight from unsigned values q [N, K] (0..255 or 0..15) and per-block float
-    scales d and offsets m [N, ceil(K / 32)] (w = d * q + m); K is zero-padded to Kp."""
-    n, k = q.shape
-    kp = padded(k)
-    nb = kp // BLOCK
-    qp = np.zeros((n, kp), dtype=np.uint8)
-    qp[:, :k] = q
-    dp = np.zeros((n, nb), dtype=np.float16)
-    mp = np.zeros((n, nb), dtype=np.float16)
-    dp[:, : d.shape[1]] = d
-    mp[:, : m.shape[1]] = m
-    if fmt == "b4":
-        pairs = qp.reshape(n, kp // PAIR, 2, BLOCK)
-        qp = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(n, kp // 2)
-    elif fmt != "b8":
+    scales d and offsets m [N, ceil(K / 32)] (w = d * q + m); K is zero-padded to Kp, N to whole
+    tiles of 16 (zero rows)."""
+    if fmt not in ("b8", "b4"):
         raise ValueError(f"pack_blocks packs b8 or b4, not {fmt!r}")
-    return QuantWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(qp)),
-                       torch.from_numpy(dp), torch.from_numpy(mp), source)
+    n, k = q.shape
+    kp, np_ = padded(k), padded_rows(n)
+    nb = kp // BLOCK
+    qp = np.zeros((np_, kp), dtype=np.uint8)
+    qp[:n, :k] = q
+    dp = np.zeros((np_, nb), dtype=np.float16)
+    mp = np.zeros((np_, nb), dtype=np.float16)
+    dp[:n, : d.shape[1]] = d
+    mp[:n, : m.shape[1]] = m
+    return QuantWeight(fmt, n, k, torch.from_numpy(_tile_values(qp, fmt)),
+                       torch.from_numpy(_tile_scales(dp)), torch.from_numpy(_tile_scales(mp)), source)
 
 
 def quantize_int8_per_channel(weight: Tensor) -> QuantWeight:
@@ -141,9 +167,30 @@ def quantize_int8_per_channel(weight: Tensor) -> QuantWeight:
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int16) + 128
     n, k = w.shape
-    qp = torch.full((n, padded(k)), 128, dtype=torch.uint8)
-    qp[:, :k] = q.to(torch.uint8)
-    return QuantWeight("c8", n, k, qp, scale.contiguous(), None, "int8")
+    qp = np.full((padded_rows(n), padded(k)), 128, dtype=np.uint8)
+    qp[:n, :k] = q.to(torch.uint8).numpy()
+    scales = torch.zeros(padded_rows(n), dtype=torch.float32)
+    scales[:n] = scale
+    return QuantWeight("c8", n, k, torch.from_numpy(_tile_values(qp, "c8")), scales, None, "int8")
+
+
+def unpack_rows(qw: QuantWeight, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows `rows` (int64 [R]) of the packed weights as (q uint8 [R, Kp] unsigned values,
+    d float32 [R, Kp / 32], m float32 [R, Kp / 32]) with w = d * q + m per block of 32."""
+    kp, nb = qw.padded_in, qw.padded_in // BLOCK
+    tile, lane = rows // TILE, rows % TILE
+    tiles = qw.qweight.shape[0]
+    if qw.fmt == "b4":  # [tile, pair, chunk, lane, 4]: low nibble block 2p, high 2p + 1
+        b = qw.qweight.view(tiles, kp // PAIR, 8, TILE, 4)[tile, :, :, lane]  # [R, pairs, 8, 4]
+        q = torch.stack((b & 0x0F, b >> 4), dim=2).reshape(rows.numel(), kp)
+    else:
+        q = qw.qweight.view(tiles, nb, 8, TILE, 4)[tile, :, :, lane].reshape(rows.numel(), kp)
+    if qw.fmt == "c8":
+        s = qw.scales[rows].float()[:, None].expand(rows.numel(), nb)
+        return q, s, -128.0 * s
+    d = qw.scales.view(tiles, nb, TILE)[tile, :, lane].float()
+    m = qw.offsets.view(tiles, nb, TILE)[tile, :, lane].float()
+    return q, d, m
 
 
 class _Scratch(threading.local):
@@ -226,16 +273,7 @@ def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None) -> Tens
 
 def embedding_rows(qw: QuantWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Rows `ids` of the dense weights, in dtype: an embedding lookup in packed weights."""
-    flat = ids.reshape(-1)
     k = qw.in_features
-    q = qw.qweight.index_select(0, flat)
-    if qw.fmt == "c8":
-        rows = (q[:, :k].to(torch.int16) - 128).float() * qw.scales.index_select(0, flat)[:, None]
-        return rows.to(dtype).view(*ids.shape, k)
-    if qw.fmt == "b4":  # byte i of pair p: element i of block 2p (low), of block 2p + 1 (high)
-        pairs = q.view(q.shape[0], -1, 1, BLOCK)
-        q = torch.cat((pairs & 0x0F, pairs >> 4), dim=2).view(q.shape[0], -1)
-    d = qw.scales.index_select(0, flat).float().repeat_interleave(BLOCK, dim=1)
-    m = qw.offsets.index_select(0, flat).float().repeat_interleave(BLOCK, dim=1)
-    rows = torch.addcmul(m, q.float(), d)[:, :k]
-    return rows.to(dtype).view(*ids.shape, k)
+    q, d, m = unpack_rows(qw, ids.reshape(-1))
+    rows = torch.addcmul(m.repeat_interleave(BLOCK, dim=1), q.float(), d.repeat_interleave(BLOCK, dim=1))
+    return rows[:, :k].to(dtype).view(*ids.shape, k)

@@ -18,7 +18,7 @@ from kernels import cpu_quant
 pytestmark = pytest.mark.skipif(cpu_quant.load() is None,
                                 reason="no C compiler (or LMC_CPU_KERNELS=0): no quantized kernels")
 
-N, K = 70, 80  # 70 rows: 17 full tiles of four and a partial one
+N, K = 70, 80  # 70 rows: 4 full tiles of 16 and a partial one; K: 2.5 blocks, padded to 128
 
 
 def _block_weight(fmt: str, seed: int = 0) -> tuple[cpu_quant.QuantWeight, np.ndarray]:
@@ -36,7 +36,8 @@ def _weights(fmt: str) -> tuple[cpu_quant.QuantWeight, np.ndarray]:
     if fmt == "c8":
         w = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
         qw = cpu_quant.quantize_int8_per_channel(w)
-        dense = ((qw.qweight[:, :K].double() - 128) * qw.scales.double()[:, None]).numpy()
+        q = torch.round(w / qw.scales[:N, None]).double() + 128  # the stored unsigned values
+        dense = ((q - 128) * qw.scales[:N].double()[:, None]).numpy()
         return qw, dense
     return _block_weight(fmt)
 
@@ -52,7 +53,7 @@ def _dequantized_activations(x: torch.Tensor, padded_in: int, per_token: bool, s
 @pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 6, 19])  # 19: two full register tiles of 8 tokens and 3
 def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
     qw, dense = _weights(fmt)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -108,7 +109,7 @@ def test_int8_per_channel_quantization():
     w[2] = 0
     qw = cpu_quant.quantize_int8_per_channel(w)
     back = cpu_quant.dequantize(qw)
-    assert torch.all((back - w).abs() <= qw.scales[:, None] / 2 + 1e-7)
+    assert torch.all((back - w).abs() <= qw.scales[:5, None] / 2 + 1e-7)
     assert torch.all(back[2] == 0)
 
 
@@ -128,3 +129,18 @@ def test_bad_input_is_refused():
         cpu_quant.quant_gemm(torch.randn(K, 3).t(), qw)
     with pytest.raises(ValueError, match=r"\[M, 80\]"):
         cpu_quant.quant_gemm(torch.randn(2, K + 1), qw)
+
+
+@pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
+def test_tiled_layout_round_trip(fmt):
+    """The packed tiles give back every row's values, scales and offsets (padding: zero rows)."""
+    qw, dense = _weights(fmt)
+    assert qw.qweight.shape[0] == qw.padded_out // cpu_quant.TILE == 5
+    rows = torch.arange(qw.padded_out)
+    q, d, m = cpu_quant.unpack_rows(qw, rows)
+    w = (q.double() * d.double().repeat_interleave(cpu_quant.BLOCK, 1)
+         + m.double().repeat_interleave(cpu_quant.BLOCK, 1)).numpy()
+    assert np.abs(w[:N, :K] - dense).max() <= 1e-6 * np.abs(dense).max()
+    # padding rows and whole padding blocks are zero (x is zero past K, so a partial block's
+    # offset over its padding does not count)
+    assert np.all(w[N:] == 0) and np.all(w[:, -(-K // 32) * 32:] == 0)

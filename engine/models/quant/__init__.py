@@ -38,7 +38,7 @@ QUANTIZATION_METHODS = ("int8", "gguf")
 # The packed GGUF weights are cached beside the converted model (repacking takes seconds);
 # a new layout gets a new name, so an old cache is never misread.
 # (in a subdirectory: the loader reads every *.safetensors of the model directory itself).
-PACKED_CACHE = "lmc-packed/gguf-v1.safetensors"
+PACKED_CACHE = "lmc-packed/gguf-v2.safetensors"  # v2: the rows in tiles of 16
 
 # Our fused linears and the checkpoint projections stacked in them, in row order.
 _FUSED_PARTS = {
