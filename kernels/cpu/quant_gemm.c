@@ -80,13 +80,41 @@ static inline float load_x(const void *x, int is_bf16, int64_t i) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
+#if QG_VNNI
+/* 16 activations k0.. of a row as floats (masked: `valid` of them, the rest zero). */
+static inline __m512 load_x16(const void *row, int is_bf16, int64_t k0, int valid) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1u);
+    if (is_bf16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + k0);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)row + k0);
+}
+
+/* One block of 32 (k0.., `valid` real values) -> q[32], its scale; returns the sum of q. */
+static inline int32_t quantize_block(const void *row, int is_bf16, int64_t k0, int valid, int8_t *q,
+                                     float *scale) {
+    const __m512 v0 = load_x16(row, is_bf16, k0, valid), v1 = load_x16(row, is_bf16, k0 + 16, valid - 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    /* cvtps rounds to nearest even, as lrintf in the portable path */
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *scale = d;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+#endif
+
 /* Quantize rows x[M, K] (bf16 or float32, row stride ldx) to xq[M, Kp] int8 (zero padded).
  * per_token = 0: per block of 32, xd[M, Kp/32] scales and xs[M, Kp/32] = xd * sum(xq);
  * per_token = 1: xd[M] one scale per row and xs[M] = sum(xq) (an integer, as float). */
 void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int64_t Kp,
                   int per_token, int8_t *xq, float *xd, float *xs) {
     const int64_t nb = Kp / QBLOCK;
-#pragma omp parallel for schedule(static) if (M > 1)
+    /* vectorized, a row is ~0.1 us a thousand elements: threads only for prefill-sized batches */
+#pragma omp parallel for schedule(static) if (M * K > (1 << 16))
     for (int64_t m = 0; m < M; m++) {
         const void *row = (const char *)x + m * ldx * (is_bf16 ? 2 : 4);
         int8_t *q = xq + m * Kp;
@@ -107,15 +135,21 @@ void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K,
         }
         for (int64_t b = 0; b < nb; b++) {
             const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
+            float d;
+#if QG_VNNI
+            const int32_t sum = quantize_block(row, is_bf16, k0, (int)(k1 - k0), q + k0, &d);
+#else
             float amax = 0.f;
             for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
-            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            d = amax / 127.f;
+            const float inv = d > 0.f ? 1.f / d : 0.f;
             int32_t sum = 0;
             for (int64_t k = k0; k < k0 + QBLOCK; k++) {
                 const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, is_bf16, k) * inv) : 0;
                 q[k] = (int8_t)v;
                 sum += v;
             }
+#endif
             xd[m * nb + b] = d;
             xs[m * nb + b] = d * (float)sum;
         }
@@ -296,10 +330,82 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
     }
 }
 
+#if QG_VNNI
+/* rows[0..15] (16 dwords each) -> rows[j] = dword j of every input row (a 16x16 transpose). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* b[4k + j], 128-bit lane L: column 4L + j of rows 4k..4k+3 */
+        const __m512i s0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i s2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
+}
+
+/* One tile's rows lanes [l0, l1) as dense values out[(n - n0) * K + k] (the dense path). */
+static void dequantize_tile(int fmt, int64_t tile, int l0, int l1, int64_t n0, int64_t K, int64_t Kp,
+                            const uint8_t *w, const void *wd_, const void *wm_, void *out, int out_bf16) {
+    const int64_t nb = Kp / QBLOCK;
+    const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
+    float row[64];
+    for (int64_t p = 0; p < Kp / 64 && p * 64 < K; p++) {
+        __m512i r[16]; /* blocks 2p, 2p + 1: chunk vectors -> after the transpose, row vectors */
+        for (int c = 0; c < 8; c++) {
+            r[c] = fmt == FMT_B4 ? tile_vec(tw, 1, 2 * p, c) : tile_vec(tw, 0, 2 * p, c);
+            r[8 + c] = fmt == FMT_B4 ? tile_vec(tw, 1, 2 * p + 1, c) : tile_vec(tw, 0, 2 * p + 1, c);
+        }
+        transpose16(r);
+        const int64_t k1 = (p + 1) * 64 < K ? (p + 1) * 64 : K;
+        for (int lane = l0; lane < l1; lane++) {
+            for (int h = 0; h < 2; h++) {
+                float d, m;
+                block_scale(fmt, wd_, wm_, tile, lane, nb, 2 * p + h, &d, &m);
+                /* 32 bytes h of the row: d * q + m in one rounding (fma), exact for c8's d * (q - 128) */
+                const __m256i q = _mm512_extracti64x4_epi64(r[lane], 0);
+                const __m256i qh = _mm512_extracti64x4_epi64(r[lane], 1);
+                const __m256i half = h ? qh : q;
+                for (int j = 0; j < 2; j++) {
+                    const __m512i u = _mm512_cvtepu8_epi32(j ? _mm256_extracti128_si256(half, 1)
+                                                             : _mm256_castsi256_si128(half));
+                    _mm512_storeu_ps(row + h * 32 + j * 16,
+                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(d), _mm512_set1_ps(m)));
+                }
+            }
+            const int64_t o = (tile * NR + lane - n0) * K;
+            for (int64_t k = p * 64; k < k1; k++) store_out(out, out_bf16, o + k, row[k - p * 64]);
+        }
+    }
+}
+#endif
+
 /* The weights as a dense matrix out[n1 - n0, K] (bf16 or float32): rows [n0, n1) only. */
 void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, void *out, int out_bf16) {
     const int64_t nb = Kp / QBLOCK;
+    (void)nb;
+#if QG_VNNI
+    const int64_t t0 = n0 / NR, t1 = (n1 + NR - 1) / NR;
+#pragma omp parallel for schedule(static) if (t1 - t0 > 1)
+    for (int64_t tile = t0; tile < t1; tile++) {
+        const int l0 = tile == t0 ? (int)(n0 - tile * NR) : 0;
+        const int l1 = (tile + 1) * NR > n1 ? (int)(n1 - tile * NR) : NR;
+        dequantize_tile(fmt, tile, l0, l1, n0, K, Kp, w, wd_, wm_, out, out_bf16);
+    }
+#else
 #pragma omp parallel for schedule(static) if (n1 - n0 > NR)
     for (int64_t n = n0; n < n1; n++) {
         const int64_t tile = n / NR;
@@ -309,12 +415,11 @@ void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, co
             float d, m;
             block_scale(fmt, wd_, wm_, tile, lane, nb, b, &d, &m);
             const int64_t k1 = (b + 1) * QBLOCK < K ? (b + 1) * QBLOCK : K;
-            if (fmt == FMT_C8) /* exact: d * (q - 128) */
-                for (int64_t k = b * QBLOCK; k < k1; k++)
-                    store_out(out, out_bf16, (n - n0) * K + k, d * (float)(weight_q(tw, fmt, lane, k) - 128));
-            else
-                for (int64_t k = b * QBLOCK; k < k1; k++)
-                    store_out(out, out_bf16, (n - n0) * K + k, d * (float)weight_q(tw, fmt, lane, k) + m);
+            for (int64_t k = b * QBLOCK; k < k1; k++) /* c8 exact: d * (q - 128) */
+                store_out(out, out_bf16, (n - n0) * K + k,
+                          fmt == FMT_C8 ? d * (float)(weight_q(tw, fmt, lane, k) - 128)
+                                        : d * (float)weight_q(tw, fmt, lane, k) + m);
         }
     }
+#endif
 }
