@@ -14,9 +14,9 @@ layout of quant_gemm.c (rows in tiles of 16, interleaved four elements at a time
 `quant_linear` quantizes the activations to int8 per block of 32 (as llama.cpp's Q8_0
 activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the
 int8 GEMM, which reads every weight row once
-for the whole batch. Above `dense_rows()` rows (prefill) the block formats are dequantized to a
-scratch matrix in the activations' dtype and multiplied by torch (oneDNN): that is compute-bound
-work, where bf16 matmuls outrun int8 dot products that pay a float scale per block of 32.
+for the whole batch (prefill too: 8 tokens share each tile's vectors from L1). Above
+`dense_rows()` rows (LMC_QUANT_DENSE_ROWS, default never) the block formats are dequantized to a
+scratch matrix in the activations' dtype and multiplied by torch (oneDNN) instead.
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ def padded_rows(n: int) -> int:
     return -(-n // TILE) * TILE
 
 
-# Rows above which block-format linears dequantize to the activation dtype and use torch
-# (LMC_QUANT_DENSE_ROWS; benchmarks/perplexity.py sets it high to measure the int8 path alone).
-# Measured on a Zen 4 core (3072x576 Q4_1): the int8 kernel 0.24 ms at 8 rows vs dequantize +
-# bf16 matmul 0.33 ms; at 32 rows 0.88 ms vs about 0.55 ms: oneDNN's bf16 dot products run at
-# about 470 GFLOP/s a core, the int8 kernel (a float scale per block of 32) at 130-180 GOP/s.
-DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", "16"))
+# Rows above which block-format linears dequantize to the activation dtype and multiply with
+# torch (LMC_QUANT_DENSE_ROWS; default: never). Measured on a Zen 4 core (benchmarks/quant_gemm.py,
+# SmolLM2's linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize + oneDNN
+# bf16 matmul 300-440, so the int8 kernel wins at every batch size there; a CPU whose bf16 matmuls
+# run on AMX may want the dense path for prefill (set the variable).
+DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", str(1 << 40)))
 
 
 def dense_rows() -> int:

@@ -218,16 +218,10 @@ static inline __attribute__((always_inline)) void tile_tokens(
         for (int c = 0; c < 8; c++) w[c] = tile_vec(tw, is4, b, c);
         for (int t = 0; t < T; t++) {
             const int32_t *xp = (const int32_t *)(xq + t * Kp + b * QBLOCK);
-            /* two chains of four: vpdpbusd's latency hidden by the other tokens' chains */
+            /* one chain: the next block's (and the other tokens') chains hide vpdpbusd's latency */
             __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xp[0]));
-            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xp[1]));
-            i0 = _mm512_dpbusd_epi32(i0, w[2], _mm512_set1_epi32(xp[2]));
-            i1 = _mm512_dpbusd_epi32(i1, w[3], _mm512_set1_epi32(xp[3]));
-            i0 = _mm512_dpbusd_epi32(i0, w[4], _mm512_set1_epi32(xp[4]));
-            i1 = _mm512_dpbusd_epi32(i1, w[5], _mm512_set1_epi32(xp[5]));
-            i0 = _mm512_dpbusd_epi32(i0, w[6], _mm512_set1_epi32(xp[6]));
-            i1 = _mm512_dpbusd_epi32(i1, w[7], _mm512_set1_epi32(xp[7]));
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+            for (int c = 1; c < 8; c++) i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(xp[c]));
+            const __m512 dot = _mm512_cvtepi32_ps(i0);
             acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b])), acc[t]);
             acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
         }

@@ -113,8 +113,9 @@ def test_int8_per_channel_quantization():
     assert torch.all(back[2] == 0)
 
 
-def test_quant_linear_dense_path_for_many_rows():
+def test_quant_linear_dense_path_for_many_rows(monkeypatch):
     """Above dense_rows() rows the block formats multiply dequantized weights with torch."""
+    monkeypatch.setattr(cpu_quant, "DENSE_ROWS", 4)
     qw, dense = _block_weight("b4")
     rows = cpu_quant.dense_rows() + 1
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(6))
