@@ -66,16 +66,6 @@ static inline float half_to_float(uint16_t h) {
 
 int quant_gemm_has_vnni(void) { return QG_VNNI; }
 
-/* dst[i] = float(src[i]) for n fp16 values (vectorized where AVX512F is there). */
-static inline void halfs_to_floats(const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-#if QG_VNNI
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-#endif
-    for (; i < n; i++) dst[i] = half_to_float(src[i]);
-}
-
 static inline float load_x(const void *x, int is_bf16, int64_t i) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
