@@ -154,7 +154,8 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
     if cpu_quant.load() is None:
         raise InvalidEngineArgsError(
             f"quantization={method!r} needs the CPU quantized kernels, which could not be built "
-            "(no C compiler, LMC_CPU_KERNELS=0, or a build error: see the log)")
+            "(no C compiler, LMC_CPU_KERNELS=0, or a build error: see the log); "
+            "quantization='none' runs the dense weights")
     if method == "gguf":
         if gguf_path is None:
             raise InvalidEngineArgsError("quantization='gguf' needs a model loaded from a GGUF file")
