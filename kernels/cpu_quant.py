@@ -15,7 +15,7 @@ layout of quant_gemm.c (rows in tiles of 16, interleaved four elements at a time
 activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the
 int8 GEMM, which reads every weight row once
 for the whole batch (prefill too: 8 tokens share each tile's vectors from L1). Above
-`dense_rows()` rows (LMC_QUANT_DENSE_ROWS, default never) the block formats are dequantized to a
+`dense_rows()` rows (16 on a CPU with AMX, else never; LMC_QUANT_DENSE_ROWS) the block formats are dequantized to a
 scratch matrix in the activations' dtype and multiplied by torch (oneDNN) instead.
 """
 
@@ -86,12 +86,22 @@ def padded_rows(n: int) -> int:
     return -(-n // TILE) * TILE
 
 
+def _cpu_has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles (Linux: /proc/cpuinfo), where oneDNN's bf16 matmuls
+    run several times faster than AVX512 dot products."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 # Rows above which block-format linears dequantize to the activation dtype and multiply with
-# torch (LMC_QUANT_DENSE_ROWS; default: never). Measured on a Zen 4 core (benchmarks/quant_gemm.py,
-# SmolLM2's linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize + oneDNN
-# bf16 matmul 300-440, so the int8 kernel wins at every batch size there; a CPU whose bf16 matmuls
-# run on AMX may want the dense path for prefill (set the variable).
-DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", str(1 << 40)))
+# torch (LMC_QUANT_DENSE_ROWS). Measured on a Zen 4 core (benchmarks/quant_gemm.py, SmolLM2's
+# linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize + oneDNN bf16
+# matmul 300-440, so without AMX the int8 kernel runs every batch size; with AMX (not measured
+# here) oneDNN's bf16 tiles should outrun it on prefill-sized batches, so above 16 rows there.
+DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", "16" if _cpu_has_amx() else str(1 << 40)))
 
 
 def dense_rows() -> int:

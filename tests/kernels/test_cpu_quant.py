@@ -72,12 +72,18 @@ def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
     assert np.abs(x.double().numpy() - xdq).max() <= np.abs(x.double().numpy()).max() / 127 / 2 * 1.001
 
 
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_token", [False, True])
-def test_activation_quantization(per_token):
-    x = torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 3
+def test_activation_quantization(per_token, dtype, scalar):
+    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
     x[1] = 0  # an all-zero row quantizes to zeros with scale 0
     kp = cpu_quant.padded(K)
-    xq, xd, xs = cpu_quant.quantize_activations(x, kp, per_token)
+    xq, xd, xs = (t.clone() for t in cpu_quant.quantize_activations(x, kp, per_token, scalar))
+    if not scalar:  # the vectorized path rounds as the portable one does: the same values
+        ref = cpu_quant.quantize_activations(x, kp, per_token, True)  # (the same scratch buffers)
+        assert all(torch.equal(a, b) for a, b in zip((xq, xd, xs), ref))
+    x = x.float()
     assert xq.shape == (3, kp) and torch.all(xq[:, K:] == 0)
     assert torch.all(xq.abs() <= 127)
     if per_token:
