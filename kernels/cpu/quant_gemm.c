@@ -294,6 +294,19 @@ static void row_gemm(int fmt, int64_t M, int64_t tile, int lane, int64_t Kp, con
 }
 #endif
 
+/* One tile of 16 output rows against every token. */
+static inline void gemm_tile(int fmt, int64_t M, int64_t N, int64_t tile, int64_t Kp, const uint8_t *w,
+                             const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
+                             const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
+    const int nr = N - tile * NR < NR ? (int)(N - tile * NR) : NR;
+#if QG_VNNI
+    tile_gemm(fmt, M, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+#else
+    for (int lane = 0; lane < nr; lane++)
+        row_gemm(fmt, M, tile, lane, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+#endif
+}
+
 /* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL)
  * for n < N, x given quantized by quantize_act (per block). w, wd, wm in the tiled layout above
  * (wm unused for FMT_C8). The threads split the tiles of 16 rows. */
@@ -301,15 +314,17 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
                 const void *wm_, const float *bias, const int8_t *xq, const float *xd,
                 const float *xs, void *out, int64_t ldo, int out_bf16) {
     const int64_t tiles = (N + NR - 1) / NR;
+    /* A decode step's tiles are small and even: static halves. From 16 tokens a tile is tens of
+     * microseconds, so they are handed out one by one: a thread the OS descheduled on a busy
+     * machine then holds back one tile, not half the matrix. */
+    if (M >= 16) {
+#pragma omp parallel for schedule(dynamic, 1) if (tiles > 1)
+        for (int64_t tile = 0; tile < tiles; tile++)
+            gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+    } else {
 #pragma omp parallel for schedule(static) if (tiles > 1)
-    for (int64_t tile = 0; tile < tiles; tile++) {
-        const int nr = N - tile * NR < NR ? (int)(N - tile * NR) : NR;
-#if QG_VNNI
-        tile_gemm(fmt, M, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
-#else
-        for (int lane = 0; lane < nr; lane++)
-            row_gemm(fmt, M, tile, lane, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
-#endif
+        for (int64_t tile = 0; tile < tiles; tile++)
+            gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
     }
 }
 
