@@ -47,6 +47,8 @@ _SIGNATURES = {
     "quantize_act": ([_P, _I64, _I, _I64, _I64, _I64, _I, _P, _P, _P], None),
     "quant_gemm": ([_I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I], None),
     "quant_dequantize": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
+    "quant_linear_act": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I, _P, _P, _P, _P, _I64, _I],
+                         None),
 }
 
 
@@ -250,12 +252,16 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
     if rows == 0:
         return out
     kp = qw.padded_in
-    xq, xd, xs = quantize_activations(x, kp, False, scalar)
-    _library(scalar).quant_gemm(
-        FORMATS[qw.fmt], rows, qw.out_features, kp, qw.qweight.data_ptr(), qw.scales.data_ptr(),
-        qw.offsets.data_ptr() if qw.offsets is not None else None,
-        bias.data_ptr() if bias is not None else None, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
-        out.data_ptr(), out.stride(0), int(x.dtype == torch.bfloat16))
+    groups = kp // BLOCK  # the activations' int8 copy: per-thread scratch, quantized in the call
+    xq = _scratch.get("xq", rows * kp, torch.int8)
+    xd = _scratch.get("xd", rows * groups, torch.float32)
+    xs = _scratch.get("xs", rows * groups, torch.float32)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _library(scalar).quant_linear_act(
+        FORMATS[qw.fmt], rows, qw.out_features, qw.in_features, kp, qw.qweight.data_ptr(),
+        qw.scales.data_ptr(), qw.offsets.data_ptr() if qw.offsets is not None else None,
+        bias.data_ptr() if bias is not None else None, x.data_ptr(), x.stride(0), bf16,
+        xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), out.data_ptr(), out.stride(0), bf16)
     return out
 
 

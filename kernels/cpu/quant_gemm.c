@@ -96,53 +96,57 @@ static inline int32_t quantize_block(const void *row, int is_bf16, int64_t k0, i
 }
 #endif
 
+/* Quantize row m of x (see quantize_act). */
+static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int64_t K, int64_t Kp,
+                         int per_token, int8_t *xq, float *xd, float *xs) {
+    const int64_t nb = Kp / QBLOCK;
+    const void *row = (const char *)x + m * ldx * (is_bf16 ? 2 : 4);
+    int8_t *q = xq + m * Kp;
+    if (per_token) {
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t v = (int32_t)lrintf(load_x(row, is_bf16, k) * inv);
+            q[k] = (int8_t)v;
+            sum += v;
+        }
+        memset(q + K, 0, (size_t)(Kp - K));
+        xd[m] = d;
+        xs[m] = (float)sum;
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
+        float d;
+#if QG_VNNI
+        const int32_t sum = quantize_block(row, is_bf16, k0, (int)(k1 - k0), q + k0, &d);
+#else
+        float amax = 0.f;
+        for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
+        d = amax / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = k0; k < k0 + QBLOCK; k++) {
+            const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, is_bf16, k) * inv) : 0;
+            q[k] = (int8_t)v;
+            sum += v;
+        }
+#endif
+        xd[m * nb + b] = d;
+        xs[m * nb + b] = d * (float)sum;
+    }
+}
+
 /* Quantize rows x[M, K] (bf16 or float32, row stride ldx) to xq[M, Kp] int8 (zero padded).
  * per_token = 0: per block of 32, xd[M, Kp/32] scales and xs[M, Kp/32] = xd * sum(xq);
  * per_token = 1: xd[M] one scale per row and xs[M] = sum(xq) (an integer, as float). */
 void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int64_t Kp,
                   int per_token, int8_t *xq, float *xd, float *xs) {
-    const int64_t nb = Kp / QBLOCK;
     /* vectorized, a row is ~0.1 us a thousand elements: threads only for prefill-sized batches */
 #pragma omp parallel for schedule(static) if (M * K > (1 << 16))
-    for (int64_t m = 0; m < M; m++) {
-        const void *row = (const char *)x + m * ldx * (is_bf16 ? 2 : 4);
-        int8_t *q = xq + m * Kp;
-        if (per_token) {
-            float amax = 0.f;
-            for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
-            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-            int32_t sum = 0;
-            for (int64_t k = 0; k < K; k++) {
-                const int32_t v = (int32_t)lrintf(load_x(row, is_bf16, k) * inv);
-                q[k] = (int8_t)v;
-                sum += v;
-            }
-            memset(q + K, 0, (size_t)(Kp - K));
-            xd[m] = d;
-            xs[m] = (float)sum;
-            continue;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
-            float d;
-#if QG_VNNI
-            const int32_t sum = quantize_block(row, is_bf16, k0, (int)(k1 - k0), q + k0, &d);
-#else
-            float amax = 0.f;
-            for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
-            d = amax / 127.f;
-            const float inv = d > 0.f ? 1.f / d : 0.f;
-            int32_t sum = 0;
-            for (int64_t k = k0; k < k0 + QBLOCK; k++) {
-                const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, is_bf16, k) * inv) : 0;
-                q[k] = (int8_t)v;
-                sum += v;
-            }
-#endif
-            xd[m * nb + b] = d;
-            xs[m * nb + b] = d * (float)sum;
-        }
-    }
+    for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, is_bf16, m, K, Kp, per_token, xq, xd, xs);
 }
 
 #define NR 16 /* rows a tile */
@@ -323,6 +327,30 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
             gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
     } else {
 #pragma omp parallel for schedule(static) if (tiles > 1)
+        for (int64_t tile = 0; tile < tiles; tile++)
+            gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+    }
+}
+
+/* quantize_act (per block) and quant_gemm in one call and one parallel region: x [M, K] (bf16 or
+ * float32, row stride ldx) quantized into the caller's xq [M, Kp], xd, xs [M, Kp / 32], then
+ * multiplied. A decode batch (< 16 tokens) quantizes on the calling thread (microseconds) and
+ * splits the tiles statically; larger batches share one team for both phases, so a busy
+ * machine's descheduled thread costs one barrier per linear, not two. */
+void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, const uint8_t *w,
+                      const void *wd_, const void *wm_, const float *bias, const void *x, int64_t ldx,
+                      int x_bf16, int8_t *xq, float *xd, float *xs, void *out, int64_t ldo, int out_bf16) {
+    if (M < 16) {
+        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
+        quant_gemm(fmt, M, N, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+        return;
+    }
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
+#pragma omp for schedule(dynamic, 1)
         for (int64_t tile = 0; tile < tiles; tile++)
             gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
     }
