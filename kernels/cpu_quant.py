@@ -25,7 +25,7 @@ import ctypes
 import functools
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +122,9 @@ class QuantWeight:
     scales: Tensor  # float16 [Np / 16, Kp / 32 * 16] (b8, b4), tiled; float32 [Np] (c8)
     offsets: Tensor | None  # float16 as scales (b8, b4); None for c8
     source: str  # the format it came from (e.g. "Q4_1", "int8"), for reports
+    # quant_linear_act's leading arguments (format, sizes, pointers), taken on first use: a
+    # decode step calls the kernel ~120 times, where each Python-side microsecond counts
+    kernel_args: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def padded_in(self) -> int:
@@ -222,6 +225,27 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+class _ActScratch(threading.local):
+    """The int8 activations' per-thread buffers (xq, xd, xs) with their addresses, grow-only."""
+
+    def __init__(self) -> None:
+        self.rows = self.kp = -1
+        self.ptrs = (0, 0, 0)
+        self.tensors: tuple[Tensor, ...] = ()
+
+    def get(self, rows: int, kp: int) -> tuple[int, int, int]:
+        if rows > self.rows or kp > self.kp:  # (xd, xs need rows * kp / 32 floats)
+            self.rows, self.kp = max(rows, self.rows), max(kp, self.kp)
+            n = self.rows * self.kp
+            self.tensors = (torch.empty(n, dtype=torch.int8), torch.empty(n // BLOCK, dtype=torch.float32),
+                            torch.empty(n // BLOCK, dtype=torch.float32))
+            self.ptrs = tuple(t.data_ptr() for t in self.tensors)  # type: ignore[assignment]
+        return self.ptrs
+
+
+_act_scratch = _ActScratch()
+
+
 def _check_x(x: Tensor, qw: QuantWeight) -> None:
     if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu"
             or x.stride(1) != 1 or x.shape[1] != qw.in_features):
@@ -251,17 +275,16 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
     out = torch.empty(rows, qw.out_features, dtype=x.dtype)
     if rows == 0:
         return out
-    kp = qw.padded_in
-    groups = kp // BLOCK  # the activations' int8 copy: per-thread scratch, quantized in the call
-    xq = _scratch.get("xq", rows * kp, torch.int8)
-    xd = _scratch.get("xd", rows * groups, torch.float32)
-    xs = _scratch.get("xs", rows * groups, torch.float32)
+    if qw.kernel_args is None:
+        qw.kernel_args = (FORMATS[qw.fmt], qw.out_features, qw.in_features, qw.padded_in,
+                          qw.qweight.data_ptr(), qw.scales.data_ptr(),
+                          qw.offsets.data_ptr() if qw.offsets is not None else 0)
+    fmt, n, k, kp, w, wd, wm = qw.kernel_args
+    xq, xd, xs = _act_scratch.get(rows, kp)  # the activations' int8 copy, quantized in the call
     bf16 = int(x.dtype == torch.bfloat16)
-    _library(scalar).quant_linear_act(
-        FORMATS[qw.fmt], rows, qw.out_features, qw.in_features, kp, qw.qweight.data_ptr(),
-        qw.scales.data_ptr(), qw.offsets.data_ptr() if qw.offsets is not None else None,
-        bias.data_ptr() if bias is not None else None, x.data_ptr(), x.stride(0), bf16,
-        xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), out.data_ptr(), out.stride(0), bf16)
+    _library(scalar).quant_linear_act(fmt, rows, n, k, kp, w, wd, wm or None,
+                                      bias.data_ptr() if bias is not None else None, x.data_ptr(),
+                                      x.stride(0), bf16, xq, xd, xs, out.data_ptr(), out.stride(0), bf16)
     return out
 
 
