@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) __m512i tile_vec(const uint8_t *tw,
 static inline __attribute__((always_inline)) void tile_tokens(
     const int T, const int is4, const int chan, int64_t nb, int64_t Kp, const uint8_t *tw,
     const void *td, const void *tm, const int8_t *xq, const float *xd, const float *xs,
-    __m512 acc[TT]) {
+    const uint8_t *pf, __m512 acc[TT]) {
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     __m512 d = _mm512_setzero_ps(), m = d;
     if (chan) {
@@ -209,6 +209,8 @@ static inline __attribute__((always_inline)) void tile_tokens(
         }
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = tile_vec(tw, is4, b, c);
+        if (pf) /* the next tile's block b, to L2 while this one computes: DRAM streams hide */
+            for (int c = 0; c < (is4 ? 4 : 8); c++) _mm_prefetch((const char *)pf + b * (is4 ? 256 : 512) + c * 64, _MM_HINT_T1);
         for (int t = 0; t < T; t++) {
             const int32_t *xp = (const int32_t *)(xq + t * Kp + b * QBLOCK);
             /* one chain: the next block's (and the other tokens') chains hide vpdpbusd's latency */
@@ -242,18 +244,18 @@ static inline void store_tile_row(void *out, int out_bf16, int64_t o, int64_t n0
 /* tile_tokens for one format (is4, chan constant) and every T: a switch of inlined copies. */
 #define TILE_TOKENS_SWITCH(IS4, CHAN)                                                              \
     switch (nt) {                                                                                  \
-    case 8: tile_tokens(8, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    case 7: tile_tokens(7, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    case 6: tile_tokens(6, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    case 5: tile_tokens(5, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    case 4: tile_tokens(4, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    case 3: tile_tokens(3, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    case 2: tile_tokens(2, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                  \
-    default: tile_tokens(1, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, acc); break;                 \
+    case 8: tile_tokens(8, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 7: tile_tokens(7, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 6: tile_tokens(6, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 5: tile_tokens(5, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 4: tile_tokens(4, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 3: tile_tokens(3, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 2: tile_tokens(2, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    default: tile_tokens(1, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                 \
     }
 
 /* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TT tokens at a time. */
-static void tile_gemm(int fmt, int64_t M, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
+static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
                       const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
     const int64_t nb = Kp / QBLOCK, n0 = tile * NR;
@@ -266,6 +268,7 @@ static void tile_gemm(int fmt, int64_t M, int64_t tile, int nr, int64_t Kp, cons
         const int nt = M - t0 < TT ? (int)(M - t0) : TT;
         const int8_t *x = xq + t0 * Kp;
         const float *dx = xd + t0 * nb, *sx = xs + t0 * nb;
+        const uint8_t *pf = t0 == 0 && n0 + NR < N ? tw + tile_bytes(fmt, Kp) : NULL;
         if (fmt == FMT_B4) {
             TILE_TOKENS_SWITCH(1, 0)
         } else if (fmt == FMT_B8) {
@@ -304,7 +307,7 @@ static inline void gemm_tile(int fmt, int64_t M, int64_t N, int64_t tile, int64_
                              const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
     const int nr = N - tile * NR < NR ? (int)(N - tile * NR) : NR;
 #if QG_VNNI
-    tile_gemm(fmt, M, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+    tile_gemm(fmt, M, N, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
 #else
     for (int lane = 0; lane < nr; lane++)
         row_gemm(fmt, M, tile, lane, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
