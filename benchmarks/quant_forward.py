@@ -55,7 +55,7 @@ def main() -> None:
             best = {name: (float("inf"), float("inf")) for name in models}
             for _ in range(args.rounds):
                 for name, model in models.items():
-                    def step(model=model) -> object:
+                    def step(model=model, ids=ids, positions=positions, tokens=tokens) -> object:
                         hidden = model(ids, positions)
                         return model.compute_logits(hidden if tokens <= 32 else hidden[-1:])
 

@@ -62,10 +62,11 @@ def main() -> None:
             x = torch.randn(m, k).bfloat16()
             t_q = t_dq = t_bf = float("inf")
             for _ in range(2):  # alternate
-                t_q = min(t_q, _best(lambda: cpu_quant.quant_gemm(x, qw), reps))
+                t_q = min(t_q, _best(lambda x=x, qw=qw: cpu_quant.quant_gemm(x, qw), reps))
                 scratch = torch.empty(n, k, dtype=torch.bfloat16)
-                t_dq = min(t_dq, _best(lambda: F.linear(x, cpu_quant.dequantize(qw, torch.bfloat16, out=scratch)), reps))
-                t_bf = min(t_bf, _best(lambda: F.linear(x, dense), reps))
+                t_dq = min(t_dq, _best(lambda x=x, qw=qw, s=scratch: F.linear(
+                    x, cpu_quant.dequantize(qw, torch.bfloat16, out=s)), reps))
+                t_bf = min(t_bf, _best(lambda x=x, w=dense: F.linear(x, w), reps))
             ops = 2 * m * n * k
             print(f"{name:8} {m:4} {t_q * 1e3:8.3f} {ops / t_q / 1e9:6.0f} {qw.nbytes() / t_q / 1e9:5.1f} "
                   f"{t_dq * 1e3:8.3f} {t_bf * 1e3:8.3f} {ops / t_bf / 1e9:6.0f}", flush=True)
