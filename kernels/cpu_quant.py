@@ -47,6 +47,7 @@ _SIGNATURES = {
     "quantize_act": ([_P, _I64, _I, _I64, _I64, _I64, _I, _P, _P, _P], None),
     "quant_gemm": ([_I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I], None),
     "quant_dequantize": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
+    "quant_rows": ([_I, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
     "quant_linear_act": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I, _P, _P, _P, _P, _I64, _I],
                          None),
 }
@@ -313,6 +314,16 @@ def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None) -> Tens
 def embedding_rows(qw: QuantWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Rows `ids` of the dense weights, in dtype: an embedding lookup in packed weights."""
     k = qw.in_features
-    q, d, m = unpack_rows(qw, ids.reshape(-1))
-    rows = torch.addcmul(m.repeat_interleave(BLOCK, dim=1), q.float(), d.repeat_interleave(BLOCK, dim=1))
-    return rows[:, :k].to(dtype).view(*ids.shape, k)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qw.out_features):
+        raise IndexError(f"embedding ids must be in [0, {qw.out_features}), got "
+                         f"{int(flat.min())}..{int(flat.max())}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        return embedding_rows(qw, ids, torch.float32).to(dtype)
+    out = torch.empty(flat.numel(), k, dtype=dtype)
+    if flat.numel():
+        _library().quant_rows(FORMATS[qw.fmt], flat.data_ptr(), flat.numel(), k, qw.padded_in,
+                              qw.qweight.data_ptr(), qw.scales.data_ptr(),
+                              qw.offsets.data_ptr() if qw.offsets is not None else None, out.data_ptr(),
+                              int(dtype == torch.bfloat16))
+    return out.view(*ids.shape, k)

@@ -438,6 +438,29 @@ static void dequantize_tile(int fmt, int64_t tile, int l0, int l1, int64_t n0, i
 }
 #endif
 
+#if !QG_VNNI
+/* Rows [r0, r1) to out[(n - n0) * K + k]. */
+static void quant_dequantize_rows_portable(int fmt, int64_t r0, int64_t r1, int64_t n0, int64_t K, int64_t Kp,
+                                           const uint8_t *w, const void *wd_, const void *wm_, void *out,
+                                           int out_bf16) {
+    const int64_t nb = Kp / QBLOCK;
+    for (int64_t n = r0; n < r1; n++) {
+        const int64_t tile = n / NR;
+        const int lane = (int)(n % NR);
+        const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
+        for (int64_t b = 0; b < nb && b * QBLOCK < K; b++) {
+            float d, m;
+            block_scale(fmt, wd_, wm_, tile, lane, nb, b, &d, &m);
+            const int64_t k1 = (b + 1) * QBLOCK < K ? (b + 1) * QBLOCK : K;
+            for (int64_t k = b * QBLOCK; k < k1; k++) /* c8 exact: d * (q - 128) */
+                store_out(out, out_bf16, (n - n0) * K + k,
+                          fmt == FMT_C8 ? d * (float)(weight_q(tw, fmt, lane, k) - 128)
+                                        : d * (float)weight_q(tw, fmt, lane, k) + m);
+        }
+    }
+}
+#endif
+
 /* The weights as a dense matrix out[n1 - n0, K] (bf16 or float32): rows [n0, n1) only. */
 void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, void *out, int out_bf16) {
@@ -453,19 +476,22 @@ void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, co
     }
 #else
 #pragma omp parallel for schedule(static) if (n1 - n0 > NR)
-    for (int64_t n = n0; n < n1; n++) {
-        const int64_t tile = n / NR;
-        const int lane = (int)(n % NR);
-        const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
-        for (int64_t b = 0; b < nb && b * QBLOCK < K; b++) {
-            float d, m;
-            block_scale(fmt, wd_, wm_, tile, lane, nb, b, &d, &m);
-            const int64_t k1 = (b + 1) * QBLOCK < K ? (b + 1) * QBLOCK : K;
-            for (int64_t k = b * QBLOCK; k < k1; k++) /* c8 exact: d * (q - 128) */
-                store_out(out, out_bf16, (n - n0) * K + k,
-                          fmt == FMT_C8 ? d * (float)(weight_q(tw, fmt, lane, k) - 128)
-                                        : d * (float)weight_q(tw, fmt, lane, k) + m);
-        }
-    }
+    for (int64_t n = n0; n < n1; n++) quant_dequantize_rows_portable(fmt, n, n + 1, n0, K, Kp, w, wd_, wm_, out, out_bf16);
 #endif
+}
+
+/* Rows ids[0..n) of the weights as dense rows out[i, K] (bf16 or float32): an embedding lookup
+ * (the same values as quant_dequantize's, whatever the batch). */
+void quant_rows(int fmt, const int64_t *ids, int64_t n, int64_t K, int64_t Kp, const uint8_t *w,
+                const void *wd_, const void *wm_, void *out, int out_bf16) {
+#pragma omp parallel for schedule(static) if (n > 64)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = ids[i]; /* n0 = row - i: row `row` lands at out row i */
+#if QG_VNNI
+        const int lane = (int)(row % NR);
+        dequantize_tile(fmt, row / NR, lane, lane + 1, row - i, K, Kp, w, wd_, wm_, out, out_bf16);
+#else
+        quant_dequantize_rows_portable(fmt, row, row + 1, row - i, K, Kp, w, wd_, wm_, out, out_bf16);
+#endif
+    }
 }

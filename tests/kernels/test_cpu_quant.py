@@ -117,6 +117,12 @@ def test_dequantize_and_embedding_rows(fmt, scalar):
     rows = cpu_quant.embedding_rows(qw, ids, torch.float32)
     assert rows.shape == (2, 2, K)
     assert np.abs(rows.double().numpy() - dense[ids.numpy()]).max() <= 1e-6 * np.abs(dense).max()
+    # the lookup gives dequantize's values exactly, whatever the batch
+    native_bf16 = cpu_quant.dequantize(qw, torch.bfloat16)
+    assert torch.equal(cpu_quant.embedding_rows(qw, ids, torch.bfloat16), native_bf16[ids])
+    assert torch.equal(cpu_quant.embedding_rows(qw, ids[0, :1], torch.bfloat16), native_bf16[ids[0, :1]])
+    with pytest.raises(IndexError, match=r"\[0, 70\)"):
+        cpu_quant.embedding_rows(qw, torch.tensor([70]), torch.float32)
 
 
 def test_int8_per_channel_quantization():
