@@ -1,10 +1,12 @@
 """Quantized-weight linears for CPU inference: C kernels (kernels/cpu/quant_gemm.c) via ctypes.
 
-A `QuantWeight` holds one linear's weights in one of our packed layouts (see quant_gemm.c):
+A `QuantWeight` holds one linear's weights in one of our packed formats, all in the tiled
+layout of quant_gemm.c (rows in tiles of 16, interleaved four elements at a time, so that a
+512-bit vector holds 16 rows; N padded to a multiple of 16, K to a multiple of 64):
 
 - "b8": unsigned 8-bit values with an fp16 scale and offset per block of 32 (GGUF Q8_0, and
   the formats requantized to 8 bits at load: Q6_K and others)
-- "b4": 4-bit values, two blocks' nibbles interleaved per byte, fp16 scale and offset per block
+- "b4": 4-bit values, two blocks' nibbles in each byte, fp16 scale and offset per block
   (GGUF Q4_0, Q4_1, Q4_K)
 - "c8": int8 per output channel (one float32 scale per row), quantization="int8"
   (activations per block of 32 as for the others: per token cost +2.9% perplexity on SmolLM2)
@@ -12,9 +14,9 @@ A `QuantWeight` holds one linear's weights in one of our packed layouts (see qua
 `quant_linear` quantizes the activations to int8 per block of 32 (as llama.cpp's Q8_0
 activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the
 int8 GEMM, which reads every weight row once
-for the whole batch. Above `dense_rows()` rows (prefill) the block formats are dequantized to a
-scratch matrix in the activations' dtype and multiplied by torch (oneDNN): that is compute-bound
-work, where bf16 matmuls outrun int8 dot products that pay a float scale per block of 32.
+for the whole batch (prefill too: 8 tokens share each tile's vectors from L1). Above
+`dense_rows()` rows (16 on a CPU with AMX, else never; LMC_QUANT_DENSE_ROWS) the block formats are dequantized to a
+scratch matrix in the activations' dtype and multiplied by torch (oneDNN) instead.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import ctypes
 import functools
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,7 @@ SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
 FORMATS = {"b8": 0, "b4": 1, "c8": 2}
 BLOCK = 32
 PAIR = 64  # K is padded to a whole number of block pairs (one 512-bit vector of int8)
+TILE = 16  # rows a tile (the int32 lanes of a 512-bit vector); N is padded to a multiple
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -44,6 +47,9 @@ _SIGNATURES = {
     "quantize_act": ([_P, _I64, _I, _I64, _I64, _I64, _I, _P, _P, _P], None),
     "quant_gemm": ([_I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I], None),
     "quant_dequantize": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
+    "quant_rows": ([_I, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
+    "quant_linear_act": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I, _P, _P, _P, _P, _I64, _I],
+                         None),
 }
 
 
@@ -78,12 +84,27 @@ def padded(k: int) -> int:
     return -(-k // PAIR) * PAIR
 
 
-# Rows above which block-format linears dequantize to the activation dtype and use torch
-# (LMC_QUANT_DENSE_ROWS; benchmarks/perplexity.py sets it high to measure the int8 path alone).
-# Measured on a Zen 4 core (3072x576 Q4_1): the int8 kernel 0.24 ms at 8 rows vs dequantize +
-# bf16 matmul 0.33 ms; at 32 rows 0.88 ms vs about 0.55 ms: oneDNN's bf16 dot products run at
-# about 470 GFLOP/s a core, the int8 kernel (a float scale per block of 32) at 130-180 GOP/s.
-DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", "16"))
+def padded_rows(n: int) -> int:
+    """N rounded up to a whole number of tiles."""
+    return -(-n // TILE) * TILE
+
+
+def _cpu_has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles (Linux: /proc/cpuinfo), where oneDNN's bf16 matmuls
+    run several times faster than AVX512 dot products."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+# Rows above which block-format linears dequantize to the activation dtype and multiply with
+# torch (LMC_QUANT_DENSE_ROWS). Measured on a Zen 4 core (benchmarks/quant_gemm.py, SmolLM2's
+# linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize + oneDNN bf16
+# matmul 300-440, so without AMX the int8 kernel runs every batch size; with AMX (not measured
+# here) oneDNN's bf16 tiles should outrun it on prefill-sized batches, so above 16 rows there.
+DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", "16" if _cpu_has_amx() else str(1 << 40)))
 
 
 def dense_rows() -> int:
@@ -98,14 +119,21 @@ class QuantWeight:
     fmt: str  # b8 | b4 | c8
     out_features: int
     in_features: int
-    qweight: Tensor  # uint8 [N, Kp] (b8, c8) or [N, Kp / 2] (b4)
-    scales: Tensor  # float16 [N, Kp / 32] (b8, b4) or float32 [N] (c8)
-    offsets: Tensor | None  # float16 [N, Kp / 32] (b8, b4); None for c8
+    qweight: Tensor  # uint8 [Np / 16, Kp * 16] (b8, c8) or [Np / 16, Kp * 8] (b4), tiled
+    scales: Tensor  # float16 [Np / 16, Kp / 32 * 16] (b8, b4), tiled; float32 [Np] (c8)
+    offsets: Tensor | None  # float16 as scales (b8, b4); None for c8
     source: str  # the format it came from (e.g. "Q4_1", "int8"), for reports
+    # quant_linear_act's leading arguments (format, sizes, pointers), taken on first use: a
+    # decode step calls the kernel ~120 times, where each Python-side microsecond counts
+    kernel_args: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def padded_in(self) -> int:
         return padded(self.in_features)
+
+    @property
+    def padded_out(self) -> int:
+        return padded_rows(self.out_features)
 
     def nbytes(self) -> int:
         """Resident bytes of the packed weights and their scales."""
@@ -113,25 +141,39 @@ class QuantWeight:
         return total + (self.offsets.nbytes if self.offsets is not None else 0)
 
 
+def _tile_values(q: np.ndarray, fmt: str) -> np.ndarray:
+    """Unsigned values q [Np, Kp] (row-major) -> the tiled bytes [Np / 16, ...] of quant_gemm.c."""
+    n, kp = q.shape
+    tiles = q.reshape(n // TILE, TILE, kp // 4, 4)  # rows, 4-element chunks
+    if fmt == "b4":  # chunk c of block 2p low, of block 2p + 1 high
+        pairs = tiles.reshape(n // TILE, TILE, kp // PAIR, 2, 8, 4)
+        tiles = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // TILE, TILE, kp // 8, 4)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3)).reshape(n // TILE, -1)
+
+
+def _tile_scales(v: np.ndarray) -> np.ndarray:
+    """Per-block values [Np, nb] -> [Np / 16, nb * 16] (block-major within a tile)."""
+    n, nb = v.shape
+    return np.ascontiguousarray(v.reshape(n // TILE, TILE, nb).transpose(0, 2, 1)).reshape(n // TILE, -1)
+
+
 def pack_blocks(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, source: str) -> QuantWeight:
     """A b8/b4 QuantWeight from unsigned values q [N, K] (0..255 or 0..15) and per-block float
-    scales d and offsets m [N, ceil(K / 32)] (w = d * q + m); K is zero-padded to Kp."""
-    n, k = q.shape
-    kp = padded(k)
-    nb = kp // BLOCK
-    qp = np.zeros((n, kp), dtype=np.uint8)
-    qp[:, :k] = q
-    dp = np.zeros((n, nb), dtype=np.float16)
-    mp = np.zeros((n, nb), dtype=np.float16)
-    dp[:, : d.shape[1]] = d
-    mp[:, : m.shape[1]] = m
-    if fmt == "b4":
-        pairs = qp.reshape(n, kp // PAIR, 2, BLOCK)
-        qp = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(n, kp // 2)
-    elif fmt != "b8":
+    scales d and offsets m [N, ceil(K / 32)] (w = d * q + m); K is zero-padded to Kp, N to whole
+    tiles of 16 (zero rows)."""
+    if fmt not in ("b8", "b4"):
         raise ValueError(f"pack_blocks packs b8 or b4, not {fmt!r}")
-    return QuantWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(qp)),
-                       torch.from_numpy(dp), torch.from_numpy(mp), source)
+    n, k = q.shape
+    kp, np_ = padded(k), padded_rows(n)
+    nb = kp // BLOCK
+    qp = np.zeros((np_, kp), dtype=np.uint8)
+    qp[:n, :k] = q
+    dp = np.zeros((np_, nb), dtype=np.float16)
+    mp = np.zeros((np_, nb), dtype=np.float16)
+    dp[:n, : d.shape[1]] = d
+    mp[:n, : m.shape[1]] = m
+    return QuantWeight(fmt, n, k, torch.from_numpy(_tile_values(qp, fmt)),
+                       torch.from_numpy(_tile_scales(dp)), torch.from_numpy(_tile_scales(mp)), source)
 
 
 def quantize_int8_per_channel(weight: Tensor) -> QuantWeight:
@@ -141,9 +183,30 @@ def quantize_int8_per_channel(weight: Tensor) -> QuantWeight:
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int16) + 128
     n, k = w.shape
-    qp = torch.full((n, padded(k)), 128, dtype=torch.uint8)
-    qp[:, :k] = q.to(torch.uint8)
-    return QuantWeight("c8", n, k, qp, scale.contiguous(), None, "int8")
+    qp = np.full((padded_rows(n), padded(k)), 128, dtype=np.uint8)
+    qp[:n, :k] = q.to(torch.uint8).numpy()
+    scales = torch.zeros(padded_rows(n), dtype=torch.float32)
+    scales[:n] = scale
+    return QuantWeight("c8", n, k, torch.from_numpy(_tile_values(qp, "c8")), scales, None, "int8")
+
+
+def unpack_rows(qw: QuantWeight, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows `rows` (int64 [R]) of the packed weights as (q uint8 [R, Kp] unsigned values,
+    d float32 [R, Kp / 32], m float32 [R, Kp / 32]) with w = d * q + m per block of 32."""
+    kp, nb = qw.padded_in, qw.padded_in // BLOCK
+    tile, lane = rows // TILE, rows % TILE
+    tiles = qw.qweight.shape[0]
+    if qw.fmt == "b4":  # [tile, pair, chunk, lane, 4]: low nibble block 2p, high 2p + 1
+        b = qw.qweight.view(tiles, kp // PAIR, 8, TILE, 4)[tile, :, :, lane]  # [R, pairs, 8, 4]
+        q = torch.stack((b & 0x0F, b >> 4), dim=2).reshape(rows.numel(), kp)
+    else:
+        q = qw.qweight.view(tiles, nb, 8, TILE, 4)[tile, :, :, lane].reshape(rows.numel(), kp)
+    if qw.fmt == "c8":
+        s = qw.scales[rows].float()[:, None].expand(rows.numel(), nb)
+        return q, s, -128.0 * s
+    d = qw.scales.view(tiles, nb, TILE)[tile, :, lane].float()
+    m = qw.offsets.view(tiles, nb, TILE)[tile, :, lane].float()
+    return q, d, m
 
 
 class _Scratch(threading.local):
@@ -161,6 +224,27 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
+
+
+class _ActScratch(threading.local):
+    """The int8 activations' per-thread buffers (xq, xd, xs) with their addresses, grow-only."""
+
+    def __init__(self) -> None:
+        self.rows = self.kp = -1
+        self.ptrs = (0, 0, 0)
+        self.tensors: tuple[Tensor, ...] = ()
+
+    def get(self, rows: int, kp: int) -> tuple[int, int, int]:
+        if rows > self.rows or kp > self.kp:  # (xd, xs need rows * kp / 32 floats)
+            self.rows, self.kp = max(rows, self.rows), max(kp, self.kp)
+            n = self.rows * self.kp
+            self.tensors = (torch.empty(n, dtype=torch.int8), torch.empty(n // BLOCK, dtype=torch.float32),
+                            torch.empty(n // BLOCK, dtype=torch.float32))
+            self.ptrs = tuple(t.data_ptr() for t in self.tensors)  # type: ignore[assignment]
+        return self.ptrs
+
+
+_act_scratch = _ActScratch()
 
 
 def _check_x(x: Tensor, qw: QuantWeight) -> None:
@@ -192,13 +276,16 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
     out = torch.empty(rows, qw.out_features, dtype=x.dtype)
     if rows == 0:
         return out
-    kp = qw.padded_in
-    xq, xd, xs = quantize_activations(x, kp, False, scalar)
-    _library(scalar).quant_gemm(
-        FORMATS[qw.fmt], rows, qw.out_features, kp, qw.qweight.data_ptr(), qw.scales.data_ptr(),
-        qw.offsets.data_ptr() if qw.offsets is not None else None,
-        bias.data_ptr() if bias is not None else None, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
-        out.data_ptr(), out.stride(0), int(x.dtype == torch.bfloat16))
+    if qw.kernel_args is None:
+        qw.kernel_args = (FORMATS[qw.fmt], qw.out_features, qw.in_features, qw.padded_in,
+                          qw.qweight.data_ptr(), qw.scales.data_ptr(),
+                          qw.offsets.data_ptr() if qw.offsets is not None else 0)
+    fmt, n, k, kp, w, wd, wm = qw.kernel_args
+    xq, xd, xs = _act_scratch.get(rows, kp)  # the activations' int8 copy, quantized in the call
+    bf16 = int(x.dtype == torch.bfloat16)
+    _library(scalar).quant_linear_act(fmt, rows, n, k, kp, w, wd, wm or None,
+                                      bias.data_ptr() if bias is not None else None, x.data_ptr(),
+                                      x.stride(0), bf16, xq, xd, xs, out.data_ptr(), out.stride(0), bf16)
     return out
 
 
@@ -226,16 +313,17 @@ def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None) -> Tens
 
 def embedding_rows(qw: QuantWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Rows `ids` of the dense weights, in dtype: an embedding lookup in packed weights."""
-    flat = ids.reshape(-1)
     k = qw.in_features
-    q = qw.qweight.index_select(0, flat)
-    if qw.fmt == "c8":
-        rows = (q[:, :k].to(torch.int16) - 128).float() * qw.scales.index_select(0, flat)[:, None]
-        return rows.to(dtype).view(*ids.shape, k)
-    if qw.fmt == "b4":  # byte i of pair p: element i of block 2p (low), of block 2p + 1 (high)
-        pairs = q.view(q.shape[0], -1, 1, BLOCK)
-        q = torch.cat((pairs & 0x0F, pairs >> 4), dim=2).view(q.shape[0], -1)
-    d = qw.scales.index_select(0, flat).float().repeat_interleave(BLOCK, dim=1)
-    m = qw.offsets.index_select(0, flat).float().repeat_interleave(BLOCK, dim=1)
-    rows = torch.addcmul(m, q.float(), d)[:, :k]
-    return rows.to(dtype).view(*ids.shape, k)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qw.out_features):
+        raise IndexError(f"embedding ids must be in [0, {qw.out_features}), got "
+                         f"{int(flat.min())}..{int(flat.max())}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        return embedding_rows(qw, ids, torch.float32).to(dtype)
+    out = torch.empty(flat.numel(), k, dtype=dtype)
+    if flat.numel():
+        _library().quant_rows(FORMATS[qw.fmt], flat.data_ptr(), flat.numel(), k, qw.padded_in,
+                              qw.qweight.data_ptr(), qw.scales.data_ptr(),
+                              qw.offsets.data_ptr() if qw.offsets is not None else None, out.data_ptr(),
+                              int(dtype == torch.bfloat16))
+    return out.view(*ids.shape, k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,8 +87,8 @@ class EngineArgs:
     # declares the core unresponsive (EngineUnresponsiveError; None: never).
     max_logprobs: int = 20
     liveness_timeout_s: float | None = 30.0
-    # Quantized CPU inference (engine/models/quant/): None = auto (dense, the fastest measured;
-    # LMC_QUANT_AUTO=1: a GGUF model in bf16 on the CPU keeps its file's weights), "gguf", "int8" (per-channel
+    # Quantized CPU inference (engine/models/quant/): None = auto (a GGUF model in bf16 on the CPU keeps
+    # its file's weights, the fastest measured; LMC_QUANT_AUTO=0: dense), "gguf", "int8" (per-channel
     # int8 weights, dynamic int8 activations, any model) or "none" (always dense).
     quantization: str | None = None
 
@@ -320,12 +321,12 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
                          executor_backend: str = "uni") -> str | None:
     """The quantization a model runs with: "gguf", "int8" or None (dense).
 
-    Auto (None / "auto") is dense: on the CPUs measured, the bf16 path's oneDNN matmuls outrun
-    the int8 kernels from batches of about 16 rows up (README "Quantized CPU inference"), so
-    the fastest path is dense even though the file's own weights keep perplexity within 1%.
-    LMC_QUANT_AUTO=1 makes auto keep a GGUF model's quantized weights (bf16 on the CPU only;
-    float32 always stays dense, so the exactness tests compare HF op for op). Explicit values
-    are checked, never ignored.
+    Auto (None / "auto") keeps a GGUF model's own quantized weights in bf16 on the CPU: the int8
+    kernels measured faster than dense bf16 at every batch size, within 1% of the file's
+    perplexity (README "Quantized CPU inference"). Everything else stays dense, float32 too (the
+    exactness tests compare HF op for op), as does auto where the C kernels are off
+    (LMC_CPU_KERNELS=0) or no C compiler is found; LMC_QUANT_AUTO=0 makes auto dense. Explicit
+    values are checked, never ignored.
     """
     from engine.models.embedded import gguf_source
 
@@ -335,7 +336,9 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
     if requested in (None, "auto"):
         if source is None or dtype != "bfloat16" or device != "cpu":
             return None
-        if os.environ.get("LMC_QUANT_AUTO", "0").lower() not in ("1", "true", "on", "gguf"):
+        if (os.environ.get("LMC_QUANT_AUTO", "1").lower() in ("0", "false", "off", "none", "dense")
+                or os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off")
+                or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))):
             return None
         return "gguf"  # the loader refuses it clearly if the kernels cannot be built
     if device != "cpu":

@@ -1,22 +1,30 @@
 /* Quantized-weight GEMM for CPU inference: out[M, N] = x[M, K] . W[N, K]^T (+ bias).
  *
- * Weights stay quantized in one of three layouts of ours (repacked once at load by
- * engine/models/quant/), all padded along K to Kp, a multiple of 64 (zero blocks):
+ * Weights stay quantized in one of three formats, repacked once at load (kernels/cpu_quant.py
+ * pack_blocks / quantize_int8_per_channel) into one layout: K padded to Kp (a multiple of 64,
+ * zero blocks), N padded to a multiple of 16 (zero rows), and the rows in TILES of 16 whose
+ * bytes interleave the rows four elements at a time: within tile T, the 64 bytes of (block b,
+ * chunk c) hold rows 0..15's elements 4c..4c+3 of block b, row after row. So one 512-bit
+ * vector holds 16 rows' next 4 elements, which is what AVX512-VNNI's vpdpbusd wants: its 16
+ * int32 lanes become 16 output rows, and an activation dword broadcast from memory feeds them
+ * all. Per tile (QT_* are the element offsets):
  *
- *   FMT_B8  (GGUF Q8_0, Q6_K, ...): u8 q[N, Kp]; per block of 32: fp16 d, fp16 m; w = d*q + m
- *   FMT_B4  (GGUF Q4_0, Q4_1, Q4_K): 32 bytes per pair of blocks (2j, 2j+1): byte i holds
- *           block 2j's element i in its low nibble and block 2j+1's element i in its high one;
- *           w = d*q + m per block as above (Q4_0: m = -8d)
- *   FMT_C8  (quantization="int8"): u8 q[N, Kp] = int8 + 128; one float32 scale per row (channel)
+ *   FMT_B8  (GGUF Q8_0, Q6_K, ...): u8 q, Kp * 16 bytes: [nb][8][16 rows][4];
+ *           fp16 d, m [nb][16 rows] (w = d * q + m per block of 32)
+ *   FMT_B4  (GGUF Q4_0, Q4_1, Q4_K): Kp * 8 bytes: [nb / 2 pairs][8][16 rows][4], the low
+ *           nibble from block 2p, the high one from block 2p + 1; d, m as B8 (Q4_0: m = -8d)
+ *   FMT_C8  (quantization="int8"): u8 q = int8 + 128 as B8; one float32 scale per row, [Np]
  *
- * Weights are stored unsigned so that AVX512-VNNI's u8 x s8 dot product (vpdpbusd) takes them
- * as they are; the activations are quantized to int8 per call (quantize_act): per block of 32
- * (scale dx, and xs = dx * sum(xq) for the offset term; per-token scales measured +2.9%
- * perplexity on SmolLM2 against +0.9% per block, so every format uses blocks).
+ * Weights are stored unsigned so that vpdpbusd (u8 x s8) takes them as they are; the
+ * activations are quantized to int8 per call (quantize_act): per block of 32 (scale dx, and
+ * xs = dx * sum(xq) for the offset term; per-token scales measured +2.9% perplexity on
+ * SmolLM2 against +0.9% per block, so every format uses blocks).
  *
- * The GEMM walks output rows in parallel; each row's weights are read once for the whole batch
- * (the tokens are the inner loop, four at a time), so a decode step streams the weights once.
- * Without AVX512-VNNI a portable C path computes the same sums (in the same int32 arithmetic).
+ * A tile's 8 vectors of a block accumulate in int32, then one conversion and two float fmas
+ * (d * dx, and m * xs) per block, token and 16 rows: 8 dot products per 4 float operations.
+ * The threads split the tiles; each tile is read once for the whole batch, 8 tokens at a time
+ * from L1, so a decode step streams the weights once. Without AVX512-VNNI a portable C path
+ * computes the same int32 block sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +41,6 @@
 
 enum { FMT_B8 = 0, FMT_B4 = 1, FMT_C8 = 2 };
 #define QBLOCK 32
-#define TOK_TILE 4
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -58,18 +65,78 @@ static inline float half_to_float(uint16_t h) {
 
 int quant_gemm_has_vnni(void) { return QG_VNNI; }
 
-/* dst[i] = float(src[i]) for n fp16 values (vectorized where AVX512F is there). */
-static inline void halfs_to_floats(const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-#if QG_VNNI
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-#endif
-    for (; i < n; i++) dst[i] = half_to_float(src[i]);
-}
-
 static inline float load_x(const void *x, int is_bf16, int64_t i) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+#if QG_VNNI
+/* 16 activations k0.. of a row as floats (masked: `valid` of them, the rest zero). */
+static inline __m512 load_x16(const void *row, int is_bf16, int64_t k0, int valid) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1u);
+    if (is_bf16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + k0);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)row + k0);
+}
+
+/* One block of 32 (k0.., `valid` real values) -> q[32], its scale; returns the sum of q. */
+static inline int32_t quantize_block(const void *row, int is_bf16, int64_t k0, int valid, int8_t *q,
+                                     float *scale) {
+    const __m512 v0 = load_x16(row, is_bf16, k0, valid), v1 = load_x16(row, is_bf16, k0 + 16, valid - 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    /* cvtps rounds to nearest even, as lrintf in the portable path */
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *scale = d;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+#endif
+
+/* Quantize row m of x (see quantize_act). */
+static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int64_t K, int64_t Kp,
+                         int per_token, int8_t *xq, float *xd, float *xs) {
+    const int64_t nb = Kp / QBLOCK;
+    const void *row = (const char *)x + m * ldx * (is_bf16 ? 2 : 4);
+    int8_t *q = xq + m * Kp;
+    if (per_token) {
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t v = (int32_t)lrintf(load_x(row, is_bf16, k) * inv);
+            q[k] = (int8_t)v;
+            sum += v;
+        }
+        memset(q + K, 0, (size_t)(Kp - K));
+        xd[m] = d;
+        xs[m] = (float)sum;
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
+        float d;
+#if QG_VNNI
+        const int32_t sum = quantize_block(row, is_bf16, k0, (int)(k1 - k0), q + k0, &d);
+#else
+        float amax = 0.f;
+        for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
+        d = amax / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = k0; k < k0 + QBLOCK; k++) {
+            const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, is_bf16, k) * inv) : 0;
+            q[k] = (int8_t)v;
+            sum += v;
+        }
+#endif
+        xd[m * nb + b] = d;
+        xs[m * nb + b] = d * (float)sum;
+    }
 }
 
 /* Quantize rows x[M, K] (bf16 or float32, row stride ldx) to xq[M, Kp] int8 (zero padded).
@@ -77,49 +144,23 @@ static inline float load_x(const void *x, int is_bf16, int64_t i) {
  * per_token = 1: xd[M] one scale per row and xs[M] = sum(xq) (an integer, as float). */
 void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int64_t Kp,
                   int per_token, int8_t *xq, float *xd, float *xs) {
-    const int64_t nb = Kp / QBLOCK;
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) {
-        const void *row = (const char *)x + m * ldx * (is_bf16 ? 2 : 4);
-        int8_t *q = xq + m * Kp;
-        if (per_token) {
-            float amax = 0.f;
-            for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
-            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-            int32_t sum = 0;
-            for (int64_t k = 0; k < K; k++) {
-                const int32_t v = (int32_t)lrintf(load_x(row, is_bf16, k) * inv);
-                q[k] = (int8_t)v;
-                sum += v;
-            }
-            memset(q + K, 0, (size_t)(Kp - K));
-            xd[m] = d;
-            xs[m] = (float)sum;
-            continue;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
-            float amax = 0.f;
-            for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
-            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-            int32_t sum = 0;
-            for (int64_t k = k0; k < k0 + QBLOCK; k++) {
-                const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, is_bf16, k) * inv) : 0;
-                q[k] = (int8_t)v;
-                sum += v;
-            }
-            xd[m * nb + b] = d;
-            xs[m * nb + b] = d * (float)sum;
-        }
-    }
+    /* vectorized, a row is ~0.1 us a thousand elements: threads only for prefill-sized batches */
+#pragma omp parallel for schedule(static) if (M * K > (1 << 16))
+    for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, is_bf16, m, K, Kp, per_token, xq, xd, xs);
 }
 
-/* Unsigned weight element k of row `wrow` (the packed bytes of one row). */
-static inline int32_t weight_q(const uint8_t *wrow, int fmt, int64_t k) {
-    if (fmt != FMT_B4) return wrow[k];
-    const int64_t pair = k / 64, within = k % 64;
-    const uint8_t byte = wrow[pair * 32 + (within % 32)];
-    return within < 32 ? (byte & 0xf) : (byte >> 4);
+#define NR 16 /* rows a tile */
+#define TT 8  /* tokens a register tile */
+
+/* Bytes of one tile's quantized values. */
+static inline int64_t tile_bytes(int fmt, int64_t Kp) { return fmt == FMT_B4 ? Kp * 8 : Kp * 16; }
+
+/* Unsigned weight element k of row `lane` of the tile at `tw`. */
+static inline int32_t weight_q(const uint8_t *tw, int fmt, int lane, int64_t k) {
+    const int64_t b = k / QBLOCK, c = (k % QBLOCK) / 4, j = k % 4;
+    if (fmt != FMT_B4) return tw[(b * 8 + c) * 64 + lane * 4 + j];
+    const uint8_t byte = tw[((b / 2) * 8 + c) * 64 + lane * 4 + j];
+    return b % 2 ? byte >> 4 : byte & 0xf;
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t i, float v) {
@@ -127,265 +168,330 @@ static inline void store_out(void *out, int out_bf16, int64_t i, float v) {
     else ((float *)out)[i] = v;
 }
 
-#if QG_VNNI
-/* Unsigned weights of pair p (64 elements, blocks 2p | 2p+1) as 64 bytes. */
-static inline __m512i load_pair(const uint8_t *wrow, int fmt, int64_t p) {
-    if (fmt != FMT_B4) return _mm512_loadu_si512((const void *)(wrow + p * 64));
-    /* the 32 bytes in both halves; the upper half shifted by 4: low nibbles | high nibbles */
-    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wrow + p * 32)));
-    const __m512i shifted = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
-    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+/* Block b's scale and offset of row `lane` of tile `tile` (w = d * q + m); FMT_C8: d = s, m = -128 s. */
+static inline void block_scale(int fmt, const void *wd_, const void *wm_, int64_t tile, int lane,
+                               int64_t nb, int64_t b, float *d, float *m) {
+    if (fmt == FMT_C8) {
+        *d = ((const float *)wd_)[tile * NR + lane];
+        *m = -128.f * *d;
+        return;
+    }
+    *d = half_to_float(((const uint16_t *)wd_)[(tile * nb + b) * NR + lane]);
+    *m = half_to_float(((const uint16_t *)wm_)[(tile * nb + b) * NR + lane]);
 }
 
-/* [a x8, b x8] from two adjacent floats (a block pair's scales). */
-static inline __m512 pair_scales(const float *ab) {
-    return _mm512_mask_broadcastss_ps(_mm512_set1_ps(ab[0]), 0xFF00, _mm_load_ss(ab + 1));
+#if QG_VNNI
+/* Vector c of block b of a tile: 16 rows x 4 unsigned values. */
+static inline __attribute__((always_inline)) __m512i tile_vec(const uint8_t *tw, const int is4, int64_t b,
+                                                              int c) {
+    if (!is4) return _mm512_loadu_si512((const void *)(tw + (b * 8 + c) * 64));
+    __m512i v = _mm512_loadu_si512((const void *)(tw + ((b >> 1) * 8 + c) * 64));
+    if (b & 1) v = _mm512_srli_epi32(v, 4);
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
 }
 
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-#endif
-
-/* One output row n against tokens [t0, t0 + nt) of the block formats. */
-static void row_block_format(int fmt, int64_t n, int64_t t0, int nt, int64_t Kp,
-                             const uint8_t *wrow, const float *wd, const float *wm,
-                             const int8_t *xq, const float *xd, const float *xs,
-                             float *result) {
-    const int64_t nb = Kp / QBLOCK;
-    (void)n;
-#if QG_VNNI
-    const int64_t np = nb / 2;
-    __m512 acc[TOK_TILE];
-    for (int t = 0; t < TOK_TILE; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        const __m512i w = load_pair(wrow, fmt, p);
-        const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(wd[2 * p]),
-                                             _mm256_set1_ps(wd[2 * p + 1]), 1);
-        for (int t = 0; t < nt; t++) {
-            const int64_t m = t0 + t;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-            const __m512 xsc = _mm512_insertf32x8(_mm512_set1_ps(xd[m * nb + 2 * p]),
-                                                  _mm256_set1_ps(xd[m * nb + 2 * p + 1]), 1);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xsc), acc[t]);
+/* One tile (16 rows) x T tokens (T <= TT, a compile-time constant where inlined) -> acc[T].
+ * chan: FMT_C8 (one scale per row: d and m the same for every block). */
+static inline __attribute__((always_inline)) void tile_tokens(
+    const int T, const int is4, const int chan, int64_t nb, int64_t Kp, const uint8_t *tw,
+    const void *td, const void *tm, const int8_t *xq, const float *xd, const float *xs,
+    const uint8_t *pf, __m512 acc[TT]) {
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512 d = _mm512_setzero_ps(), m = d;
+    if (chan) {
+        d = _mm512_loadu_ps((const float *)td);
+        m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (!chan) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)td + b * NR)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)tm + b * NR)));
+        }
+        __m512i w[8];
+        for (int c = 0; c < 8; c++) w[c] = tile_vec(tw, is4, b, c);
+        if (pf) /* the next tile's block b, to L2 while this one computes: DRAM streams hide */
+            for (int c = 0; c < (is4 ? 4 : 8); c++) _mm_prefetch((const char *)pf + b * (is4 ? 256 : 512) + c * 64, _MM_HINT_T1);
+        for (int t = 0; t < T; t++) {
+            const int32_t *xp = (const int32_t *)(xq + t * Kp + b * QBLOCK);
+            /* one chain: the next block's (and the other tokens') chains hide vpdpbusd's latency */
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xp[0]));
+            for (int c = 1; c < 8; c++) i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(xp[c]));
+            const __m512 dot = _mm512_cvtepi32_ps(i0);
+            acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b])), acc[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        __m512 off = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 16 <= nb; b += 16)
-            off = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b), _mm512_loadu_ps(xs + m * nb + b), off);
-        float o = hsum(off);
-        for (; b < nb; b++) o += wm[b] * xs[m * nb + b];
-        result[t] = hsum(acc[t]) + o;
+}
+
+/* 16 float32 results (+ bias) to out[o + n0 .. o + n0 + nr), as bf16 or float32. */
+static inline void store_tile_row(void *out, int out_bf16, int64_t o, int64_t n0, int nr, __m512 v,
+                                  const float *bias) {
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0));
+    if (!out_bf16) {
+        _mm512_mask_storeu_ps((float *)out + o + n0, mask, v);
+        return;
     }
+    /* round to nearest even as float_to_bf16; a NaN keeps its top bits, made quiet */
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16((uint16_t *)out + o + n0, mask, _mm512_cvtepi32_epi16(r));
+}
+
+/* tile_tokens for one format (is4, chan constant) and every T: a switch of inlined copies. */
+#define TILE_TOKENS_SWITCH(IS4, CHAN)                                                              \
+    switch (nt) {                                                                                  \
+    case 8: tile_tokens(8, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 7: tile_tokens(7, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 6: tile_tokens(6, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 5: tile_tokens(5, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 4: tile_tokens(4, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 3: tile_tokens(3, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    case 2: tile_tokens(2, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
+    default: tile_tokens(1, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                 \
+    }
+
+/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TT tokens at a time. */
+static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
+                      const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
+                      const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
+    const int64_t nb = Kp / QBLOCK, n0 = tile * NR;
+    const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
+    const void *td = fmt == FMT_C8 ? (const void *)((const float *)wd_ + n0)
+                                   : (const void *)((const uint16_t *)wd_ + tile * nb * NR);
+    const void *tm = fmt == FMT_C8 ? NULL : (const void *)((const uint16_t *)wm_ + tile * nb * NR);
+    __m512 acc[TT];
+    for (int64_t t0 = 0; t0 < M; t0 += TT) {
+        const int nt = M - t0 < TT ? (int)(M - t0) : TT;
+        const int8_t *x = xq + t0 * Kp;
+        const float *dx = xd + t0 * nb, *sx = xs + t0 * nb;
+        const uint8_t *pf = t0 == 0 && n0 + NR < N ? tw + tile_bytes(fmt, Kp) : NULL;
+        if (fmt == FMT_B4) {
+            TILE_TOKENS_SWITCH(1, 0)
+        } else if (fmt == FMT_B8) {
+            TILE_TOKENS_SWITCH(0, 0)
+        } else {
+            TILE_TOKENS_SWITCH(0, 1)
+        }
+        for (int t = 0; t < nt; t++) store_tile_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
+    }
+}
 #else
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
+/* Portable: row `lane` of tile `tile` (output row n) against every token, the same int32 block sums. */
+static void row_gemm(int fmt, int64_t M, int64_t tile, int lane, int64_t Kp, const uint8_t *w,
+                     const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
+                     const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
+    const int64_t nb = Kp / QBLOCK, n = tile * NR + lane;
+    const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
+    for (int64_t t = 0; t < M; t++) {
         float total = 0.f;
         for (int64_t b = 0; b < nb; b++) {
             int32_t dot = 0;
             for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k++)
-                dot += weight_q(wrow, fmt, k) * (int32_t)xq[m * Kp + k];
-            total += (float)dot * (wd[b] * xd[m * nb + b]) + wm[b] * xs[m * nb + b];
+                dot += weight_q(tw, fmt, lane, k) * (int32_t)xq[t * Kp + k];
+            float d, m;
+            block_scale(fmt, wd_, wm_, tile, lane, nb, b, &d, &m);
+            total += (float)dot * (d * xd[t * nb + b]) + m * xs[t * nb + b];
         }
-        result[t] = total;
+        store_out(out, out_bf16, t * ldo + n, total + (bias ? bias[n] : 0.f));
     }
+}
 #endif
-}
 
-/* FMT_C8, one row: block sums scaled by the activations' block scales, the row scale once. */
-static void row_channel_format(int64_t t0, int nt, int64_t Kp, const uint8_t *wrow, float wscale,
-                               const int8_t *xq, const float *xd, const float *xs, float *result) {
-    const int64_t nb = Kp / QBLOCK;
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        float total = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            int32_t dot = 0;
-            for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; k++) dot += (int32_t)wrow[k] * (int32_t)xq[m * Kp + k];
-            total += (float)dot * xd[m * nb + b] - 128.f * xs[m * nb + b];
-        }
-        result[t] = wscale * total;
-    }
-}
-
-#define ROW_TILE 4
-
+/* One tile of 16 output rows against every token. */
+static inline void gemm_tile(int fmt, int64_t M, int64_t N, int64_t tile, int64_t Kp, const uint8_t *w,
+                             const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
+                             const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
+    const int nr = N - tile * NR < NR ? (int)(N - tile * NR) : NR;
 #if QG_VNNI
-/* Block formats, rows [n, n + 4) against tokens [t0, t0 + nt): each weight pair is unpacked
- * once for the four tokens, each activation vector loaded once for the four rows. */
-static void tile_block_format(int fmt, int64_t t0, int nt, int64_t Kp, const uint8_t *w,
-                              int64_t row_bytes, const float *wd, const float *wm,
-                              const int8_t *xq, const float *xd, const float *xs,
-                              float result[ROW_TILE][TOK_TILE]) {
-    const int64_t nb = Kp / QBLOCK, np = nb / 2;
-    __m512 acc[ROW_TILE][TOK_TILE];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int t = 0; t < TOK_TILE; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        __m512i wv[ROW_TILE];
-        __m512 ws[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) {
-            wv[r] = load_pair(w + r * row_bytes, fmt, p);
-            ws[r] = pair_scales(wd + r * nb + 2 * p);
-        }
-        for (int t = 0; t < nt; t++) {
-            const int64_t m = t0 + t;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512 xsc = pair_scales(xd + m * nb + 2 * p);
-            for (int r = 0; r < ROW_TILE; r++) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], xsc), acc[r][t]);
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        for (int r = 0; r < ROW_TILE; r++) {
-            float o = 0.f;
-            for (int64_t b = 0; b < nb; b++) o += wm[r * nb + b] * xs[m * nb + b];
-            result[r][t] = _mm512_reduce_add_ps(acc[r][t]) + o;
-        }
-    }
-}
-
-/* FMT_C8, rows [n, n + 4) against tokens [t0, t0 + nt): one scale per row, so only the
- * activations' block scales enter the loop; the +128 of the stored weights is taken out once. */
-static void tile_channel_format(int64_t t0, int nt, int64_t Kp, const uint8_t *w, const float *wscale,
-                                const int8_t *xq, const float *xd, const float *xs,
-                                float result[ROW_TILE][TOK_TILE]) {
-    const int64_t nb = Kp / QBLOCK;
-    __m512 acc[ROW_TILE][TOK_TILE];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int t = 0; t < TOK_TILE; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < Kp / 64; p++) {
-        __m512i wv[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) wv[r] = _mm512_loadu_si512((const void *)(w + r * Kp + p * 64));
-        for (int t = 0; t < nt; t++) {
-            const int64_t m = t0 + t;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kp + p * 64));
-            const __m512 xsc = pair_scales(xd + m * nb + 2 * p);
-            for (int r = 0; r < ROW_TILE; r++) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xsc, acc[r][t]);
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++) {
-        const int64_t m = t0 + t;
-        float offset = 0.f;
-        for (int64_t b = 0; b < nb; b++) offset += xs[m * nb + b];
-        for (int r = 0; r < ROW_TILE; r++)
-            result[r][t] = wscale[r] * (_mm512_reduce_add_ps(acc[r][t]) - 128.f * offset);
-    }
-}
+    tile_gemm(fmt, M, N, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+#else
+    for (int lane = 0; lane < nr; lane++)
+        row_gemm(fmt, M, tile, lane, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
 #endif
+}
 
-/* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL),
- * x given quantized by quantize_act (per block). wd/wm: fp16 [N, Kp/32] for the
- * block formats; wd: float32 [N] for FMT_C8 (wm unused). Rows go in tiles of four (one thread
- * each), the tokens in tiles of four inside. */
+/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, one tile): a chunk's int8
+ * activations (TCHUNK x Kp bytes, 196 KB at K = 1536) stay in L2 while the threads walk the
+ * tiles; a whole 2048-token prefill's (3 MB) would stream from L3 once per tile. */
+#define TCHUNK 128
+
+static inline void gemm_task(int fmt, int64_t M, int64_t N, int64_t task, int64_t tiles, int64_t Kp,
+                             const uint8_t *w, const void *wd_, const void *wm_, const float *bias,
+                             const int8_t *xq, const float *xd, const float *xs, void *out, int64_t ldo,
+                             int out_bf16) {
+    const int64_t nb = Kp / QBLOCK, t0 = task / tiles * TCHUNK, tile = task % tiles;
+    const int64_t mt = M - t0 < TCHUNK ? M - t0 : TCHUNK;
+    gemm_tile(fmt, mt, N, tile, Kp, w, wd_, wm_, bias, xq + t0 * Kp, xd + t0 * nb, xs + t0 * nb,
+              (char *)out + t0 * ldo * (out_bf16 ? 2 : 4), ldo, out_bf16);
+}
+
+/* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL)
+ * for n < N, x given quantized by quantize_act (per block). w, wd, wm in the tiled layout above
+ * (wm unused for FMT_C8). The threads split the tiles of 16 rows. */
 void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, const void *wd_,
                 const void *wm_, const float *bias, const int8_t *xq, const float *xd,
                 const float *xs, void *out, int64_t ldo, int out_bf16) {
-    const int64_t nb = Kp / QBLOCK;
-    const int64_t row_bytes = fmt == FMT_B4 ? Kp / 2 : Kp;
-    const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
-#pragma omp parallel
-    {
-        float wd[nb > 0 ? nb : 1], wm[nb > 0 ? nb : 1], result[TOK_TILE];
-#if QG_VNNI
-        float tile_d[ROW_TILE * (nb > 0 ? nb : 1)], tile_m[ROW_TILE * (nb > 0 ? nb : 1)];
-        float tile_result[ROW_TILE][TOK_TILE];
-#endif
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t n0 = tile * ROW_TILE;
-#if QG_VNNI
-            if (n0 + ROW_TILE <= N) {
-                const uint8_t *wtile = w + n0 * row_bytes;
-                if (fmt != FMT_C8) {
-                    /* the tile's rows are adjacent: one conversion of 4 * nb scales */
-                    halfs_to_floats((const uint16_t *)wd_ + n0 * nb, tile_d, ROW_TILE * nb);
-                    halfs_to_floats((const uint16_t *)wm_ + n0 * nb, tile_m, ROW_TILE * nb);
-                }
-                for (int64_t t0 = 0; t0 < M; t0 += TOK_TILE) {
-                    const int nt = M - t0 < TOK_TILE ? (int)(M - t0) : TOK_TILE;
-                    if (fmt == FMT_C8)
-                        tile_channel_format(t0, nt, Kp, wtile, (const float *)wd_ + n0, xq, xd, xs, tile_result);
-                    else
-                        tile_block_format(fmt, t0, nt, Kp, wtile, row_bytes, tile_d, tile_m, xq, xd, xs,
-                                          tile_result);
-                    for (int r = 0; r < ROW_TILE; r++) {
-                        const float b = bias ? bias[n0 + r] : 0.f;
-                        for (int t = 0; t < nt; t++)
-                            store_out(out, out_bf16, (t0 + t) * ldo + n0 + r, tile_result[r][t] + b);
-                    }
-                }
-                continue;
-            }
-#endif
-            for (int64_t n = n0; n < N && n < n0 + ROW_TILE; n++) {
-                const uint8_t *wrow = w + n * row_bytes;
-                const float b = bias ? bias[n] : 0.f;
-                if (fmt != FMT_C8) {
-                    halfs_to_floats((const uint16_t *)wd_ + n * nb, wd, nb);
-                    halfs_to_floats((const uint16_t *)wm_ + n * nb, wm, nb);
-                }
-                for (int64_t t0 = 0; t0 < M; t0 += TOK_TILE) {
-                    const int nt = M - t0 < TOK_TILE ? (int)(M - t0) : TOK_TILE;
-                    if (fmt == FMT_C8)
-                        row_channel_format(t0, nt, Kp, wrow, ((const float *)wd_)[n], xq, xd, xs, result);
-                    else
-                        row_block_format(fmt, n, t0, nt, Kp, wrow, wd, wm, xq, xd, xs, result);
-                    for (int t = 0; t < nt; t++) store_out(out, out_bf16, (t0 + t) * ldo + n, result[t] + b);
-                }
-            }
-        }
+    const int64_t tiles = (N + NR - 1) / NR;
+    /* A decode step's tiles are small and even: static halves. From 16 tokens a task (a tile x
+     * up to TCHUNK tokens) is tens of microseconds, so they are handed out one by one: a thread
+     * the OS descheduled on a busy machine then holds back one task, not half the matrix. */
+    if (M >= 16) {
+        const int64_t tasks = (M + TCHUNK - 1) / TCHUNK * tiles;
+#pragma omp parallel for schedule(dynamic, 1) if (tiles > 1)
+        for (int64_t task = 0; task < tasks; task++)
+            gemm_task(fmt, M, N, task, tiles, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+    } else {
+#pragma omp parallel for schedule(static) if (tiles > 1)
+        for (int64_t tile = 0; tile < tiles; tile++)
+            gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
     }
 }
 
-/* The weights as a dense matrix out[N, K] (bf16 or float32): rows [n0, n1) only. */
+/* quantize_act (per block) and quant_gemm in one call and one parallel region: x [M, K] (bf16 or
+ * float32, row stride ldx) quantized into the caller's xq [M, Kp], xd, xs [M, Kp / 32], then
+ * multiplied. A decode batch (< 16 tokens) quantizes on the calling thread (microseconds) and
+ * splits the tiles statically; larger batches share one team for both phases, so a busy
+ * machine's descheduled thread costs one barrier per linear, not two. */
+void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, const uint8_t *w,
+                      const void *wd_, const void *wm_, const float *bias, const void *x, int64_t ldx,
+                      int x_bf16, int8_t *xq, float *xd, float *xs, void *out, int64_t ldo, int out_bf16) {
+    if (M < 16) {
+        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
+        quant_gemm(fmt, M, N, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+        return;
+    }
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
+        const int64_t tasks = (M + TCHUNK - 1) / TCHUNK * tiles;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++)
+            gemm_task(fmt, M, N, task, tiles, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+    }
+}
+
+#if QG_VNNI
+/* rows[0..15] (16 dwords each) -> rows[j] = dword j of every input row (a 16x16 transpose). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* b[4k + j], 128-bit lane L: column 4L + j of rows 4k..4k+3 */
+        const __m512i s0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i s2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
+}
+
+/* One tile's rows lanes [l0, l1) as dense values out[(n - n0) * K + k] (the dense path). */
+static void dequantize_tile(int fmt, int64_t tile, int l0, int l1, int64_t n0, int64_t K, int64_t Kp,
+                            const uint8_t *w, const void *wd_, const void *wm_, void *out, int out_bf16) {
+    const int64_t nb = Kp / QBLOCK;
+    const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
+    float row[64];
+    for (int64_t p = 0; p < Kp / 64 && p * 64 < K; p++) {
+        __m512i r[16]; /* blocks 2p, 2p + 1: chunk vectors -> after the transpose, row vectors */
+        for (int c = 0; c < 8; c++) {
+            r[c] = fmt == FMT_B4 ? tile_vec(tw, 1, 2 * p, c) : tile_vec(tw, 0, 2 * p, c);
+            r[8 + c] = fmt == FMT_B4 ? tile_vec(tw, 1, 2 * p + 1, c) : tile_vec(tw, 0, 2 * p + 1, c);
+        }
+        transpose16(r);
+        const int64_t k1 = (p + 1) * 64 < K ? (p + 1) * 64 : K;
+        for (int lane = l0; lane < l1; lane++) {
+            for (int h = 0; h < 2; h++) {
+                float d, m;
+                block_scale(fmt, wd_, wm_, tile, lane, nb, 2 * p + h, &d, &m);
+                /* 32 bytes h of the row: d * q + m in one rounding (fma), exact for c8's d * (q - 128) */
+                const __m256i q = _mm512_extracti64x4_epi64(r[lane], 0);
+                const __m256i qh = _mm512_extracti64x4_epi64(r[lane], 1);
+                const __m256i half = h ? qh : q;
+                for (int j = 0; j < 2; j++) {
+                    const __m512i u = _mm512_cvtepu8_epi32(j ? _mm256_extracti128_si256(half, 1)
+                                                             : _mm256_castsi256_si128(half));
+                    _mm512_storeu_ps(row + h * 32 + j * 16,
+                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(d), _mm512_set1_ps(m)));
+                }
+            }
+            const int64_t o = (tile * NR + lane - n0) * K;
+            for (int64_t k = p * 64; k < k1; k++) store_out(out, out_bf16, o + k, row[k - p * 64]);
+        }
+    }
+}
+#endif
+
+#if !QG_VNNI
+/* Rows [r0, r1) to out[(n - n0) * K + k]. */
+static void quant_dequantize_rows_portable(int fmt, int64_t r0, int64_t r1, int64_t n0, int64_t K, int64_t Kp,
+                                           const uint8_t *w, const void *wd_, const void *wm_, void *out,
+                                           int out_bf16) {
+    const int64_t nb = Kp / QBLOCK;
+    for (int64_t n = r0; n < r1; n++) {
+        const int64_t tile = n / NR;
+        const int lane = (int)(n % NR);
+        const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
+        for (int64_t b = 0; b < nb && b * QBLOCK < K; b++) {
+            float d, m;
+            block_scale(fmt, wd_, wm_, tile, lane, nb, b, &d, &m);
+            const int64_t k1 = (b + 1) * QBLOCK < K ? (b + 1) * QBLOCK : K;
+            for (int64_t k = b * QBLOCK; k < k1; k++) /* c8 exact: d * (q - 128) */
+                store_out(out, out_bf16, (n - n0) * K + k,
+                          fmt == FMT_C8 ? d * (float)(weight_q(tw, fmt, lane, k) - 128)
+                                        : d * (float)weight_q(tw, fmt, lane, k) + m);
+        }
+    }
+}
+#endif
+
+/* The weights as a dense matrix out[n1 - n0, K] (bf16 or float32): rows [n0, n1) only. */
 void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, void *out, int out_bf16) {
     const int64_t nb = Kp / QBLOCK;
-    const int64_t row_bytes = fmt == FMT_B4 ? Kp / 2 : Kp;
-#pragma omp parallel
-    {
-        float d[nb > 0 ? nb : 1], m[nb > 0 ? nb : 1], row[Kp > 0 ? Kp : 1];
-#pragma omp for schedule(static)
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *wrow = w + n * row_bytes;
-            if (fmt == FMT_C8) {
-                const float s = ((const float *)wd_)[n];
-                for (int64_t b = 0; b < nb; b++) { d[b] = s; m[b] = -128.f * s; }
-            } else {
-                halfs_to_floats((const uint16_t *)wd_ + n * nb, d, nb);
-                halfs_to_floats((const uint16_t *)wm_ + n * nb, m, nb);
-            }
-            if (fmt == FMT_C8) { /* exact: d * (q - 128) */
-                for (int64_t k = 0; k < K; k++) store_out(out, out_bf16, (n - n0) * K + k, d[0] * (float)((int32_t)wrow[k] - 128));
-                continue;
-            }
+    (void)nb;
 #if QG_VNNI
-            for (int64_t p = 0; p < Kp / 64; p++) {
-                const __m512i q = load_pair(wrow, fmt, p);
-                for (int j = 0; j < 4; j++) {
-                    const __m128i bytes = _mm512_extracti32x4_epi32(q, 0);
-                    const __m128i part = j == 0 ? bytes : j == 1 ? _mm512_extracti32x4_epi32(q, 1)
-                                       : j == 2 ? _mm512_extracti32x4_epi32(q, 2)
-                                                : _mm512_extracti32x4_epi32(q, 3);
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part));
-                    const int64_t b = 2 * p + j / 2;
-                    _mm512_storeu_ps(row + p * 64 + j * 16,
-                                     _mm512_fmadd_ps(v, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b])));
-                }
-            }
+    const int64_t t0 = n0 / NR, t1 = (n1 + NR - 1) / NR;
+#pragma omp parallel for schedule(static) if (t1 - t0 > 1)
+    for (int64_t tile = t0; tile < t1; tile++) {
+        const int l0 = tile == t0 ? (int)(n0 - tile * NR) : 0;
+        const int l1 = (tile + 1) * NR > n1 ? (int)(n1 - tile * NR) : NR;
+        dequantize_tile(fmt, tile, l0, l1, n0, K, Kp, w, wd_, wm_, out, out_bf16);
+    }
 #else
-            for (int64_t k = 0; k < Kp; k++) row[k] = d[k / QBLOCK] * (float)weight_q(wrow, fmt, k) + m[k / QBLOCK];
+#pragma omp parallel for schedule(static) if (n1 - n0 > NR)
+    for (int64_t n = n0; n < n1; n++) quant_dequantize_rows_portable(fmt, n, n + 1, n0, K, Kp, w, wd_, wm_, out, out_bf16);
 #endif
-            for (int64_t k = 0; k < K; k++) store_out(out, out_bf16, (n - n0) * K + k, row[k]);
-        }
+}
+
+/* Rows ids[0..n) of the weights as dense rows out[i, K] (bf16 or float32): an embedding lookup
+ * (the same values as quant_dequantize's, whatever the batch). */
+void quant_rows(int fmt, const int64_t *ids, int64_t n, int64_t K, int64_t Kp, const uint8_t *w,
+                const void *wd_, const void *wm_, void *out, int out_bf16) {
+#pragma omp parallel for schedule(static) if (n > 64)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = ids[i]; /* n0 = row - i: row `row` lands at out row i */
+#if QG_VNNI
+        const int lane = (int)(row % NR);
+        dequantize_tile(fmt, row / NR, lane, lane + 1, row - i, K, Kp, w, wd_, wm_, out, out_bf16);
+#else
+        quant_dequantize_rows_portable(fmt, row, row + 1, row - i, K, Kp, w, wd_, wm_, out, out_bf16);
+#endif
     }
 }

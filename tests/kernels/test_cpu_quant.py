@@ -9,16 +9,25 @@ activation quantization error, a known bound). Both the AVX512-VNNI build and th
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from kernels import cpu_quant
+from kernels.cpu_build import kernels_disabled
 
-pytestmark = pytest.mark.skipif(cpu_quant.load() is None,
-                                reason="no C compiler (or LMC_CPU_KERNELS=0): no quantized kernels")
+_NO_COMPILER = kernels_disabled() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+pytestmark = pytest.mark.skipif(_NO_COMPILER, reason="no C compiler (or LMC_CPU_KERNELS=0): no quantized kernels")
 
-N, K = 70, 80  # 70 rows: 17 full tiles of four and a partial one
+
+def test_kernels_build_where_a_compiler_exists():
+    """A build error fails here instead of skipping every test below."""
+    assert cpu_quant.load() is not None and cpu_quant.load(scalar=True) is not None
+
+N, K = 70, 80  # 70 rows: 4 full tiles of 16 and a partial one; K: 2.5 blocks, padded to 128
 
 
 def _block_weight(fmt: str, seed: int = 0) -> tuple[cpu_quant.QuantWeight, np.ndarray]:
@@ -36,7 +45,8 @@ def _weights(fmt: str) -> tuple[cpu_quant.QuantWeight, np.ndarray]:
     if fmt == "c8":
         w = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
         qw = cpu_quant.quantize_int8_per_channel(w)
-        dense = ((qw.qweight[:, :K].double() - 128) * qw.scales.double()[:, None]).numpy()
+        q = torch.round(w / qw.scales[:N, None]).double() + 128  # the stored unsigned values
+        dense = ((q - 128) * qw.scales[:N].double()[:, None]).numpy()
         return qw, dense
     return _block_weight(fmt)
 
@@ -52,7 +62,7 @@ def _dequantized_activations(x: torch.Tensor, padded_in: int, per_token: bool, s
 @pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 6, 19, 131])  # 19: register tiles of 8, 8, 3; 131: chunks of 128 + 3
 def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
     qw, dense = _weights(fmt)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -71,12 +81,18 @@ def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
     assert np.abs(x.double().numpy() - xdq).max() <= np.abs(x.double().numpy()).max() / 127 / 2 * 1.001
 
 
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_token", [False, True])
-def test_activation_quantization(per_token):
-    x = torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 3
+def test_activation_quantization(per_token, dtype, scalar):
+    x = (torch.randn(3, K, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
     x[1] = 0  # an all-zero row quantizes to zeros with scale 0
     kp = cpu_quant.padded(K)
-    xq, xd, xs = cpu_quant.quantize_activations(x, kp, per_token)
+    xq, xd, xs = (t.clone() for t in cpu_quant.quantize_activations(x, kp, per_token, scalar))
+    if not scalar:  # the vectorized path rounds as the portable one does: the same values
+        ref = cpu_quant.quantize_activations(x, kp, per_token, True)  # (the same scratch buffers)
+        assert all(torch.equal(a, b) for a, b in zip((xq, xd, xs), ref))
+    x = x.float()
     assert xq.shape == (3, kp) and torch.all(xq[:, K:] == 0)
     assert torch.all(xq.abs() <= 127)
     if per_token:
@@ -101,6 +117,12 @@ def test_dequantize_and_embedding_rows(fmt, scalar):
     rows = cpu_quant.embedding_rows(qw, ids, torch.float32)
     assert rows.shape == (2, 2, K)
     assert np.abs(rows.double().numpy() - dense[ids.numpy()]).max() <= 1e-6 * np.abs(dense).max()
+    # the lookup gives dequantize's values exactly, whatever the batch
+    native_bf16 = cpu_quant.dequantize(qw, torch.bfloat16)
+    assert torch.equal(cpu_quant.embedding_rows(qw, ids, torch.bfloat16), native_bf16[ids])
+    assert torch.equal(cpu_quant.embedding_rows(qw, ids[0, :1], torch.bfloat16), native_bf16[ids[0, :1]])
+    with pytest.raises(IndexError, match=r"\[0, 70\)"):
+        cpu_quant.embedding_rows(qw, torch.tensor([70]), torch.float32)
 
 
 def test_int8_per_channel_quantization():
@@ -108,12 +130,13 @@ def test_int8_per_channel_quantization():
     w[2] = 0
     qw = cpu_quant.quantize_int8_per_channel(w)
     back = cpu_quant.dequantize(qw)
-    assert torch.all((back - w).abs() <= qw.scales[:, None] / 2 + 1e-7)
+    assert torch.all((back - w).abs() <= qw.scales[:5, None] / 2 + 1e-7)
     assert torch.all(back[2] == 0)
 
 
-def test_quant_linear_dense_path_for_many_rows():
+def test_quant_linear_dense_path_for_many_rows(monkeypatch):
     """Above dense_rows() rows the block formats multiply dequantized weights with torch."""
+    monkeypatch.setattr(cpu_quant, "DENSE_ROWS", 4)
     qw, dense = _block_weight("b4")
     rows = cpu_quant.dense_rows() + 1
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(6))
@@ -128,3 +151,18 @@ def test_bad_input_is_refused():
         cpu_quant.quant_gemm(torch.randn(K, 3).t(), qw)
     with pytest.raises(ValueError, match=r"\[M, 80\]"):
         cpu_quant.quant_gemm(torch.randn(2, K + 1), qw)
+
+
+@pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
+def test_tiled_layout_round_trip(fmt):
+    """The packed tiles give back every row's values, scales and offsets (padding: zero rows)."""
+    qw, dense = _weights(fmt)
+    assert qw.qweight.shape[0] == qw.padded_out // cpu_quant.TILE == 5
+    rows = torch.arange(qw.padded_out)
+    q, d, m = cpu_quant.unpack_rows(qw, rows)
+    w = (q.double() * d.double().repeat_interleave(cpu_quant.BLOCK, 1)
+         + m.double().repeat_interleave(cpu_quant.BLOCK, 1)).numpy()
+    assert np.abs(w[:N, :K] - dense).max() <= 1e-6 * np.abs(dense).max()
+    # padding rows and whole padding blocks are zero (x is zero past K, so a partial block's
+    # offset over its padding does not count)
+    assert np.all(w[N:] == 0) and np.all(w[:, -(-K // 32) * 32:] == 0)

@@ -87,16 +87,21 @@ def test_quantization_argument_is_checked(tmp_path):
 
 
 @needs_kernels
-def test_auto_is_dense_unless_asked_and_then_only_bf16_on_cpu(tmp_path, monkeypatch):
+def test_auto_keeps_gguf_weights_in_bf16_on_cpu_only(tmp_path, monkeypatch):
     from engine.models.embedded import GGUF_SOURCE_FILE
 
     fake_gguf = tmp_path / "m.gguf"
     fake_gguf.write_bytes(b"GGUF")
     (tmp_path / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(fake_gguf)}))
     monkeypatch.delenv("LMC_QUANT_AUTO", raising=False)
-    assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None  # dense: faster
-    assert resolve_quantization("gguf", str(tmp_path), "float32", "cpu") == "gguf"
-    monkeypatch.setenv("LMC_QUANT_AUTO", "1")
-    assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") == "gguf"
+    monkeypatch.delenv("LMC_CPU_KERNELS", raising=False)
+    assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") == "gguf"  # faster
     assert resolve_quantization("auto", str(tmp_path), "float32", "cpu") is None  # exactness tests
+    assert resolve_quantization("gguf", str(tmp_path), "float32", "cpu") == "gguf"
+    monkeypatch.setenv("LMC_CPU_KERNELS", "0")  # no kernels: auto stays dense
+    assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None
+    monkeypatch.delenv("LMC_CPU_KERNELS")
+    monkeypatch.setenv("LMC_QUANT_AUTO", "0")
+    assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None
+    monkeypatch.delenv("LMC_QUANT_AUTO")
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cuda") is None

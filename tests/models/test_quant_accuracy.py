@@ -67,6 +67,15 @@ def test_engine_serves_the_gguf_weights_packed(make_llm):
     runner = llm.engine_core.engine_core.model_executor.worker.model_runner
     head = runner.model.lm_head
     assert head.quant is not None and head.quant.source == "Q8_0" and head.weight.device.type == "meta"
+    # resident weights (packed + what stayed dense) within 1.2x the file's tensor bytes (issue 17)
+    from gguf import GGUFReader
+
+    from engine.models.embedded import gguf_source
+
+    packed = {id(m.quant): m.quant.nbytes() for m in runner.model.modules() if getattr(m, "quant", None)}
+    dense = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.device.type != "meta")
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(gguf_source(llm.config.model_config.model_dir)).tensors)
+    assert sum(packed.values()) + dense <= 1.2 * file_bytes
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
                        use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text

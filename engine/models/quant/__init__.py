@@ -38,7 +38,7 @@ QUANTIZATION_METHODS = ("int8", "gguf")
 # The packed GGUF weights are cached beside the converted model (repacking takes seconds);
 # a new layout gets a new name, so an old cache is never misread.
 # (in a subdirectory: the loader reads every *.safetensors of the model directory itself).
-PACKED_CACHE = "lmc-packed/gguf-v1.safetensors"
+PACKED_CACHE = "lmc-packed/gguf-v2.safetensors"  # v2: the rows in tiles of 16
 
 # Our fused linears and the checkpoint projections stacked in them, in row order.
 _FUSED_PARTS = {
@@ -154,7 +154,8 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
     if cpu_quant.load() is None:
         raise InvalidEngineArgsError(
             f"quantization={method!r} needs the CPU quantized kernels, which could not be built "
-            "(no C compiler, LMC_CPU_KERNELS=0, or a build error: see the log)")
+            "(no C compiler, LMC_CPU_KERNELS=0, or a build error: see the log); "
+            "quantization='none' runs the dense weights")
     if method == "gguf":
         if gguf_path is None:
             raise InvalidEngineArgsError("quantization='gguf' needs a model loaded from a GGUF file")
