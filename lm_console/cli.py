@@ -84,16 +84,24 @@ def generate(
         None, help="gguf (a .gguf model's own quantized weights) | int8 | none (default: auto, dense)."),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
+    from engine.startup_trace import mark
+
+    mark("cli")
     require("lmc generate", "engine")
     from engine import LLM, SamplingParams
     from engine.errors import EngineError
+
+    mark("engine_import")
 
     try:
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         )
-        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization)
+        # One process: the engine core runs here (InprocClient), so torch and the engine import
+        # once, not again in a forked core; the tokenizer loads on a thread meanwhile.
+        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
+                  multiprocess=False)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})
@@ -108,6 +116,7 @@ def generate(
             typer.echo(f"--- completion {completion.index} ({completion.finish_reason})")
         typer.echo(completion.text)
     sys.stdout.flush()
+    mark("done")
 
 
 def _register_commands() -> None:

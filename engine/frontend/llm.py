@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from engine.multimodal.processing import make_mm_processor
 from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.startup_trace import mark
 
 if TYPE_CHECKING:
     from engine.metrics.stats import BlockPoolState, RequestBlocksState, SchedulerStats
@@ -34,11 +36,21 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
-        # The tokenizer code imports while the engine core process starts.
-        self.engine_core: EngineCoreClient
-        self.engine_core, self.config = make_client(
-            self.engine_args, while_starting=preload_tokenizer_modules)
-        self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
+        mark("engine_args")
+        # The tokenizer code imports while the engine core process starts; with the core in
+        # this process, the tokenizer loads on a thread while the weights load (their copies
+        # and the KV cache allocation run in torch, without the GIL).
+        tokenizer_load: list[Future[Any]] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmc-tokenizer") as pool:
+            self.engine_core: EngineCoreClient
+            self.engine_core, self.config = make_client(
+                self.engine_args, while_starting=preload_tokenizer_modules,
+                on_config=lambda config: tokenizer_load.append(
+                    pool.submit(load_tokenizer, config.model_config.tokenizer_dir)))
+            mark("engine_core")
+            self.tokenizer = (tokenizer_load[0].result() if tokenizer_load
+                              else load_tokenizer(self.config.model_config.tokenizer_dir))
+        mark("tokenizer")
         eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
@@ -197,6 +209,8 @@ class LLM:
         try:
             while self.output_processor.has_unfinished_requests():
                 engine_outputs = self.engine_core.get_output()
+                if engine_outputs.outputs:
+                    mark("first_token")  # a cold start's end (once per process)
                 request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
                 self.engine_core.abort_requests(to_abort)
                 for output in request_outputs:
