@@ -3,6 +3,9 @@ core process gave, and LMC_STARTUP_TRACE marks every start-up phase once, in ord
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from engine.startup_trace import ENV_VAR, parse_marks
 from lm_console.cli import app
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Hello there, how are"
 # The phases `lmc generate` marks with the core in its process, in the order they end.
 PHASES = ["cli", "engine_import", "engine_args", "config", "device", "weights", "kv_cache", "engine_core",
@@ -45,6 +49,21 @@ def test_generate_in_process_matches_the_core_process(tiny_llama_dir: Path,
     assert [phase for phase, *_ in marks] == PHASES
     times = [t for _, t, _, _ in marks]
     assert times == sorted(times) and len({pid for *_, pid in marks}) == 1  # one process
+
+
+def test_generate_process_prints_everything_and_exits_0(tiny_llama_dir: Path) -> None:
+    """As a user runs it (a process of its own, stdout a pipe): the output is whole although the
+    process skips the interpreter's teardown after it, and the exit status is 0."""
+    args = ["generate", PROMPT, "--model", str(tiny_llama_dir), "--max-tokens", "6", "--dtype", "bfloat16",
+            "--n", "2", "--temperature", "0"]
+    in_test = runner.invoke(app, args)
+    assert in_test.exit_code == 0, in_test.output
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LMC_STARTUP_TRACE="1")
+    done = subprocess.run([sys.executable, "-m", "lm_console.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == in_test.stdout and done.stdout.count("--- completion") == 2
+    assert [phase for phase, *_ in parse_marks(done.stderr)] == PHASES
 
 
 @pytest.mark.slow
