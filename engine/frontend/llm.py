@@ -8,14 +8,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, EngineConfig
 from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.client_factory import make_client
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor
-from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
+from engine.frontend.tokenizer import (
+    is_plain_fast_tokenizer,
+    load_tokenizer,
+    preload_tokenizer_modules,
+    stop_token_ids_of,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.startup_trace import mark
@@ -38,15 +43,21 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         mark("engine_args")
         # The tokenizer code imports while the engine core process starts; with the core in
-        # this process, the tokenizer loads on a thread while the weights load (their copies
-        # and the KV cache allocation run in torch, without the GIL).
+        # this process, a plain tokenizer.json loads on a thread while the weights load (their
+        # copies and packing run in torch, without the GIL).
         tokenizer_load: list[Future[Any]] = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmc-tokenizer") as pool:
+
+            def load_tokenizer_meanwhile(config: EngineConfig) -> None:
+                tokenizer_dir = config.model_config.tokenizer_dir
+                if is_plain_fast_tokenizer(tokenizer_dir):
+                    # Imported on this thread first: two threads importing at once can deadlock on a cycle.
+                    preload_tokenizer_modules()
+                    tokenizer_load.append(pool.submit(load_tokenizer, tokenizer_dir))
+
             self.engine_core: EngineCoreClient
             self.engine_core, self.config = make_client(
-                self.engine_args, while_starting=preload_tokenizer_modules,
-                on_config=lambda config: tokenizer_load.append(
-                    pool.submit(load_tokenizer, config.model_config.tokenizer_dir)))
+                self.engine_args, while_starting=preload_tokenizer_modules, on_config=load_tokenizer_meanwhile)
             mark("engine_core")
             self.tokenizer = (tokenizer_load[0].result() if tokenizer_load
                               else load_tokenizer(self.config.model_config.tokenizer_dir))
