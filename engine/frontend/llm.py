@@ -49,18 +49,24 @@ class LLM:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmc-tokenizer") as pool:
 
             def load_tokenizer_meanwhile(config: EngineConfig) -> None:
-                tokenizer_dir = config.model_config.tokenizer_dir
-                if is_plain_fast_tokenizer(tokenizer_dir):
-                    # Imported on this thread first: two threads importing at once can deadlock on a cycle.
-                    preload_tokenizer_modules()
-                    tokenizer_load.append(pool.submit(load_tokenizer, tokenizer_dir))
+                if is_plain_fast_tokenizer(config.model_config.tokenizer_dir):
+                    tokenizer_load.append(pool.submit(load_tokenizer, config.model_config.tokenizer_dir))
 
             self.engine_core: EngineCoreClient
             self.engine_core, self.config = make_client(
                 self.engine_args, while_starting=preload_tokenizer_modules, on_config=load_tokenizer_meanwhile)
             mark("engine_core")
-            self.tokenizer = (tokenizer_load[0].result() if tokenizer_load
-                              else load_tokenizer(self.config.model_config.tokenizer_dir))
+            self.tokenizer = None
+            if tokenizer_load:
+                try:
+                    self.tokenizer = tokenizer_load[0].result()
+                except (ImportError, RuntimeError):
+                    # Two threads importing at once can meet on an import cycle (CPython raises
+                    # its _DeadlockError, a RuntimeError, in one of them, or an ImportError of a
+                    # partly initialised module): load again here, alone; a real error repeats.
+                    pass
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
         mark("tokenizer")
         eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
         self.input_processor = InputProcessor(
