@@ -13,8 +13,8 @@ _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
 def is_plain_fast_tokenizer(tokenizer_dir: Path) -> bool:
-    """Whether the directory's tokenizer is a plain tokenizer.json wrapper: it loads with the
-    preloaded module alone (no AutoTokenizer, no model-specific module imported meanwhile)."""
+    """Whether the directory's tokenizer is a plain tokenizer.json wrapper: it loads through
+    PreTrainedTokenizerFast alone (no AutoTokenizer, no model-specific tokenizer module)."""
     tokenizer_dir = Path(tokenizer_dir)
     return (_tokenizer_class(tokenizer_dir) in _GENERIC_TOKENIZER_CLASSES
             and (tokenizer_dir / "tokenizer.json").exists())
