@@ -12,7 +12,7 @@ from typing import Any
 _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
-def is_plain_fast_tokenizer(tokenizer_dir: Path) -> bool:
+def is_plain_fast_tokenizer(tokenizer_dir: str | Path) -> bool:
     """Whether the directory's tokenizer is a plain tokenizer.json wrapper: it loads through
     PreTrainedTokenizerFast alone (no AutoTokenizer, no model-specific tokenizer module)."""
     tokenizer_dir = Path(tokenizer_dir)
@@ -20,7 +20,7 @@ def is_plain_fast_tokenizer(tokenizer_dir: Path) -> bool:
             and (tokenizer_dir / "tokenizer.json").exists())
 
 
-def load_tokenizer(tokenizer_dir: Path) -> Any:
+def load_tokenizer(tokenizer_dir: str | Path) -> Any:
     """The fast tokenizer of a model directory."""
     tokenizer_dir = Path(tokenizer_dir)
     if is_plain_fast_tokenizer(tokenizer_dir):
