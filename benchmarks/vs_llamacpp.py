@@ -12,7 +12,8 @@ Figures, each system on the same file and the same token ids:
 - single stream: one request, 32 prompt tokens, decode tokens per second (first token excluded).
 - per-step breakdown of lm-console's batch-1 decode step (engine core in this process):
   scheduler, input preparation, model forward (+ logits), sampling, output processing.
-- cold start: `lmc generate "..." --max-tokens 16` wall time to the first token (warm caches).
+- cold start: `lmc generate "..." --max-tokens 16` wall time to the first token (warm caches),
+  dense and --quantization gguf, with each start-up phase's wall and CPU time.
 
 The development machine is shared: quote the ratios of one run, not the absolute figures.
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -239,17 +241,78 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def cold_start() -> dict[str, float]:
-    """Wall seconds of `lmc generate "..." --max-tokens 16` (whole process; first run warms caches)."""
-    cmd = [sys.executable, "-m", "lm_console.cli", "generate", "The capital of France is",
-           "--max-tokens", "16"]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
-        times.append(time.perf_counter() - start)
-    return {"first_run_s": times[0], "warm_run_s": times[1]}
+# Start-up phases in the order they end (engine/startup_trace.py marks them under LMC_STARTUP_TRACE=1).
+COLD_PHASES = ("cli", "engine_import", "engine_args", "config", "device", "weights", "kv_cache",
+               "engine_core", "tokenizer", "first_token", "done")
+
+
+def _cold_run(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """One `lmc generate` process: wall and CPU seconds, and each phase's (wall, CPU) from the marks."""
+    from engine.startup_trace import parse_marks
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    launch = time.time()
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    phases: dict[str, dict[str, float]] = {}
+    last_t, last_cpu, last_pid = launch, 0.0, None
+    for phase, t, cpu, pid in parse_marks(done.stderr):
+        # A phase ends at its mark; its CPU is this process's since the previous mark (the
+        # first phase, interpreter start and the CLI's imports, counts from 0).
+        phases[phase] = {"wall_s": round(t - last_t, 3),
+                         "cpu_s": round(cpu - (last_cpu if pid == last_pid else 0.0), 3)}
+        last_t, last_cpu, last_pid = t, cpu, pid
+    first = next((t for phase, t, _, _ in parse_marks(done.stderr) if phase == "first_token"), None)
+    return {"wall_s": round(wall, 3), "first_token_s": None if first is None else round(first - launch, 3),
+            "cpu_s": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 3),
+            "phases": phases, "text": done.stdout.strip()}
+
+
+def cold_start(quantizations: tuple[str, ...] = ("", "gguf"), runs: int = 3) -> dict[str, Any]:
+    """`lmc generate "..." --max-tokens 16` as a user runs it, one process each time.
+
+    For each quantization ("" = the default): a first run (warms the page cache and any
+    conversion cache), then `runs` more; first_run_s / warm_run_s are whole-process wall times
+    (warm: the best), first_token_s the launch to the first sampled token, cpu_s the process's
+    CPU, phases the per-phase wall and CPU of the best warm run (LMC_STARTUP_TRACE marks).
+    The load average is reported beside them: the machine may be shared.
+    """
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), LMC_STARTUP_TRACE="1")
+    report: dict[str, Any] = {"loadavg_before": os.getloadavg()}
+    for quantization in quantizations:
+        cmd = [sys.executable, "-m", "lm_console.cli", "generate", "The capital of France is", "--max-tokens", "16"]
+        if quantization:
+            cmd += ["--quantization", quantization]
+        first = _cold_run(cmd, env)
+        warm = [_cold_run(cmd, env) for _ in range(runs)]
+        best = min(warm, key=lambda r: r["first_token_s"] if r["first_token_s"] is not None else r["wall_s"])
+        report[quantization or "default"] = {
+            "first_run_s": first["wall_s"], "warm_run_s": min(r["wall_s"] for r in warm),
+            "first_token_s": best["first_token_s"], "cpu_s": best["cpu_s"],
+            "first_token_s_runs": [r["first_token_s"] for r in warm], "phases": best["phases"],
+            "text": best["text"],
+        }
+    report["loadavg_after"] = os.getloadavg()
+    # The keys earlier reports had: the default run's figures.
+    default = report[quantizations[0] or "default"]
+    report["first_run_s"], report["warm_run_s"] = default["first_run_s"], default["warm_run_s"]
+    return report
+
+
+def _print_cold_phases(cold: dict[str, Any]) -> None:
+    """One line per start-up phase: wall and CPU seconds of each variant's best warm run."""
+    variants = [k for k, v in cold.items() if isinstance(v, dict) and "phases" in v]
+    print("cold start phase".ljust(16) + "".join(f"{v + ' wall/cpu s':>24}" for v in variants))
+    for phase in COLD_PHASES:
+        cells = []
+        for variant in variants:
+            times = cold[variant]["phases"].get(phase)
+            cells.append("-" if times is None else f"{times['wall_s']:.2f} / {times['cpu_s']:.2f}")
+        print(phase.ljust(16) + "".join(f"{cell:>24}" for cell in cells))
+    print("to first token".ljust(16) + "".join(f"{str(cold[v]['first_token_s']):>24}" for v in variants),
+          f"(loadavg {cold['loadavg_before'][0]:.1f} -> {cold['loadavg_after'][0]:.1f})", flush=True)
 
 
 def main() -> None:
@@ -284,6 +347,7 @@ def main() -> None:
     if "cold" not in skip:
         report["cold_start"] = cold_start()
         print("cold start", json.dumps(report["cold_start"]), flush=True)
+        _print_cold_phases(report["cold_start"])
     ref = report.get("llamacpp")
     if ref:
         for variant, r in report["lmc"].items():

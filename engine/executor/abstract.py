@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidEngineArgsError
+from engine.startup_trace import mark
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -89,6 +90,7 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate num_blocks KV cache blocks on every worker."""
         self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
+        mark("kv_cache")
 
     # -- the step ------------------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.executor.abstract import Executor
 from engine.executor.deferred import WorkerThread
+from engine.startup_trace import mark
 from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ class UniProcExecutor(Executor):
         self.worker_thread: WorkerThread | None = (
             WorkerThread() if self.config.scheduler_config.async_scheduling else None)
         self.collective_rpc("init_device")
+        mark("device")
         self.collective_rpc("load_model")
+        mark("weights")
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -9,6 +9,7 @@ from engine.config import EngineArgs
 from engine.frontend.core_client import EngineCoreClient, InprocClient
 from engine.frontend.dp_client import AsyncDPClient, SyncDPClient
 from engine.frontend.mp_client import AsyncMPClient, SyncMPClient
+from engine.startup_trace import mark
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -19,12 +20,15 @@ def _data_parallel(engine_args: EngineArgs) -> bool:
     return engine_args.data_parallel_size > 1 or engine_args.data_parallel_backend == "ray"
 
 
-def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
+def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None,
+                on_config: Callable[[EngineConfig], None] | None = None,
                 ) -> tuple[EngineCoreClient, EngineConfig]:
     """The client LLM uses and the frontend config: SyncDPClient for data_parallel_size > 1 or Ray cores,
     SyncMPClient by default, InprocClient with multiprocess=False.
 
     while_starting runs while separate core processes start (not for the in-process core).
+    on_config (in-process core only) gets the resolved config before the weights load, so the
+    caller can start work that needs only the config (the tokenizer, on a thread) meanwhile.
     """
     if _data_parallel(engine_args):
         client: EngineCoreClient = SyncDPClient(engine_args, while_starting=while_starting)
@@ -32,7 +36,11 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
     if engine_args.multiprocess:
         mp_client = SyncMPClient(engine_args, while_starting=while_starting)
         return mp_client, engine_args.create_frontend_config(mp_client.ready_info)
-    inproc = InprocClient(engine_args.create_engine_config())
+    config = engine_args.create_engine_config()
+    mark("config")
+    if on_config is not None:
+        on_config(config)
+    inproc = InprocClient(config)
     return inproc, inproc.engine_core.config  # the core's config, with num_blocks decided
 
 

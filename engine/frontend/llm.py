@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, EngineConfig
 from engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.client_factory import make_client
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.output_processor import OutputProcessor
 from engine.multimodal.processing import make_mm_processor
-from engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
+from engine.frontend.tokenizer import (
+    is_plain_fast_tokenizer,
+    load_tokenizer,
+    preload_tokenizer_modules,
+    stop_token_ids_of,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.startup_trace import mark
 
 if TYPE_CHECKING:
     from engine.metrics.stats import BlockPoolState, RequestBlocksState, SchedulerStats
@@ -34,11 +41,33 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
-        # The tokenizer code imports while the engine core process starts.
-        self.engine_core: EngineCoreClient
-        self.engine_core, self.config = make_client(
-            self.engine_args, while_starting=preload_tokenizer_modules)
-        self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
+        mark("engine_args")
+        # The tokenizer code imports while the engine core process starts; with the core in
+        # this process, a plain tokenizer.json loads on a thread while the weights load (their
+        # copies and packing run in torch, without the GIL).
+        tokenizer_load: list[Future[Any]] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmc-tokenizer") as pool:
+
+            def load_tokenizer_meanwhile(config: EngineConfig) -> None:
+                if is_plain_fast_tokenizer(config.model_config.tokenizer_dir):
+                    tokenizer_load.append(pool.submit(load_tokenizer, config.model_config.tokenizer_dir))
+
+            self.engine_core: EngineCoreClient
+            self.engine_core, self.config = make_client(
+                self.engine_args, while_starting=preload_tokenizer_modules, on_config=load_tokenizer_meanwhile)
+            mark("engine_core")
+            self.tokenizer = None
+            if tokenizer_load:
+                try:
+                    self.tokenizer = tokenizer_load[0].result()
+                except (ImportError, RuntimeError):
+                    # Two threads importing at once can meet on an import cycle (CPython raises
+                    # its _DeadlockError, a RuntimeError, in one of them, or an ImportError of a
+                    # partly initialised module): load again here, alone; a real error repeats.
+                    pass
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.config.model_config.tokenizer_dir)
+        mark("tokenizer")
         eos_token_id, extra_stop_ids = stop_token_ids_of(Path(self.config.model_config.model_dir), self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
@@ -197,6 +226,8 @@ class LLM:
         try:
             while self.output_processor.has_unfinished_requests():
                 engine_outputs = self.engine_core.get_output()
+                if engine_outputs.outputs:
+                    mark("first_token")  # a cold start's end (once per process)
                 request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
                 self.engine_core.abort_requests(to_abort)
                 for output in request_outputs:

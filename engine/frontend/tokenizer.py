@@ -12,10 +12,18 @@ from typing import Any
 _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
-def load_tokenizer(tokenizer_dir: Path) -> Any:
+def is_plain_fast_tokenizer(tokenizer_dir: str | Path) -> bool:
+    """Whether the directory's tokenizer is a plain tokenizer.json wrapper: it loads through
+    PreTrainedTokenizerFast alone (no AutoTokenizer, no model-specific tokenizer module)."""
+    tokenizer_dir = Path(tokenizer_dir)
+    return (_tokenizer_class(tokenizer_dir) in _GENERIC_TOKENIZER_CLASSES
+            and (tokenizer_dir / "tokenizer.json").exists())
+
+
+def load_tokenizer(tokenizer_dir: str | Path) -> Any:
     """The fast tokenizer of a model directory."""
     tokenizer_dir = Path(tokenizer_dir)
-    if _tokenizer_class(tokenizer_dir) in _GENERIC_TOKENIZER_CLASSES and (tokenizer_dir / "tokenizer.json").exists():
+    if is_plain_fast_tokenizer(tokenizer_dir):
         from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)

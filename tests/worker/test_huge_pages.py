@@ -1,0 +1,40 @@
+"""zeros_huge_pages: a zero tensor of the asked shape and dtype, whose pages are touched lazily."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+
+from engine.worker.huge_pages import zeros_huge_pages
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_zeros_of_the_shape_and_dtype(dtype: torch.dtype) -> None:
+    shape = (2, 37, 16, 3, 64)
+    cache = zeros_huge_pages(shape, dtype, CPU)
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert cache.device == CPU and not cache.any()
+    cache[1, 5, 3] = 2.5  # writable, and the rest stays zero
+    gc.collect()  # the tensor alone keeps its memory alive
+    assert cache.sum().item() == 2.5 * 3 * 64
+    assert zeros_huge_pages((0, 4), dtype, CPU).shape == (0, 4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings on Linux only")
+def test_large_cache_is_not_touched_up_front() -> None:
+    """A 256 MiB cache raises the resident set by far less than its size until it is written."""
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss_bytes()
+    cache = zeros_huge_pages((256, 1 << 20), torch.uint8, CPU)
+    assert cache.data_ptr() % (1 << 21) == 0  # starts on a huge page
+    assert rss_bytes() - before < 64 << 20
+    cache[:2].fill_(1)
+    assert cache[:2].all() and not cache[2:3].any()
