@@ -48,15 +48,20 @@ def _mode() -> str:
     return os.environ.get("LMC_DECODE_STACK", "1").lower()
 
 
+def _is_llama_forward(forward: Any, owner: str) -> bool:
+    """Whether `forward` is engine.models.llama's `owner.forward` itself (a subclass that overrides
+    it computes something else). By name: llama.py imports this module, not the other way."""
+    return (getattr(forward, "__module__", None) == "engine.models.llama"
+            and getattr(forward, "__qualname__", None) == f"{owner}.forward")
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why `model` (a LlamaModel) cannot use the driver, or None when it can."""
-    from engine.models.llama import LlamaAttention, LlamaDecoderLayer
-
     mode = _mode()
     if mode in ("0", "off", "false"):
         return "LMC_DECODE_STACK is off"
-    if not model.layers or not all(type(layer).forward is LlamaDecoderLayer.forward
-                                   and type(layer.self_attn).forward is LlamaAttention.forward
+    if not model.layers or not all(_is_llama_forward(type(layer).forward, "LlamaDecoderLayer")
+                                   and _is_llama_forward(type(layer.self_attn).forward, "LlamaAttention")
                                    for layer in model.layers):
         return "not a Llama-family decoder stack"
     if model.embed_tokens.weight.dtype != torch.bfloat16 and model.embed_tokens.quant is None:

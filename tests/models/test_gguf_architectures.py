@@ -177,7 +177,7 @@ def cpu_quant():
     return cpu_quant
 
 
-def test_gguf_packed_weights_are_the_files(model, cpu_quant):
+def test_gguf_packed_weights_are_the_files(model, cpu_quant, monkeypatch):
     """quantization="gguf" keeps each quantized tensor's blocks (names and row order per
     architecture): unpacked, they are the dequantized checkpoint; logits match dense (prefill)
     or stay close to it (decode on int8 activations)."""
@@ -193,8 +193,10 @@ def test_gguf_packed_weights_are_the_files(model, cpu_quant):
             weight = cpu_quant.dequantize(module.quant)[:, : module.quant.in_features]
             torch.testing.assert_close(weight, dense_modules[name].weight, rtol=0, atol=1e-5, msg=name)
     assert num_quant >= 4 * packed.config.num_hidden_layers  # qkv, o, gate_up, down per layer
-    # Prefill (> DENSE_ROWS rows): the blocks dequantized into torch's matmul, as dense. Decode
-    # (one row): the int8 kernel on int8 activations, close to dense.
+    # Prefill above DENSE_ROWS rows (set to 16 here, as on a CPU with AMX): the blocks dequantized
+    # into torch's matmul, as dense. Decode (one row; every row elsewhere): the int8 kernel on int8
+    # activations, close to dense.
+    monkeypatch.setattr(cpu_quant, "DENSE_ROWS", 16)
     prompt, follow = _prompt(20), [5, 17, 300]
     ours, ref = PagedHarness(packed), PagedHarness(dense)
     got, want = ours.step([("a", prompt)]), ref.step([("a", prompt)])
