@@ -165,7 +165,11 @@ def test_chat_streams_the_models_own_reply(tiny_llama_dir) -> None:  # noqa: ANN
 def test_tui_over_the_embedded_model() -> None:
     """`lmc tui` with no model: the embedded SmolLM2; a chat reply streams and the dashboard shows its pool."""
     async def scenario() -> tuple[str, object, object]:
-        client = AsyncLLMConsoleClient(None, max_model_len=512, num_gpu_blocks_override=128)
+        # Dense bf16: on this chat question the Q4_1 file with int8 activations (the default)
+        # answers "L'Étoile, la Mars..." exactly as llama.cpp does on the same file; the dense
+        # weights (the file's own precision) say "Paris", which this test uses as its sanity check.
+        client = AsyncLLMConsoleClient(None, max_model_len=512, num_gpu_blocks_override=128,
+                                       quantization="none")
         client.idle_snapshot_s = 0.2
         app = ConsoleApp(client, tick_hz=0)
         async with app.run_test(size=SIZE) as pilot:
