@@ -129,3 +129,39 @@ def prefix_sharing_prompts(vocab_size: int, num_tails: int) -> list[list[int]]:
     prefix = random_prompts(vocab_size, 1, 100, 100, seed=7)[0]
     tails = random_prompts(vocab_size, num_tails, 3, 90, seed=8)
     return [prefix + tail for tail in tails] + random_prompts(vocab_size, 4, 20, 200, seed=9)
+
+
+def sigkill_during_generate(llm, started, pid, num_requests: int = 4, max_tokens: int = 200,
+                            join_s: float = 10.0) -> tuple[BaseException, float]:
+    """Run `llm.generate` of `num_requests` long requests on a thread; once `started()` holds
+    (bounded), SIGKILL `pid` (an int, or a callable giving it then). Returns the error the caller
+    got and the seconds from the kill to it; fails when the caller got none."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from engine import SamplingParams
+
+    errors: list[BaseException] = []
+    caught_at: list[float] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(["long"] * num_requests, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            caught_at.append(time.monotonic())
+            errors.append(error)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not started():
+        assert thread.is_alive() and time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.01)
+    os.kill(pid() if callable(pid) else pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(join_s)
+    assert not thread.is_alive() and errors, "the caller got no error"
+    return errors[0], caught_at[0] - killed

@@ -4,9 +4,6 @@ tokens of TP=1 in one process, and a worker actor's death is an EngineDeadError 
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 
 import pytest
 
@@ -16,7 +13,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.errors import EngineDeadError  # noqa: E402
-from llm_helpers import random_prompts  # noqa: E402
+from llm_helpers import random_prompts, sigkill_during_generate  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
 
@@ -40,25 +37,9 @@ def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, 
         core_pid = llm.engine_core.proc.pid
         assert names == [f"lmc-worker-{core_pid}-dp0-tp0", f"lmc-worker-{core_pid}-dp0-tp1"]
         actor_pid = ray.get(ray.get_actor(names[1]).getpid.remote())
-        errors: list[BaseException] = []
-        caught_at: list[float] = []
-
-        def generate() -> None:
-            try:
-                llm.generate(["long"] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
-            except BaseException as error:  # noqa: BLE001
-                caught_at.append(time.monotonic())
-                errors.append(error)
-
-        thread = threading.Thread(target=generate)
-        thread.start()
-        while llm.get_stats().num_running_reqs == 0:
-            time.sleep(0.01)
-        os.kill(actor_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        thread.join(10)
-        assert not thread.is_alive() and isinstance(errors[0], EngineDeadError)
-        assert "Ray worker actor" in str(errors[0]) and caught_at[0] - killed < 2.0
+        error, waited = sigkill_during_generate(llm, lambda: llm.get_stats().num_running_reqs > 0, actor_pid)
+        assert isinstance(error, EngineDeadError)
+        assert "Ray worker actor" in str(error) and waited < 2.0
         with pytest.raises(EngineDeadError):
             llm.get_stats()
     finally:

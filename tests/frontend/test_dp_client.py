@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
-import time
 
 import pytest
 
@@ -16,7 +14,7 @@ from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.dp_client import SyncDPClient
 from engine.metrics.loggers import StatLoggerBase
 from engine.metrics.stats import SchedulerStats
-from llm_helpers import random_prompts, text_prompts
+from llm_helpers import random_prompts, sigkill_during_generate, text_prompts
 
 TINY_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=96, block_size=16)
 
@@ -73,25 +71,11 @@ def test_prefix_routing_follows_the_cached_prefix(dp_llm) -> None:
 def test_killing_one_core_fails_every_caller_within_2s_and_stops_the_other(tiny_llama_dir) -> None:
     llm = LLM(str(tiny_llama_dir), data_parallel_size=2, **TINY_ARGS)
     pids = llm.engine_core.core_pids
-    errors: list[BaseException] = []
-    caught_at: list[float] = []
-
-    def generate() -> None:
-        try:
-            llm.generate(["long"] * 6, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
-        except BaseException as error:  # noqa: BLE001
-            caught_at.append(time.monotonic())
-            errors.append(error)
-
-    thread = threading.Thread(target=generate)
-    thread.start()
-    while not all(core["in_flight"] for core in llm.engine_core.router.snapshot()):
-        time.sleep(0.01)  # both cores hold requests
-    os.kill(pids[1], signal.SIGKILL)
-    killed = time.monotonic()
-    thread.join(5)
-    assert not thread.is_alive() and isinstance(errors[0], EngineDeadError)
-    assert "core 1" in str(errors[0]) and caught_at[0] - killed < 2.0
+    error, waited = sigkill_during_generate(
+        llm, lambda: all(core["in_flight"] for core in llm.engine_core.router.snapshot()), pids[1],
+        num_requests=6, join_s=5)  # once both cores hold requests
+    assert isinstance(error, EngineDeadError)
+    assert "core 1" in str(error) and waited < 2.0
     with pytest.raises(EngineDeadError):
         llm.get_stats()
     with pytest.raises(EngineDeadError):

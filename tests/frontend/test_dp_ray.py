@@ -5,7 +5,6 @@ core actor's SIGKILL is an EngineDeadError in every caller with no actor or proc
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
@@ -20,7 +19,7 @@ from engine.errors import EngineDeadError, InvalidEngineArgsError  # noqa: E402
 from engine.executor.ray_utils import WorkerNodeInfo  # noqa: E402
 from engine.frontend.dp_client import SyncDPClient  # noqa: E402
 from engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
-from llm_helpers import random_prompts  # noqa: E402
+from llm_helpers import random_prompts, sigkill_during_generate  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, device="cpu")
 
@@ -122,27 +121,10 @@ def test_dp2_over_ray_equals_dp1_and_a_dead_core_actor_fails_every_caller(local_
         assert all(stats.num_steps > 0 for stats in per_core)
         assert [state.all_free for state in client.get_block_pool_state_per_core()] == [True, True]
 
-        errors: list[BaseException] = []
-        caught_at: list[float] = []
-
-        def generate() -> None:
-            try:
-                llm.generate(["long"] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
-            except BaseException as error:  # noqa: BLE001
-                caught_at.append(time.monotonic())
-                errors.append(error)
-
-        thread = threading.Thread(target=generate)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while sum(s.num_running_reqs for s in client.get_stats_per_core()) < 4:
-            assert thread.is_alive() and time.monotonic() < deadline, "the requests never ran together"
-            time.sleep(0.01)
-        os.kill(core_pids[1], signal.SIGKILL)
-        killed = time.monotonic()
-        thread.join(10)
-        assert not thread.is_alive() and isinstance(errors[0], EngineDeadError)
-        assert "Ray actor lmc-core-" in str(errors[0]) and caught_at[0] - killed < 2.0
+        error, waited = sigkill_during_generate(
+            llm, lambda: sum(s.num_running_reqs for s in client.get_stats_per_core()) >= 4, core_pids[1])
+        assert isinstance(error, EngineDeadError)
+        assert "Ray actor lmc-core-" in str(error) and waited < 2.0
         with pytest.raises(EngineDeadError):
             llm.get_stats()
     finally:
