@@ -12,30 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-from mp_throughput import make_workload  # type: ignore[import-not-found]
+from mp_throughput import make_workload, timed_generate  # type: ignore[import-not-found]
 
 
 def run(model: str | None, workload, async_scheduling: bool, args) -> dict:  # noqa: ANN001
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, async_scheduling=async_scheduling,
               max_num_batched_tokens=args.max_num_batched_tokens, multiprocess=not args.in_process)
-    prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()  # the warm-up prompts must not be prefix hits
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    result = timed_generate(llm, workload)
     stats = llm.get_stats()
     llm.shutdown()
-    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert num_output == sum(n for _, n in workload), "wrong token count"
-    return {"async_scheduling": async_scheduling, "elapsed_s": elapsed, "output_tokens": num_output,
-            "output_tok_s": num_output / elapsed, "num_steps": stats.num_steps,
-            "token_ids": [o.outputs[0].token_ids for o in outputs]}
+    return {"async_scheduling": async_scheduling, **result, "num_steps": stats.num_steps}
 
 
 def main() -> None:

@@ -34,10 +34,21 @@ def make_workload(num_requests: int, vocab_size: int, prompt_range: tuple[int, i
 
 
 def run_offline(model: str | None, workload, multiprocess: bool, args) -> dict:
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, multiprocess=multiprocess)
+    result = timed_generate(llm, workload)
+    llm.shutdown()
+    name = "multiprocess (SyncMPClient)" if multiprocess else "in-process (InprocClient)"
+    return {"system": name, **result}
+
+
+def timed_generate(llm, workload) -> dict:  # noqa: ANN001
+    """Warm up, then time `workload` (greedy, exactly n tokens each) on `llm`: elapsed, output
+    tokens and tok/s, and the token ids (for comparing systems)."""
+    from engine import SamplingParams
+
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
@@ -45,12 +56,10 @@ def run_offline(model: str | None, workload, multiprocess: bool, args) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    llm.shutdown()
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_output == sum(n for _, n in workload), "wrong token count"
-    name = "multiprocess (SyncMPClient)" if multiprocess else "in-process (InprocClient)"
-    return {"system": name, "elapsed_s": elapsed, "output_tokens": num_output,
-            "output_tok_s": num_output / elapsed, "token_ids": [o.outputs[0].token_ids for o in outputs]}
+    return {"elapsed_s": elapsed, "output_tokens": num_output, "output_tok_s": num_output / elapsed,
+            "token_ids": [o.outputs[0].token_ids for o in outputs]}
 
 
 async def run_serving(model: str | None, workload, args) -> dict:
