@@ -31,7 +31,6 @@ from torch import Tensor
 
 from engine.attention import torch_backend
 from engine.forward_context import get_forward_context
-from engine.models import layers as layers_module
 from kernels import cpu_decode, cpu_quant
 
 # Rows above which a step takes the usual forward. Quantized: up to cpu_quant.dense_rows(),
@@ -116,7 +115,9 @@ def _linear_fields(linear: Any, keep: list[Tensor]) -> list[int]:
 
 class DecodeStack:
     """The C driver's view of one LlamaModel: its plan (pointers into the model's weights and
-    KV caches, rebuilt when either changes) and persistent scratch buffers."""
+    KV caches, rebuilt when the caches are re-bound or a dense weight is replaced; the model
+    makes a new DecodeStack when its weights are swapped, weights_version()) and persistent
+    scratch buffers."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -124,8 +125,10 @@ class DecodeStack:
         self.max_rows = DENSE_MAX_ROWS if dense else min(MAX_ROWS, cpu_quant.dense_rows())
         self.library = cpu_decode.load()
         self.kernels = cpu_decode.kernel_table()
+        # The attention layers, looked up once: nn.Module attribute access is slow, and the
+        # staleness check runs every step.
+        self._attns = [layer.self_attn.attn for layer in model.layers]
         self._caches: list[Tensor | None] = []
-        self._weights_version = -1
         self._step = (ctypes.c_int64 * len(cpu_decode.STEP))()
         self._keep: list[Tensor] = []
         self._layers: Tensor | None = None
@@ -134,10 +137,10 @@ class DecodeStack:
 
     # -- plan ---------------------------------------------------------------------------------
     def _stale(self) -> bool:
-        if self._weights_version != layers_module.weights_version():
+        if not self._caches:
             return True
-        for layer, cache in zip(self.model.layers, self._caches):
-            if layer.self_attn.attn.kv_cache is not cache:
+        for attn, cache in zip(self._attns, self._caches):
+            if attn.kv_cache is not cache:
                 return True
         # Dense weights are read in place: a Parameter swapped for another would leave the plan
         # pointing at freed memory (an in-place copy, as load_weights does, is fine).
@@ -146,8 +149,7 @@ class DecodeStack:
     def _build(self) -> bool:
         """(Re)build the plan; False if the KV caches do not suit the driver (remembered until
         the caches or the weights change, so an unsuitable model pays one check per step)."""
-        self._caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
-        self._weights_version = layers_module.weights_version()
+        self._caches = [attn.kv_cache for attn in self._attns]
         self._dense = []
         self._usable = self._make_plan()
         return self._usable
@@ -156,7 +158,7 @@ class DecodeStack:
         model = self.model
         first = model.layers[0].self_attn
         attn0 = first.attn
-        caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
+        caches = self._caches
         if any(c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches):
             return False
         if any(layer.self_attn.attn.kv_cache_group_id or layer.self_attn.attn.backend is not torch_backend

@@ -194,11 +194,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], soft-capped if configured."""
-        logits = self.lm_head.gather(self.logits_projection(hidden_states, self.lm_head))  # fp32 from the bf16 head
+        logits = super().compute_logits(hidden_states)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
 
 # Checkpoint prefixes of the language model inside a Gemma3 VLM: transformers 5 saves

@@ -19,14 +19,10 @@ from engine.models.gguf_arch import (  # noqa: F401 - re-exported: the converter
     SUPPORTED_GGUF_ARCHITECTURES, end_of_generation_ids, gguf_architecture, gguf_config_dict,
     hf_tensor_name, is_norm, unpermute_rope_rows,
 )
+from engine.models.gguf_arch import _field
 
 # Tensors the file may carry that are not checkpoint weights (read as metadata instead).
 _METADATA_TENSORS = ("rope_freqs.weight",)
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def gguf_state_dict(reader: Any, config: dict[str, Any]) -> dict[str, Any]:

@@ -35,11 +35,6 @@ class XgrammarGrammar:
         """The grammar is complete and a stop token was accepted: the request is done."""
         return bool(self.matcher.is_terminated())
 
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last num_tokens accepted tokens (speculative decoding's rejected drafts)."""
-        self.matcher.rollback(num_tokens)
-        self.num_processed_tokens -= num_tokens
-
 
 class XgrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it (thread-safe)."""

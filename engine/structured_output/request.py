@@ -7,7 +7,7 @@ Torch-free (the scheduler touches it): the grammar object comes from the backend
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.request import RequestStatus
@@ -31,16 +31,15 @@ class StructuredOutputRequest:
     grammar: XgrammarGrammar | None = None
     # Why the constraint did not compile: (engine.errors class name, message) for the frontend.
     error: tuple[str, str] | None = None
-    _done: bool = field(default=False, repr=False)
 
     def is_grammar_ready(self) -> bool:
         """Whether the compile has finished (successfully: grammar set; or not: compile_error set)."""
-        if self._done:
+        if self.grammar is not None or self.error is not None:
             return True
         future = self.future
         if future is None or not future.done():
             return False
-        self._done, self.future = True, None
+        self.future = None
         error = future.exception()
         if error is None:
             self.grammar = future.result()

@@ -222,11 +222,13 @@ class ModelRunner:
         src_rows: list[int] = []
         dst_indices: list[int] = []
         last_indices = inputs.cu_num_tokens - 1
-        for i, req_id in enumerate(inputs.req_ids):
+        # Plain ints once for the batch: numpy scalar indexing per request costs more than the loop.
+        last_positions = inputs.positions[last_indices].tolist()
+        for req_id, last, position in zip(inputs.req_ids, last_indices.tolist(), last_positions):
             prev = self.prev_sampled.get(req_id)
-            if prev is not None and inputs.positions[last_indices[i]] == prev[1]:
+            if prev is not None and position == prev[1]:
                 src_rows.append(prev[0])
-                dst_indices.append(int(last_indices[i]))
+                dst_indices.append(last)
         if dst_indices:
             assert self.prev_sampled_token_ids is not None
             src = torch.tensor(src_rows, dtype=torch.int64).to(self.device, non_blocking=True)

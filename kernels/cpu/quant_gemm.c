@@ -464,8 +464,6 @@ static void quant_dequantize_rows_portable(int fmt, int64_t r0, int64_t r1, int6
 /* The weights as a dense matrix out[n1 - n0, K] (bf16 or float32): rows [n0, n1) only. */
 void quant_dequantize(int fmt, int64_t n0, int64_t n1, int64_t K, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, void *out, int out_bf16) {
-    const int64_t nb = Kp / QBLOCK;
-    (void)nb;
 #if QG_VNNI
     const int64_t t0 = n0 / NR, t1 = (n1 + NR - 1) / NR;
 #pragma omp parallel for schedule(static) if (t1 - t0 > 1)

@@ -31,6 +31,7 @@ class OutputUpdate(SchedulerBase):
         outputs: dict[int, list[EngineCoreOutput]] = {}
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
         # Insertion-ordered (not a set of objects hashed by address): finished requests free
         # their blocks in step order, so block placement is reproducible from run to run.
         stopped: dict[Request, None] = {}
@@ -62,16 +63,18 @@ class OutputUpdate(SchedulerBase):
                     if was_preempted:
                         stopped_preempted.add(request)
                     break
-            new_prompt_logprobs = _take_prompt_logprobs(request, model_runner_output.prompt_logprobs.get(request_id))
+            new_prompt_logprobs = (_take_prompt_logprobs(request, prompt_logprobs.get(request_id))
+                                   if prompt_logprobs else None)
             if not new_token_ids and new_prompt_logprobs is None:
                 continue
             num_generation_tokens += len(new_token_ids)
             new_logprobs = logprobs.get(request_id) if logprobs else None
             if new_logprobs is not None and len(new_logprobs.sampled_token_ranks) > len(new_token_ids):
-                new_logprobs = _slice_logprobs(new_logprobs, len(new_token_ids))
-            finish_reason = _FINISH_REASON.get(request.status) if request in stopped else None
+                new_logprobs = _slice_logprobs(new_logprobs, 0, len(new_token_ids))
+            is_stopped = request in stopped
+            finish_reason = _FINISH_REASON.get(request.status) if is_stopped else None
             kv_transfer_params = None
-            if request in stopped:
+            if is_stopped:
                 delay_frees[request], kv_transfer_params = self.kv_transfer.request_finished(request)
             outputs.setdefault(request.client_index, []).append(
                 EngineCoreOutput(
@@ -136,12 +139,12 @@ def _take_prompt_logprobs(request: Request, chunk: tuple[int, LogprobsLists] | N
     if skip >= len(lists.sampled_token_ranks):
         return None
     if skip > 0:
-        lists = LogprobsLists(lists.logprob_token_ids[skip:], lists.logprobs[skip:], lists.sampled_token_ranks[skip:])
+        lists = _slice_logprobs(lists, skip)
     request.num_prompt_logprobs_sent += len(lists.sampled_token_ranks)
     return lists
 
 
-def _slice_logprobs(lists, n: int):  # type: ignore[no-untyped-def]
-    from engine.protocol import LogprobsLists
-
-    return LogprobsLists(lists.logprob_token_ids[:n], lists.logprobs[:n], lists.sampled_token_ranks[:n])
+def _slice_logprobs(lists: LogprobsLists, start: int, stop: int | None = None) -> LogprobsLists:
+    """Rows [start, stop) of a LogprobsLists."""
+    return LogprobsLists(lists.logprob_token_ids[start:stop], lists.logprobs[start:stop],
+                         lists.sampled_token_ranks[start:stop])
