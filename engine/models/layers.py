@@ -100,10 +100,11 @@ class LogitsProjection:
         self._mm_out_dtype = True  # try torch.mm(out_dtype=...) first on CUDA
 
     def __call__(self, hidden: Tensor, head: Linear) -> Tensor:
-        """hidden [n, in] -> float32 logits [n, out]."""
+        """hidden [n, in] -> float32 logits [n, out] of this rank's head rows (a ParallelLMHead's
+        caller gathers them: Linear.forward here, not the head's own gathering forward)."""
         weight = head.weight
         if head.quant is not None:  # packed weights: int8 activations round more than a bf16 output does
-            return head(hidden).float()
+            return Linear.forward(head, hidden).float()
         if weight.dtype == torch.float32:
             return F.linear(hidden.float(), weight, head.bias)
         if hidden.is_cuda and self._mm_out_dtype:
@@ -112,11 +113,12 @@ class LogitsProjection:
                 return logits if head.bias is None else logits + head.bias.float()
             except (RuntimeError, TypeError, NotImplementedError):
                 self._mm_out_dtype = False  # this build lacks it: refine the top instead
-        logits = head(hidden).float()
+        logits = Linear.forward(head, hidden).float()
         if logits.numel() == 0:
             return logits
-        margin = 2 * self.REFINE_MARGIN * logits.abs().amax(dim=-1, keepdim=True)
-        rows, cols = torch.nonzero(logits >= logits.amax(dim=-1, keepdim=True) - margin, as_tuple=True)
+        low, high = torch.aminmax(logits, dim=-1, keepdim=True)  # one pass: max and max |logit|
+        margin = 2 * self.REFINE_MARGIN * torch.maximum(high, -low)
+        rows, cols = torch.nonzero(logits >= high - margin, as_tuple=True)
         exact = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
         if head.bias is not None:
             exact = exact + head.bias[cols].float()

@@ -199,6 +199,24 @@ def _fail(worker) -> None:
     raise ValueError(f"rank {worker.rank} refuses")
 
 
+def test_tp2_in_bf16_samples_from_each_ranks_own_head_rows(tiny_llama_dir: Path) -> None:
+    """bf16 logits refine each row's contenders in fp32 from the head's weight rows: under TP each
+    rank must do it on its own vocabulary slice before the one gather (it once gathered first
+    and indexed its slice with full-vocabulary columns: IndexError)."""
+    args = dict(ENGINE_ARGS, dtype="bfloat16")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=tp, **args)
+        try:
+            outputs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert_no_leaked_blocks(llm)
+        finally:
+            llm.shutdown()
+    assert outputs[2] == outputs[1]
+
+
 def test_executor_rpc_replies_and_non_blocking_sample_tokens(tiny_llama_dir: Path) -> None:
     from engine.executor.abstract import Executor
     from engine.executor.multiproc import MultiprocExecutor
