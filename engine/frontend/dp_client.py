@@ -33,7 +33,7 @@ from engine.frontend.engine_process import EngineProcess
 from engine.frontend.mp_client import (
     AsyncMPClient, MPClient, OutputSink, SinkStateMixin, SyncMPClient, _AsyncSink, _SyncSink,
 )
-from engine.metrics.stats import BlockPoolState, PrefixCacheStatsSnapshot, SchedulerStats
+from engine.metrics.stats import PER_STEP_FIELDS, BlockPoolState, PrefixCacheStatsSnapshot, SchedulerStats
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -195,8 +195,7 @@ class DPClient(SinkStateMixin, EngineCoreClient):
         every core's latest; this step's own counters as they are)."""
         self._latest_stats[stats.engine_index] = stats
         merged = merge_stats(list(self._latest_stats.values()))
-        for name in ("num_preempted_reqs", "num_scheduled_tokens", "prefix_cache", "step_time_s",
-                     "num_prompt_tokens", "num_generation_tokens", "timestamp", "kv_tiers", "encoder_cache"):
+        for name in PER_STEP_FIELDS:
             setattr(merged, name, getattr(stats, name))
         return merged
 

@@ -101,6 +101,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     kv_block_residency: KVBlockResidencyStats | None = None  # kv_cache_metrics: this step's observations
 
 
+# The SchedulerStats fields that describe one step (not the engine's state after it): a merged
+# view of several engine cores (data parallelism) takes them from the step it reports.
+PER_STEP_FIELDS = ("num_preempted_reqs", "num_scheduled_tokens", "prefix_cache", "step_time_s",
+                   "num_prompt_tokens", "num_generation_tokens", "timestamp", "kv_tiers", "encoder_cache",
+                   "kv_block_residency")
+
+
 class BlockPoolState(msgspec.Struct, array_like=True, gc=False):
     """A cheap view of the BlockPool for the console and for leak checks (utility call)."""
 

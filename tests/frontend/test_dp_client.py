@@ -208,3 +208,19 @@ def test_merged_answers_count_every_core() -> None:
     assert not merge_results("get_block_pool_state", leaky).all_free
     assert merge_results("reset_prefix_cache", [True, False]) is False
     assert merge_results("get_prefix_cache_hashes", [[b"a"], [b"b", b"c"]]) == [b"a", b"b", b"c"]
+
+
+def test_engine_wide_stats_keep_the_reporting_steps_block_residency() -> None:
+    """The loggers' merged view of several cores carries the reporting step's own observations,
+    the KV block residency samples included (the /metrics histograms read them)."""
+    from types import SimpleNamespace
+
+    from engine.frontend.dp_client import DPClient
+    from engine.metrics.stats import KVBlockResidencyStats
+
+    residency = KVBlockResidencyStats(lifetimes_s=[0.5], idle_before_evict_s=[0.1], reuse_gaps_s=[0.2])
+    client = SimpleNamespace(_latest_stats={0: SchedulerStats(num_running_reqs=2, engine_index=0)})
+    step = SchedulerStats(num_running_reqs=1, num_generation_tokens=3, engine_index=1, kv_block_residency=residency)
+    merged = DPClient.engine_wide_stats(client, step)  # type: ignore[arg-type]
+    assert merged.num_running_reqs == 3 and merged.num_generation_tokens == 3
+    assert merged.kv_block_residency == residency
