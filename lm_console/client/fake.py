@@ -187,6 +187,10 @@ class FakeConsoleClient:
         for index in range(len(self.cores)):
             self._step_core(index)
 
+    def _step_time_s(self, index: int) -> float:
+        """The simulated compute time of core `index`'s last step (its fake executor's)."""
+        return self.cores[index].model_executor.last_step_time_s
+
     def _step_core(self, index: int) -> None:
         if self.dead_error is not None or self._is_shut_down:
             return
@@ -194,10 +198,9 @@ class FakeConsoleClient:
         outputs, _ = core.step()
         if not outputs:
             return
-        # Core 0's timing is self.executor (a subclass over a real engine sets its own clock's).
-        executor = self.executor if index == 0 else core.model_executor
         now = self.clock()
-        done = now + executor.last_step_time_s  # tokens leave when the simulated compute ends
+        step_time_s = self._step_time_s(index)
+        done = now + step_time_s  # tokens leave when the simulated compute ends
         stats: SchedulerStats | None = None
         events: KVEventBatch | None = None
         for client_outputs in outputs.values():
@@ -210,7 +213,7 @@ class FakeConsoleClient:
             # The fake's own time: its clock, the simulated compute, and the block map every step
             # (the core sends it a few times a second of wall time, which a hand-moved clock lacks).
             stats.timestamp = now
-            stats.step_time_s = executor.last_step_time_s
+            stats.step_time_s = step_time_s
             if stats.block_states is None:
                 stats.block_states = core.kv_cache_manager.get_block_states()
                 stats.block_ref_counts = core.kv_cache_manager.get_block_ref_counts()

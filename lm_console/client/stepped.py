@@ -47,11 +47,7 @@ class SteppedEngineClient(FakeConsoleClient):
         )
         self._init_client_state(clock=clock, auto_step=False, step_interval=step_time_s)
         self._token_ids: dict[str, list[int]] = {}
-
-        class _Timing:  # FakeConsoleClient.step reads the simulated step time here
-            last_step_time_s = step_time_s
-
-        self.executor = _Timing()
+        self._texts: dict[str, str] = {}  # each streaming request's text so far
         self.record: Recording | None = None  # set to record a scene (lm_console/client/replay.py)
 
     def start_recording(self) -> Recording:
@@ -93,6 +89,9 @@ class SteppedEngineClient(FakeConsoleClient):
         async for chunk in self._run(request_id, prompt, params, script=None):
             yield chunk
 
+    def _step_time_s(self, index: int) -> float:
+        return self.step_time_s  # the real engine's step takes real time; the scene's clock, this
+
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
@@ -114,16 +113,19 @@ class SteppedEngineClient(FakeConsoleClient):
         if stream is None or stream.finished:
             return
         ids = self._token_ids.setdefault(output.request_id, [])
-        before = self.decode(ids) if ids else ""
+        before = self._texts.get(output.request_id, "")  # decode(ids) before these tokens
         ids.extend(output.new_token_ids)
         stream.num_generated += len(output.new_token_ids)
-        text = self.decode(ids)[len(before):]
+        full = self.decode(ids)
+        self._texts[output.request_id] = full
+        text = full[len(before):]
         if stream.first_token_time is None and output.new_token_ids:
             stream.first_token_time = now
         finish = None if output.finish_reason is None else str(output.finish_reason)
         stream.finished = finish is not None
         if stream.finished:
             self._token_ids.pop(output.request_id, None)
+            self._texts.pop(output.request_id, None)
         chunk = self._chunk(output.request_id, stream, text, len(output.new_token_ids), now, finish,
                             output.num_cached_tokens)
         if self.record is not None and self.record.frames:

@@ -85,16 +85,14 @@ def prefix_chain(request_id: str, block_ids: list[int], core: Any) -> list[str]:
         return [f"[#7f848e]finished: its {len(block_ids)} blocks went back to the pool (hashed ones stay cached "
                 f"until evicted): {' '.join(f'#{b}' for b in block_ids[:24])}{' …' if len(block_ids) > 24 else ''}[/]"]
     holders: dict[int, list[str]] = {}
-    hashes: dict[int, bytes] = {}
-    if core is not None:
-        hashes = core.block_hashes
-        wanted = set(block_ids)
-        for row in core.requests:
-            if row.request_id == request_id:
-                continue
-            for group in row.block_ids:
-                for block in wanted.intersection(group):
-                    holders.setdefault(block, []).append(row.request_id)
+    hashes: dict[int, bytes] = core.block_hashes
+    wanted = set(block_ids)
+    for row in core.requests:
+        if row.request_id == request_id:
+            continue
+        for group in row.block_ids:
+            for block in wanted.intersection(group):
+                holders.setdefault(block, []).append(row.request_id)
     lines = []
     for position, block in enumerate(block_ids[:MAX_CHAIN_LINES]):
         digest = hashes.get(block)
@@ -124,6 +122,7 @@ class RequestInspector(ModalScreen[None]):
         super().__init__()
         self.request_id = request_id
         self.decode = decode
+        self._prompt_text: str | None = None  # the prompt decoded, once
 
     def compose(self) -> ComposeResult:
         with Vertical(id="inspector-box"):
@@ -166,8 +165,9 @@ class RequestInspector(ModalScreen[None]):
         self.query_one("#inspector-bar", Static).update(timeline_bar(timeline, now, width))
         prompt = request.prompt
         if isinstance(prompt, list):
-            text = self.decode(prompt) if self.decode is not None else " ".join(map(str, prompt))
-            prompt_text = f"[#7f848e]({len(prompt)} token ids)[/] {clip(text)}"
+            if self._prompt_text is None:  # the prompt never changes: decode it once, not every tick
+                self._prompt_text = self.decode(prompt) if self.decode is not None else " ".join(map(str, prompt))
+            prompt_text = f"[#7f848e]({len(prompt)} token ids)[/] {clip(self._prompt_text)}"
         else:
             prompt_text = clip(prompt or "")
         output = clip(request.output_text) or "[#7f848e](nothing yet)[/]"

@@ -251,8 +251,3 @@ class BlockMap(ScrollView, can_focus=True):
             codes = np.where(mask.reshape(num_cells, zoom).any(axis=1), CODE_GROUP_MARK + glyph, codes)
         return codes.astype(np.int16)
 
-    @staticmethod
-    def _cell(state: int, ref_count: int) -> tuple[str, Style]:
-        if state == BLOCK_STATE_IN_USE:
-            return IN_USE_CHAR, IN_USE_STYLES[min(max(ref_count, 1), len(IN_USE_STYLES)) - 1]
-        return CELL.get(state, CELL[BLOCK_STATE_FREE])
