@@ -76,8 +76,7 @@ async def dashboard_scene(client: Any, clock: Any, shoot: Callable[[Any, str], A
         chosen = max(running, key=lambda r: (sum(holders[b] > 1 for g in r.block_ids for b in g), r.request_id))
         await pilot.press("t")
         table = app.query_one(RequestTable)
-        order = [str(key.value) for key in table.rows]
-        table.move_cursor(row=order.index(chosen.request_id))
+        table.move_cursor(row=table.get_row_index(chosen.request_id))
         await pilot.press("enter")
         await pilot.pause()
         app.tick()

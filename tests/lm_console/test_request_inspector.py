@@ -56,8 +56,7 @@ def test_table_shows_the_cores_states_and_preemptions_and_enter_inspects() -> No
             # enter on a row opens the inspector for that request, its blocks marked.
             running = next(r for r in core.values() if r.status == "RUNNING" and any(r.block_ids[0]))
             await pilot.press("t")
-            order = [str(k.value) for k in table.rows]
-            table.move_cursor(row=order.index(running.request_id))
+            table.move_cursor(row=table.get_row_index(running.request_id))
             await pilot.press("enter")
             await pilot.pause()
             app.tick()

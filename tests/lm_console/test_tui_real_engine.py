@@ -61,8 +61,7 @@ def test_dashboard_table_inspector_and_block_details_equal_the_engines_state(tin
             # The inspector of a running request: its blocks highlighted, its shared prefix named.
             running = sorted(r.request_id for r in core.requests if r.status == "RUNNING")
             await pilot.press("t")
-            order = [str(row.value) for row in table.rows]
-            table.move_cursor(row=order.index(running[0]))
+            table.move_cursor(row=table.get_row_index(running[0]))
             app.tick()
             await pilot.pause()
             seen["dash_highlight"] = set(app.query_one(BlockMap).highlight)
