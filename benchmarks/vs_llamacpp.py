@@ -8,7 +8,10 @@ Figures, each system on the same file and the same token ids:
   output tokens per second over the whole run. lm-console batches them (engine core in its own
   process); llama.cpp runs them twice, one request at a time through llama-cpp-python's
   high-level API and with its own continuous batching (its low-level API, one sequence per
-  request): its figure is the better of the two.
+  request): its figure is the better of the two. lm-console's KV cache pages are touched at
+  start-up (kv_cache_prefault), as llama.cpp clears its cache when it makes a context. Then
+  --rounds - 1 more rounds alternate a fresh lm-console engine with llama.cpp's batching; the
+  summary gives each round's ratio and their median (the machine's speed drifts by 10-20%).
 - single stream: one request, 32 prompt tokens, decode tokens per second (first token excluded);
   llama.cpp's figure is the better of its high-level generate and its low-level API.
 - HF transformers `generate` on the batched workload, best of fp32 / bf16 x batch 16 / 32.
@@ -27,6 +30,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -41,10 +45,13 @@ def workload(seed: int, vocab: int, n: int = 32) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def lmc_batched(variant: str, requests, threads: int) -> dict[str, Any]:
+def lmc_batched(variant: str, requests, threads: int, single: bool = True) -> dict[str, Any]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(None, quantization=variant, num_threads=threads)
+    # The KV cache's pages are touched at start-up, as llama.cpp's (cleared when its context is
+    # made) and vLLM's (torch.zeros) are: the timed run measures the steady state, not the
+    # kernel zeroing pages on first write (lmc serve does the same by default).
+    llm = LLM(None, quantization=variant, num_threads=threads, kv_cache_prefault=True)
     try:
         prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
@@ -53,10 +60,10 @@ def lmc_batched(variant: str, requests, threads: int) -> dict[str, Any]:
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        single = _lmc_single_stream(llm, requests[0][0][:32])
+        stream = _lmc_single_stream(llm, requests[0][0][:32]) if single else {}
     finally:
         llm.shutdown()
-    return {"output_tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, **single}
+    return {"output_tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, **stream}
 
 
 def _lmc_single_stream(llm, prompt: list[int], n: int = 128) -> dict[str, float]:
@@ -344,6 +351,20 @@ def _print_cold_phases(cold: dict[str, Any]) -> None:
           f"(loadavg {cold['loadavg_before'][0]:.1f} -> {cold['loadavg_after'][0]:.1f})", flush=True)
 
 
+def batched_rounds(gguf: Path, requests, threads: int, report: dict[str, Any], rounds: int) -> list[dict[str, float]]:
+    """Output tok/s per round: round 0 is the main run's (llama.cpp's better of one at a time and
+    its batching), each later one a fresh lm-console engine per variant, then llama.cpp's
+    continuous batching, one after the other."""
+    table = [{**{v: r["output_tok_s"] for v, r in report["lmc"].items()},
+              "llama.cpp": report["llamacpp"]["output_tok_s"]}]
+    for _ in range(1, rounds):
+        row = {v: lmc_batched(v, requests, threads, single=False)["output_tok_s"] for v in report["lmc"]}
+        row["llama.cpp"] = llamacpp_batched(gguf, requests, threads)["output_tok_s"]
+        print("round", len(table), json.dumps(row), flush=True)
+        table.append(row)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="default: the embedded model's file")
@@ -351,6 +372,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", default="", help="comma list of: batched,llamacpp,hf,breakdown,cold")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="batched rounds, lm-console and llama.cpp alternating (the machine is shared: "
+                             "the summary quotes the median of the rounds' ratios)")
     parser.add_argument("--save-result", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -381,9 +405,14 @@ def main() -> None:
         print("cold start", json.dumps(report["cold_start"]), flush=True)
         _print_cold_phases(report["cold_start"])
     ref = report.get("llamacpp")
+    if ref and "batched" not in skip:
+        report["rounds"] = batched_rounds(gguf, requests, args.threads, report, args.rounds)
     if ref:
         for variant, r in report["lmc"].items():
-            print(f"{variant}: batched {r['output_tok_s'] / ref['output_tok_s']:.2f}x llama.cpp, "
+            ratios = [row[variant] / row["llama.cpp"] for row in report.get("rounds", [])]
+            rounds = (f" (rounds {', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x)"
+                      if ratios else "")
+            print(f"{variant}: batched {r['output_tok_s'] / ref['output_tok_s']:.2f}x llama.cpp{rounds}, "
                   f"single stream {r['single_decode_tok_s'] / ref['single_decode_tok_s']:.2f}x")
     hf = report.get("hf")
     if hf:

@@ -27,10 +27,11 @@ from torch import Tensor
 from kernels.cpu_build import CpuKernelBuildError, load_library
 
 __all__ = ["CpuKernelBuildError", "load", "paged_decode_attention", "paged_prefill_attention",
-           "supports"]
+           "reshape_and_cache", "supports", "supports_cache_write"]
 
 SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",  # decode rows
-           Path(__file__).parent / "cpu" / "paged_prefill.c")  # prefill chunks
+           Path(__file__).parent / "cpu" / "paged_prefill.c",  # prefill chunks
+           Path(__file__).parent / "cpu" / "cache_write.c")  # reshape_and_cache
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # q, its row stride, out, its
@@ -63,6 +64,11 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
         fn = getattr(library, f"paged_prefill_attention_{name}")
         fn.argtypes, fn.restype = _PREFILL_ARGTYPES, ctypes.c_int
+    library.reshape_and_cache_rows.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # key, stride, value, stride
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # caches, num_slots, slots
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # num_tokens, row, element size
+    library.reshape_and_cache_rows.restype = ctypes.c_int
     return library
 
 
@@ -70,6 +76,13 @@ def supports(q: Tensor, kv_cache: Tensor) -> bool:
     """Whether the kernel takes these tensors (CPU, bf16 or fp32, contiguous rows)."""
     return (q.device.type == "cpu" and q.dtype in _DTYPES and kv_cache.dtype == q.dtype
             and q.stride(1) == 1 and kv_cache.is_contiguous() and load() is not None)
+
+
+def supports_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:
+    """Whether reshape_and_cache takes these tensors (CPU, the cache's dtype, contiguous rows)."""
+    return (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
+            and load() is not None)
 
 
 def _library() -> ctypes.CDLL:
@@ -156,3 +169,28 @@ def paged_prefill_attention(
         raise ValueError(f"unsupported shape for the CPU prefill kernel: head_dim {head_dim} "
                          f"(max 256), block_size {block_size} (max 64), "
                          f"{q.shape[1] // head_dim} heads over {num_kv_heads} kv heads")
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
+    """kv_cache[0/1] slot rows <- key/value rows: one memcpy per token (slots < 0 skipped).
+
+    key, value: [num_tokens, row] (row = Hkv*D) with stride(1) == 1 and any row stride (views
+    into the fused qkv output); kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] of
+    their dtype; slots: [num_tokens] int64, contiguous.
+    """
+    library = _library()
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    row = kv_cache.shape[3] * kv_cache.shape[4]
+    if (key.dim() != 2 or key.shape != value.shape or key.shape[1] != row or key.stride(1) != 1
+            or value.stride(1) != 1 or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype
+            or not kv_cache.is_contiguous()):
+        raise ValueError("reshape_and_cache needs [num_tokens, Hkv*D] key/value rows of the cache's "
+                         "dtype, contiguous along the row, and a contiguous cache")
+    if slots.dtype != torch.int64 or slots.shape != (key.shape[0],) or slots.stride(0) != 1:
+        raise ValueError("slots must be a contiguous int64 vector, one entry per key row")
+    status = library.reshape_and_cache_rows(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), num_slots, slots.data_ptr(),
+        key.shape[0], row, key.element_size())
+    if status != 0:
+        raise IndexError(f"a slot is past the cache's {num_slots} slots")

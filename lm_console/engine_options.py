@@ -26,6 +26,10 @@ SchedulingPolicyOpt = Annotated[str, typer.Option(
     help="fcfs | priority (requests' `priority`: a lower value first; it preempts lower ones).")]
 KVCacheMetricsOpt = Annotated[bool, typer.Option(
     "--kv-cache-metrics/--no-kv-cache-metrics", help="Sample KV block lifetimes, idle and reuse times.")]
+KVCachePrefaultOpt = Annotated[bool, typer.Option(
+    "--kv-cache-prefault/--no-kv-cache-prefault",
+    help="Touch every page of the CPU KV cache at start-up (steady speed from the first request; "
+         "off: pages are faulted in when first written).")]
 KVCacheMetricsSampleOpt = Annotated[float, typer.Option(help="Fraction of KV blocks sampled by --kv-cache-metrics.")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
 # Scaling out (README "Scaling out: data parallelism and Ray").

@@ -49,6 +49,9 @@ def _write_cache(
     row = kv_cache.shape[3] * kv_cache.shape[4]
     key = key.reshape(key.shape[0], row)  # [num_tokens, num_kv_heads * head_dim]
     value = value.reshape(value.shape[0], row)
+    if token_idx is None and cpu_attention.supports_cache_write(key, value, kv_cache):
+        cpu_attention.reshape_and_cache(key, value, kv_cache, slots)
+        return
     if token_idx is not None:
         key, value = key[token_idx], value[token_idx]
     kv_cache[0].view(num_slots, row).index_copy_(0, slots, key)

@@ -45,6 +45,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core/sched/async_scheduler.py)
     kv_cache_memory: int | None = None  # bytes of KV cache on CPU
+    kv_cache_prefault: bool = False  # touch the CPU KV cache's pages at start-up (CacheConfig)
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     device: str = "auto"  # auto | cpu | cuda
@@ -129,6 +130,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo, kv_cache_memory=self.kv_cache_memory,
+                kv_cache_prefault=self.kv_cache_prefault,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_kv_cache_events=self.enable_kv_cache_events,
@@ -213,7 +215,7 @@ class EngineArgs:
                 fail(name, "it must be a str")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_kv_cache_events",
                      "log_stats", "multiprocess", "disable_chunked_mm_input", "async_scheduling",
-                     "kv_cache_metrics"):
+                     "kv_cache_metrics", "kv_cache_prefault"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "it must be True or False")
         if not is_int(self.seed):

@@ -76,7 +76,14 @@ class ModelConfig:
 
 @functools.lru_cache(maxsize=8)
 def load_hf_config(model_dir: str) -> Any:
-    """transformers' AutoConfig for model_dir, once per process (imports transformers and torch)."""
+    """model_dir's HF config, once per process: a plain Llama's read without transformers (its
+    import is a quarter of a cold start; engine/config/plain_llama_config.py), any other through
+    transformers' AutoConfig (which imports transformers and torch)."""
+    from engine.config.plain_llama_config import read_plain_llama_config
+
+    plain = read_plain_llama_config(model_dir)
+    if plain is not None:
+        return plain
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)

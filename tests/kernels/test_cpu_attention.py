@@ -205,3 +205,33 @@ def test_prefill_long_chunks_match_float64_reference(dtype, atol, window, soft_c
                                   num_kv_heads, scale, window, soft_cap)
     got = out[list(expected)].double()
     torch.testing.assert_close(got, torch.stack(list(expected.values())), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 3000], ids=["one", "few", "parallel"])
+def test_reshape_and_cache_writes_each_row_to_its_slot(dtype, num_tokens):
+    num_blocks, block_size, kv_heads, head_dim = 400, 16, 3, 64
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    row = kv_heads * head_dim
+    qkv = torch.randn(num_tokens, 5 * row).to(dtype)  # key/value are strided views, as in a model
+    key, value = qkv[:, 2 * row:3 * row], qkv[:, 4 * row:]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    if num_tokens > 1:
+        slots[num_tokens // 2] = -1  # a padding token: skipped
+    cpu_attention.reshape_and_cache(key, value, kv_cache, slots)
+    flat = kv_cache.view(2, -1, row)
+    expected = torch.zeros_like(flat)
+    written = slots >= 0
+    expected[0, slots[written]] = key[written]
+    expected[1, slots[written]] = value[written]
+    assert torch.equal(flat, expected)
+
+
+def test_reshape_and_cache_refuses_a_slot_past_the_cache():
+    kv_cache = torch.zeros(2, 4, 16, 1, 8)
+    key = torch.ones(2, 8)
+    with pytest.raises(IndexError, match="past the cache's 64 slots"):
+        cpu_attention.reshape_and_cache(key, key, kv_cache, torch.tensor([3, 64]))
+    assert not kv_cache.any()  # nothing written
+    with pytest.raises(ValueError, match="int64"):
+        cpu_attention.reshape_and_cache(key, key, kv_cache, torch.tensor([3, 4], dtype=torch.int32))
