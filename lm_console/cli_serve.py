@@ -16,8 +16,8 @@ import typer
 
 from lm_console.engine_options import (
     AsyncSchedulingOpt, BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt,
-    ExecutorBackendOpt,
-    KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
+    ExecutorBackendOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
+    MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
     parallel_args,
 )
