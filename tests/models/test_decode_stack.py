@@ -3,7 +3,7 @@
 Quantized models: the driver calls the same kernels in the same order, so every logit of every
 step must be bit-identical, with the driver serving the pure-decode steps (counted) and the
 usual forward the others (prefill, chunked prefill beside decodes, more rows than its bound:
-16 quantized, 8 dense).
+MAX_ROWS quantized, 16 with AMX, 8 dense).
 Dense bf16: the driver's own GEMV accumulates in another order than
 oneDNN, so the logits are close and the greedy tokens equal.
 """
@@ -80,7 +80,7 @@ def _run(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list[
     names = ["a", "b", "c", "d"] + [f"e{i}" for i in range(13)]  # 17 requests
     greedy = []
     for step in range(4):
-        # 3 rows twice, then 17 (> 16: fallback), then 12 (quantized: the driver; dense: > 8)
+        # 3 rows twice, then 17, then 12 (quantized: the driver, up to MAX_ROWS; dense: > 8, fallback)
         rows = names[:3] if step < 2 else names if step == 2 else names[:12]
         logits = harness.step([(name, [prompt[30 + step + i]]) for i, name in enumerate(rows)])
         got.append(logits)
@@ -102,7 +102,15 @@ def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monkeypatch, driver_steps):
     (ref_logits, ref_greedy), (logits, greedy) = _both(request.getfixturevalue(fixture), quant, monkeypatch)
-    assert driver_steps == [1, 1, 1, 3, 3, 12], "the driver serves exactly the pure-decode steps of <= 16 rows"
+    assert driver_steps == [1, 1, 1, 3, 3, 17, 12], "the driver serves exactly the pure-decode steps"
+    assert torch.equal(logits, ref_logits)
+    assert greedy == ref_greedy
+
+
+def test_quantized_steps_above_the_row_bound_take_the_usual_forward(tiny_llama_dir, monkeypatch, driver_steps):
+    monkeypatch.setattr(decode_stack, "MAX_ROWS", 16)  # as on a CPU with AMX (cpu_quant.dense_rows())
+    (ref_logits, ref_greedy), (logits, greedy) = _both(tiny_llama_dir, "b4", monkeypatch)
+    assert driver_steps == [1, 1, 1, 3, 3, 12], "17 rows > 16: the usual forward"
     assert torch.equal(logits, ref_logits)
     assert greedy == ref_greedy
 
@@ -140,5 +148,5 @@ def test_rebound_kv_caches_rebuild_the_plan(tiny_llama_dir, monkeypatch, driver_
     model = _model(tiny_llama_dir, "int8")
     _run(model, first)
     logits, greedy = _run(model, second)  # a new harness: new caches bound
-    assert driver_steps == [1, 1, 1, 3, 3, 12] * 2
+    assert driver_steps == [1, 1, 1, 3, 3, 17, 12] * 2
     assert torch.equal(logits, reference[0]) and greedy == reference[1]
