@@ -372,7 +372,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", default="", help="comma list of: batched,llamacpp,hf,breakdown,cold")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="batched rounds, lm-console and llama.cpp alternating (the machine is shared: "
                              "the summary quotes the median of the rounds' ratios)")
     parser.add_argument("--save-result", default=None)
