@@ -12,11 +12,17 @@ EngineDeadError, and a monitor thread (one never-returning call per actor) repor
 through the failure callback even when the engine is idle; either way the engine core ends
 and every caller gets EngineDeadError. The actors are owned by
 the engine core: Ray stops them when the core exits, however it exits.
+
+Non-blocking calls (async scheduling) share one daemon waiter thread, started on the first
+such call: it takes (refs, pick, future) entries from a queue in submission order and resolves
+each future from ray.get of its refs. A future still pending when the executor shuts down gets
+EngineDeadError, never a hang.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import threading
 from collections.abc import Callable
@@ -36,6 +42,9 @@ if TYPE_CHECKING:
     from engine.scheduler_output import SchedulerOutput
 
 _START_TIMEOUT_S = float(os.environ.get("LMC_RAY_WORKER_START_TIMEOUT", "300"))
+# A non-blocking call waiting for the waiter thread: the ranks' refs, what to keep of their
+# results, the future to resolve.
+_StepEntry = tuple[list[Any], Callable[[list[Any]], Any], Future[Any]]
 
 
 class RayDistributedExecutor(Executor):
@@ -52,6 +61,11 @@ class RayDistributedExecutor(Executor):
         self.shutting_down = False
         self.failure_callback: Callable[[str], None] | None = None
         self.placement_group: Any = None
+        # The non-blocking calls' waiter (see _future); the lock orders the shutdown marker after
+        # every entry, so no entry is queued where the waiter will never look.
+        self._waiter_lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+        self._steps: queue.SimpleQueue[_StepEntry | None] = queue.SimpleQueue()
         self.started_ray = connect()
         try:
             self.placement_group = make_placement_group(self.world_size, device)
@@ -113,17 +127,36 @@ class RayDistributedExecutor(Executor):
         return self._future(refs, lambda results: results[0])
 
     def _future(self, refs: list[Any], pick: Callable[[list[Any]], Any]) -> Future[Any]:
-        """A concurrent Future of pick(results), errors translated as in collective_rpc."""
+        """A concurrent Future of pick(results), errors translated as in collective_rpc; the
+        waiter thread resolves the futures in submission order."""
         future: Future[Any] = Future()
-
-        def wait() -> None:
-            try:
-                future.set_result(pick(self._results("a step", refs, None)))
-            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(error)
-
-        threading.Thread(target=wait, name="RayStepFuture", daemon=True).start()
+        with self._waiter_lock:
+            if self.shutting_down:
+                future.set_exception(_shut_down_error())
+                return future
+            if self._waiter is None:
+                self._waiter = threading.Thread(target=self._wait_steps, args=(self._steps,),
+                                                name="RayStepWaiter", daemon=True)
+                self._waiter.start()
+            self._steps.put((refs, pick, future))
         return future
+
+    def _wait_steps(self, steps: queue.SimpleQueue[_StepEntry | None]) -> None:
+        """The waiter thread: resolve each queued future until the shutdown marker (None)."""
+        while (entry := steps.get()) is not None:
+            refs, pick, future = entry
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled by its caller: nobody waits on it
+            if self.shutting_down:
+                future.set_exception(_shut_down_error())
+                continue
+            try:
+                result = pick(self._results("a step", refs, None))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                # The actors are killed at shutdown: their refs fail, the cause is the shutdown.
+                future.set_exception(_shut_down_error() if self.shutting_down else error)
+            else:
+                future.set_result(result)
 
     def _results(self, method: str | Callable[..., Any], refs: list[Any], timeout: float | None) -> list[Any]:
         ray = import_ray()
@@ -182,7 +215,11 @@ class RayDistributedExecutor(Executor):
         self._release(ray, remove_placement_group)
 
     def _release(self, ray: Any, remove_placement_group: Callable[[Any], None]) -> None:
-        self.shutting_down = True  # the monitor sees the actors go: no failure
+        with self._waiter_lock:
+            self.shutting_down = True  # the monitor sees the actors go: no failure
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None:
+                self._steps.put(None)  # after every entry: the waiter answers them all, then ends
         workers, self.workers = self.workers, []
         for worker in workers:
             try:
@@ -195,9 +232,16 @@ class RayDistributedExecutor(Executor):
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001 - the cluster is going away
                 pass
+        if waiter is not None and waiter is not threading.current_thread():
+            # Its ray.get returns once the actors are gone; bounded, as it is a daemon anyway.
+            waiter.join(timeout=10.0)
         if self.started_ray and ray.is_initialized():
             self.started_ray = False
             ray.shutdown()
+
+
+def _shut_down_error() -> EngineDeadError:
+    return EngineDeadError("The Ray executor was shut down before this step's result came back.")
 
 
 def _local_ranks(infos: list[WorkerNodeInfo]) -> tuple[list[int], dict[str, str]]:

@@ -5,7 +5,8 @@ thread pool compiles its constraint; the scheduler admits it once the grammar is
 fails that one request if it does not compile). Each step, the manager fills one token bitmask
 row for every structured request that samples a token; the worker masks those logits rows
 before sampling (engine/sample/grammar_bitmask.py), and the scheduler advances each matcher on
-the tokens it accepts.
+the tokens it accepts. The scheduler reports the structured requests it takes in and frees, so
+a step skips the bitmask scan when the engine holds none.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class StructuredOutputManager:
 
     The backend (tokenizer vocabulary, compiler) is built on first use, in the pool, so an
     engine that never sees a structured request pays nothing for it.
+
+    Invariant: num_structured_requests is the number of requests with a structured output in
+    the scheduler (added, not yet freed).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -47,6 +51,7 @@ class StructuredOutputManager:
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pending: set[Future[XgrammarGrammar]] = set()
+        self.num_structured_requests = 0
 
     # -- compile --------------------------------------------------------------------------
     def grammar_init(self, request: Request) -> None:
@@ -85,6 +90,22 @@ class StructuredOutputManager:
         pending = list(self._pending)
         if pending:
             wait(pending, timeout=timeout_s, return_when="FIRST_COMPLETED")
+
+    # -- the scheduler's structured requests ---------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """The scheduler took `request` in: count it if it is structured."""
+        if request.structured_output_request is not None:
+            self.num_structured_requests += 1
+
+    def finish_request(self, request: Request) -> None:
+        """The scheduler freed `request` (finished, aborted or failed): uncount it if it is structured."""
+        if request.structured_output_request is not None:
+            self.num_structured_requests -= 1
+            assert self.num_structured_requests >= 0, request.request_id
+
+    def has_structured_requests(self) -> bool:
+        """Whether a step may need a bitmask (a structured request is in the scheduler)."""
+        return self.num_structured_requests > 0
 
     # -- the step's bitmask -------------------------------------------------------------------
     def add_grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:

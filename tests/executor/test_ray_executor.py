@@ -4,6 +4,7 @@ tokens of TP=1 in one process, and a worker actor's death is an EngineDeadError 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -53,3 +54,64 @@ def test_ray_error_messages_lose_their_colour_codes() -> None:
     error = RuntimeError("\x1b[36mray::RayWorkerWrapper.execute_method()\x1b[39m (pid=7, ip=127.0.0.1)\n  File ...")
     assert _first_line(error) == "ray::RayWorkerWrapper.execute_method() (pid=7, ip=127.0.0.1)"
     assert _first_line(RuntimeError("")) == "RuntimeError('')"
+
+
+def _waiters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "RayStepWaiter"]
+
+
+def test_non_blocking_calls_share_one_waiter_thread_in_order(local_ray, tiny_llama_dir) -> None:
+    from engine.config import EngineArgs
+    from engine.executor.abstract import Executor
+    from engine.model_runner_output import ModelRunnerOutput
+    from engine.scheduler_output import CachedRequestData, SchedulerOutput
+
+    # Local functions: Ray pickles them by value (the actor cannot import this test module).
+    def _index(worker: object, i: int) -> int:
+        return i
+
+    def _refuse(worker: object) -> None:
+        raise RuntimeError("this step refuses")
+
+    def _block_forever(worker: object) -> None:
+        import threading
+
+        threading.Event().wait()
+
+    config = EngineArgs(model=str(tiny_llama_dir), distributed_executor_backend="ray", **ARGS).create_engine_config()
+    executor = Executor.get_class(config)(config)
+    try:
+        assert not _waiters()  # started on the first non-blocking call, not before
+        executor.initialize_kv_cache(32)
+        empty = SchedulerOutput([], CachedRequestData(), {}, 0, set(), set())
+        resolved: list[tuple[int, str]] = []  # (submission index, thread that resolved it)
+        futures = []
+        for step in range(8):
+            futures.append(executor.execute_model(empty, non_block=True))
+            futures.append(executor.sample_tokens(non_block=True))
+            if step == 3:  # a failing call in between: its future gets the error, the rest go on
+                refused = executor._future(executor._submit(_refuse), lambda results: results[0])
+                futures.append(refused)
+            futures.append(executor._future(executor._submit(_index, (step,)), lambda results: results[0]))
+        for i, future in enumerate(futures):
+            future.add_done_callback(lambda f, i=i: resolved.append((i, threading.current_thread().name)))
+        assert len(_waiters()) == 1
+        assert futures[-1].result(timeout=120) == 7
+        assert [i for i, _ in resolved] == list(range(len(futures)))  # in submission order
+        assert {name for _, name in resolved} <= {"RayStepWaiter", threading.current_thread().name}
+        outputs = [f.result() for f in futures if f is not refused]
+        assert [o for o in outputs if isinstance(o, int)] == list(range(8))
+        assert sum(isinstance(o, ModelRunnerOutput) for o in outputs) == 8
+        with pytest.raises(RuntimeError, match="this step refuses"):
+            refused.result()
+        assert len(_waiters()) == 1 and _waiters()[0].daemon
+        # A call still pending at shutdown gets an answer naming the shutdown, and so does one after.
+        pending = executor._future(executor._submit(_block_forever), lambda results: None)
+    finally:
+        executor.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        pending.result(timeout=60)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        executor.sample_tokens(non_block=True).result(timeout=0)
+    assert not _waiters()  # the waiter ended with the executor
+    assert not ray.util.list_named_actors()

@@ -70,6 +70,8 @@ class SchedulerBase:
     def add_request(self, request: Request) -> None:
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.add_request(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
@@ -118,6 +120,8 @@ class SchedulerBase:
         self.encoder_scheduler.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.finish_request(request)
 
     def _free_blocks(self, request: Request, delay_free: bool) -> None:
         """Give a finished request's KV blocks back (the KV connector may hold them a while)."""

@@ -175,8 +175,9 @@ class StepScheduling(SchedulerPreemption):
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
         )
-        if self.structured_output_manager is not None:
-            self.structured_output_manager.add_grammar_bitmask(scheduler_output, self.requests)
+        manager = self.structured_output_manager
+        if manager is not None and manager.has_structured_requests():  # no scan of the batch otherwise
+            manager.add_grammar_bitmask(scheduler_output, self.requests)
         self.encoder_scheduler.finish_step(scheduler_output)
         # Before _update_after_schedule: the connector plans from the progress before this step.
         scheduler_output.kv_connector_metadata = self.kv_transfer.build_connector_meta(scheduler_output)

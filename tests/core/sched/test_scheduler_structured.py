@@ -1,5 +1,6 @@
 """Scheduler with structured outputs (torch-free): WAITING_FOR_FSM, bitmask rows only for
-requests that sample, matcher advance, termination, and per-request compile errors."""
+requests that sample, matcher advance, termination, per-request compile errors, and no bitmask
+scan in a step while no structured request is in the scheduler."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ class FakeManager(StructuredOutputManager):
         backend = SimpleNamespace(allocate_bitmask=lambda num_rows: [],
                                   fill_bitmask=lambda grammars, bitmask: bitmask.extend(grammars))
         self._get_backend = lambda: backend
+        self.num_structured_requests = 0  # the real manager's count, kept by the scheduler
+        self.num_bitmask_scans = 0  # spy: calls of add_grammar_bitmask
+
+    def add_grammar_bitmask(self, scheduler_output, requests) -> None:
+        self.num_bitmask_scans += 1
+        super().add_grammar_bitmask(scheduler_output, requests)
 
 
 def structured_request(request_id: str, prompt: list[int], future: Future, **params):
@@ -114,4 +121,39 @@ def test_abort_while_compiling_frees_everything_and_a_late_grammar_is_ignored() 
     assert not scheduler.has_unfinished_requests() and "s" not in scheduler.requests
     out, outputs = run_step(scheduler)
     assert out.is_empty and not outputs
+    assert_no_leak(scheduler)
+
+
+def test_the_bitmask_scan_runs_only_while_a_structured_request_is_in_the_scheduler() -> None:
+    scheduler = make_scheduler()
+    manager = scheduler.structured_output_manager = FakeManager()
+    scheduler.add_request(make_request("free", [5, 6, 7], max_tokens=3))
+    out, _ = run_step(scheduler)
+    assert out.num_scheduled_tokens == {"free": 3} and manager.num_bitmask_scans == 0
+    assert out.structured_output_request_ids == [] and out.grammar_bitmask is None
+    future: Future = Future()
+    grammar = FakeGrammar({7}, length=2)
+    future.set_result(grammar)
+    scheduler.add_request(structured_request("s", [1, 2, 3], future, max_tokens=5))
+    assert manager.num_structured_requests == 1
+    out, _ = run_step(scheduler)  # "s" samples under its bitmask: the scan runs
+    assert manager.num_bitmask_scans == 1
+    assert out.structured_output_request_ids == ["s"] and out.grammar_bitmask == [grammar]
+    run_step(scheduler)  # its grammar ends it after 2 tokens; "free" ends on max_tokens too
+    assert "s" not in scheduler.requests and manager.num_structured_requests == 0
+    scans = manager.num_bitmask_scans
+    scheduler.add_request(make_request("free2", [8, 9], max_tokens=2))
+    while scheduler.has_unfinished_requests():
+        out, _ = run_step(scheduler)
+        assert out.grammar_bitmask is None
+    assert manager.num_bitmask_scans == scans  # none since the structured request left
+    # An abort while compiling and a grammar that does not compile uncount their requests too.
+    scheduler.add_request(structured_request("aborted", [1, 2], Future()))
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("Regex parsing error"))
+    scheduler.add_request(structured_request("bad", [1, 2], failed))
+    assert manager.num_structured_requests == 2
+    scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    run_step(scheduler)
+    assert not scheduler.requests and manager.num_structured_requests == 0
     assert_no_leak(scheduler)
