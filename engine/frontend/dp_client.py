@@ -239,7 +239,7 @@ class AsyncDPClient(DPClient):
 
 # -- merging the cores' answers ---------------------------------------------------------------
 def merge_results(method: str, results: list[Any]) -> Any:
-    """One answer from every core's: merged stats and block pools, all() of booleans, lists joined
+    """One answer from every core's: merged stats, block pools and request blocks, all() of booleans, lists joined
     (anything else: the list of the cores' answers, in rank order)."""
     if method == "get_stats":
         return merge_stats(results)
