@@ -209,32 +209,40 @@ def unpack_rows(qw: QuantWeight, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q, d, m
 
 
-class _Scratch(threading.local):
-    """Grow-only per-thread buffers: a decode step allocates no activation-quantization space."""
+class _DenseScratch(threading.local):
+    """The dense fallback's per-thread dequantized weights, one grow-only buffer per dtype."""
 
     def __init__(self) -> None:
-        self.buffers: dict[str, Tensor] = {}
+        self.buffers: dict[torch.dtype, Tensor] = {}
 
-    def get(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+    def get(self, numel: int, dtype: torch.dtype) -> Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, 1), dtype=dtype)
-            self.buffers[name] = buf
+            self.buffers[dtype] = buf
         return buf
 
 
-_scratch = _Scratch()
+_dense_scratch = _DenseScratch()
 
 
 class _ActScratch(threading.local):
-    """The int8 activations' per-thread buffers (xq, xd, xs) with their addresses, grow-only."""
+    """The one owner of the int8 activations' per-thread buffers (xq, xd, xs), grow-only.
+
+    quant_gemm takes their addresses (pointers: no tensor work on the decode hot path) and
+    quantize_activations views of them (views). Either way the contents belong to this thread's
+    latest call that quantizes activations: a view stays valid until the thread's next
+    quant_gemm / quant_linear / quantize_activations (clone it to keep it). Per thread, so
+    threads never share a buffer; a buffer outgrown is replaced, never written again.
+    """
 
     def __init__(self) -> None:
         self.rows = self.kp = -1
         self.ptrs = (0, 0, 0)
         self.tensors: tuple[Tensor, ...] = ()
 
-    def get(self, rows: int, kp: int) -> tuple[int, int, int]:
+    def pointers(self, rows: int, kp: int) -> tuple[int, int, int]:
+        """Addresses of xq (int8, rows * kp), xd and xs (float32, rows * kp / 32 each)."""
         if rows > self.rows or kp > self.kp:  # (xd, xs need rows * kp / 32 floats)
             self.rows, self.kp = max(rows, self.rows), max(kp, self.kp)
             n = self.rows * self.kp
@@ -242,6 +250,13 @@ class _ActScratch(threading.local):
                             torch.empty(n // BLOCK, dtype=torch.float32))
             self.ptrs = tuple(t.data_ptr() for t in self.tensors)  # type: ignore[assignment]
         return self.ptrs
+
+    def views(self, rows: int, kp: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+        """xq int8 [rows, kp], xd and xs float32 [rows, groups] (groups <= kp / 32) over the buffers."""
+        self.pointers(rows, kp)
+        xq, xd, xs = self.tensors
+        return (xq[: rows * kp].view(rows, kp), xd[: rows * groups].view(rows, groups),
+                xs[: rows * groups].view(rows, groups))
 
 
 _act_scratch = _ActScratch()
@@ -257,12 +272,12 @@ def _check_x(x: Tensor, qw: QuantWeight) -> None:
 
 def quantize_activations(x: Tensor, padded_in: int, per_token: bool,
                          scalar: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """(xq int8 [M, Kp], scales, sums) as quant_gemm reads them (views of scratch buffers)."""
+    """(xq int8 [M, Kp], scales, sums) as quant_gemm reads them: views of this thread's activation
+    scratch, the one quant_gemm quantizes into, so valid until the thread's next quant_gemm,
+    quant_linear or quantize_activations (clone them to keep them)."""
     rows, k = x.shape
     groups = 1 if per_token else padded_in // BLOCK
-    xq = _scratch.get("xq", rows * padded_in, torch.int8)[: rows * padded_in].view(rows, padded_in)
-    xd = _scratch.get("xd", rows * groups, torch.float32)[: rows * groups].view(rows, groups)
-    xs = _scratch.get("xs", rows * groups, torch.float32)[: rows * groups].view(rows, groups)
+    xq, xd, xs = _act_scratch.views(rows, padded_in, groups)
     _library(scalar).quantize_act(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
                                   k, padded_in, int(per_token), xq.data_ptr(), xd.data_ptr(),
                                   xs.data_ptr())
@@ -281,7 +296,7 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
                           qw.qweight.data_ptr(), qw.scales.data_ptr(),
                           qw.offsets.data_ptr() if qw.offsets is not None else 0)
     fmt, n, k, kp, w, wd, wm = qw.kernel_args
-    xq, xd, xs = _act_scratch.get(rows, kp)  # the activations' int8 copy, quantized in the call
+    xq, xd, xs = _act_scratch.pointers(rows, kp)  # the activations' int8 copy, quantized in the call
     bf16 = int(x.dtype == torch.bfloat16)
     _library(scalar).quant_linear_act(fmt, rows, n, k, kp, w, wd, wm or None,
                                       bias.data_ptr() if bias is not None else None, x.data_ptr(),
@@ -305,7 +320,7 @@ def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None) -> Tens
     """The layer's forward: the int8 GEMM, or (block formats, many rows) dequantize + torch."""
     if qw.fmt != "c8" and x.shape[0] > DENSE_ROWS:
         numel = qw.out_features * qw.in_features
-        w = _scratch.get(f"dense-{x.dtype}", numel, x.dtype)[:numel].view(qw.out_features, qw.in_features)
+        w = _dense_scratch.get(numel, x.dtype)[:numel].view(qw.out_features, qw.in_features)
         dequantize(qw, x.dtype, out=w)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     return quant_gemm(x, qw, bias)

@@ -40,3 +40,16 @@ def snapshot_request_blocks(scheduler: Scheduler, kv_cache_manager: Any,
             if 0 < block_id < len(pool.blocks) and pool.blocks[block_id].block_hash is not None:
                 hashes[block_id] = get_block_hash(pool.blocks[block_id].block_hash)
     return RequestBlocksState(rows, hashes)
+
+
+def merge_request_blocks(states: list[RequestBlocksState]) -> RequestBlocksState:
+    """Every engine core's answer as one (data parallelism): the requests in core rank order.
+
+    Request ids are unique across cores, so the rows simply concatenate. Block ids are per core
+    (each core has its own pool): block_hashes maps an id that several cores hash to the lowest
+    rank's hash.
+    """
+    hashes: dict[int, bytes] = {}
+    for state in reversed(states):  # lower ranks last, so they win
+        hashes.update(state.block_hashes)
+    return RequestBlocksState([row for state in states for row in state.requests], hashes)

@@ -9,7 +9,7 @@ outputs into a _CoreSink, which resolves the core's own utility calls, lets the 
 rest on to the one shared sink that LLM / AsyncLLM consume, exactly as with a single core.
 
 Requests go to the core the router picks; aborts go to the core that owns the request.
-Utility calls go to every core: get_stats and get_block_pool_state return the cores' merged
+Utility calls go to every core: get_stats, get_block_pool_state and get_request_blocks return the cores' merged
 view, and the *_per_core methods each core's own. When any core dies, every pending and later
 call fails with EngineDeadError at once and the other cores are stopped in the background, so
 the engine leaves no process behind.
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineArgs
+from engine.core.request_blocks import merge_request_blocks
 from engine.errors import EngineDeadError, fresh_error
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.dp_router import DPRouter
@@ -238,12 +239,14 @@ class AsyncDPClient(DPClient):
 
 # -- merging the cores' answers ---------------------------------------------------------------
 def merge_results(method: str, results: list[Any]) -> Any:
-    """One answer from every core's: merged stats and block pools, all() of booleans, lists joined
+    """One answer from every core's: merged stats, block pools and request blocks, all() of booleans, lists joined
     (anything else: the list of the cores' answers, in rank order)."""
     if method == "get_stats":
         return merge_stats(results)
     if method == "get_block_pool_state":
         return merge_block_pool_states(results)
+    if method == "get_request_blocks":
+        return merge_request_blocks(results)
     if all(isinstance(result, bool) for result in results):
         return all(results)
     if all(isinstance(result, list) for result in results):  # e.g. prefix-cache hashes: every core's

@@ -43,6 +43,33 @@ static inline __m512 exp_nonpositive_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* In-register transpose of a 16x16 matrix of 32-bit elements: afterwards r[j] holds element j
+ * of every input row (rows become columns). The quantized GEMM's dense path transposes weight
+ * chunks with it, the prefill kernel its query and output tiles. */
+static inline __attribute__((always_inline)) void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + e]: rows i..i+3, element e of each 128-bit lane */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
+        r[e] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
+        r[4 + e] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
+    }
+}
 #endif
 
 #endif

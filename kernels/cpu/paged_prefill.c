@@ -246,31 +246,6 @@ static inline __m512 pf_soft_cap(__m512 x, float cap) {
     return _mm512_mul_ps(tanh, _mm512_set1_ps(cap * PF_LOG2E));
 }
 
-/* In-register transpose of a 16x16 matrix of 32-bit elements (rows r[i] become columns). */
-static inline __attribute__((always_inline)) void pf_transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + e]: rows i..i+3, element e of each 128-bit lane */
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int e = 0; e < 4; e++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
-        const __m512i w0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
-        const __m512i v1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
-        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
-        r[e] = _mm512_shuffle_i32x4(v0, v1, 0x88);
-        r[8 + e] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
-        r[4 + e] = _mm512_shuffle_i32x4(w0, w1, 0x88);
-        r[12 + e] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
-    }
-}
-
 /* Keys [k0, k1) (k0 even) of chunk c, kv head h, from the paged cache into the call's slabs:
  * K rows as they are, V as key pairs (vp[kp][d] = v[2kp][d], v[2kp+1][d]); zeros past seq_len. */
 static void pf_repack(const pf_args *a, int c, int h, int k0, int k1) {
@@ -366,7 +341,7 @@ static inline __attribute__((always_inline)) void pf_task(
             for (int j = 0; j < PF_TILE; j++)
                 r[j] = j < n ? _mm512_maskz_loadu_epi32(m, head + (int64_t)j * a->q_row_stride + 2 * p0)
                              : _mm512_setzero_si512();
-            pf_transpose16(r);
+            transpose16x16_epi32(r);
             for (int p = 0; p < 16 && p0 + p < DP; p++) _mm512_store_si512(qp + (p0 + p) * PF_TILE, r[p]);
         }
         run_max[g] = _mm512_set1_ps(-FLT_MAX);
@@ -452,7 +427,7 @@ static inline __attribute__((always_inline)) void pf_task(
             for (int d = 0; d < 16; d++)
                 r[d] = d < nd ? _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc + (d0 + d) * PF_TILE), inv))
                               : _mm512_setzero_si512();
-            pf_transpose16(r);
+            transpose16x16_epi32(r);
             for (int j = 0; j < n; j++)
                 _mm256_mask_storeu_epi16(out + (int64_t)j * a->out_row_stride + d0, (__mmask16)((1u << nd) - 1),
                                          (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));

@@ -377,31 +377,6 @@ void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, cons
 }
 
 #if QG_VNNI
-/* rows[0..15] (16 dwords each) -> rows[j] = dword j of every input row (a 16x16 transpose). */
-static inline void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) { /* b[4k + j], 128-bit lane L: column 4L + j of rows 4k..4k+3 */
-        const __m512i s0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
-        const __m512i s1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
-        const __m512i s2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-        const __m512i s3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
-        r[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-        r[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-    }
-}
-
 /* One tile's rows lanes [l0, l1) as dense values out[(n - n0) * K + k] (the dense path). */
 static void dequantize_tile(int fmt, int64_t tile, int l0, int l1, int64_t n0, int64_t K, int64_t Kp,
                             const uint8_t *w, const void *wd_, const void *wm_, void *out, int out_bf16) {
@@ -414,7 +389,7 @@ static void dequantize_tile(int fmt, int64_t tile, int l0, int l1, int64_t n0, i
             r[c] = fmt == FMT_B4 ? tile_vec(tw, 1, 2 * p, c) : tile_vec(tw, 0, 2 * p, c);
             r[8 + c] = fmt == FMT_B4 ? tile_vec(tw, 1, 2 * p + 1, c) : tile_vec(tw, 0, 2 * p + 1, c);
         }
-        transpose16(r);
+        transpose16x16_epi32(r); /* cpu_common.h */
         const int64_t k1 = (p + 1) * 64 < K ? (p + 1) * 64 : K;
         for (int lane = l0; lane < l1; lane++) {
             for (int h = 0; h < 2; h++) {

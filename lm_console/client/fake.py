@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.engine_core import EngineCore
+from engine.core.request_blocks import merge_request_blocks
 from engine.errors import DuplicateRequestError
 from engine.executor.fake import FakeExecutor, FakeModelConfig, fake_engine_config
 from engine.frontend.dp_router import DPRouter
@@ -154,9 +155,10 @@ class FakeConsoleClient:
             stream.queue.put_nowait(self._chunk(request_id, stream, "", 0, self.clock(), "abort"))
 
     async def request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
-        """The core's unfinished requests with their state, preemptions and block ids (the inspector)."""
+        """Every core's unfinished requests with their state, preemptions and block ids (the inspector),
+        merged as the data-parallel client merges its cores' answers."""
         self._raise_if_dead()
-        return self.core.get_request_blocks(block_ids)
+        return merge_request_blocks([core.get_request_blocks(block_ids) for core in self.cores])
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids as text (the inspector shows a load request's prompt)."""

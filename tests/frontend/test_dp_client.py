@@ -50,6 +50,7 @@ def test_dp2_greedy_equals_dp1_with_both_cores_used_and_no_leaks(dp_llm, tiny_ll
     routed = [core["num_routed"] for core in dp_llm.engine_core.router.snapshot()]
     assert routed == [8, 8]  # the first pass spread 4 and 4 over the idle cores
     _assert_no_leaks(dp_llm)
+    assert dp_llm.get_request_blocks().requests == []  # one merged answer over both cores
     per_core = dp_llm.engine_core.get_stats_per_core()
     assert [stats.engine_index for stats in per_core] == [0, 1]
     assert all(stats.num_steps > 0 for stats in per_core)
@@ -208,6 +209,15 @@ def test_merged_answers_count_every_core() -> None:
     assert not merge_results("get_block_pool_state", leaky).all_free
     assert merge_results("reset_prefix_cache", [True, False]) is False
     assert merge_results("get_prefix_cache_hashes", [[b"a"], [b"b", b"c"]]) == [b"a", b"b", b"c"]
+    # The inspector's poll: one RequestBlocksState with every core's requests (not a list per core).
+    from engine.metrics.stats import RequestBlocks, RequestBlocksState
+
+    rows = [RequestBlocks("a", "RUNNING", 0, 16, 16, 0, [[1]]), RequestBlocks("b", "WAITING", 1, 8, 0, -1, [[]]),
+            RequestBlocks("c", "RUNNING", 0, 32, 32, 16, [[1, 2]])]
+    blocks = merge_results("get_request_blocks", [RequestBlocksState(rows[:2], {1: b"h0"}),
+                                                  RequestBlocksState(rows[2:], {1: b"h1", 2: b"h2"})])
+    assert isinstance(blocks, RequestBlocksState) and blocks.requests == rows
+    assert blocks.block_hashes == {1: b"h0", 2: b"h2"}  # block ids are per core: the lowest rank's on a clash
 
 
 def test_engine_wide_stats_keep_the_reporting_steps_block_residency() -> None:

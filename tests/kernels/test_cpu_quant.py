@@ -105,6 +105,30 @@ def test_activation_quantization(per_token, dtype, scalar):
     assert torch.all(xq[1] == 0) and torch.all(xd[1] == 0)
 
 
+def test_one_activation_scratch_per_thread():
+    """quant_gemm and quantize_activations quantize into the same per-thread buffers (one owner)."""
+    import threading
+
+    qw, _ = _weights("b8")
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(5))
+    cpu_quant.quant_gemm(x, qw)  # leaves x's int8 copy in this thread's scratch
+    left = cpu_quant._act_scratch.views(5, qw.padded_in, qw.padded_in // cpu_quant.BLOCK)
+    left = tuple(t.clone() for t in left)
+    xq, xd, xs = cpu_quant.quantize_activations(x, qw.padded_in, per_token=False)
+    assert xq.data_ptr() == cpu_quant._act_scratch.pointers(5, qw.padded_in)[0]  # the same buffer
+    assert all(torch.equal(a, b) for a, b in zip(left, (xq, xd, xs)))  # and the same quantization
+    seen = {}
+
+    def other_thread() -> None:
+        seen["ptr"] = cpu_quant.quantize_activations(x, qw.padded_in, per_token=False)[0].data_ptr()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert seen["ptr"] != xq.data_ptr()  # another thread never writes this thread's buffers
+    assert torch.equal(xq, left[0])
+
+
 @pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
 @pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
 def test_dequantize_and_embedding_rows(fmt, scalar):

@@ -118,6 +118,29 @@ def test_same_prompt_same_reply_and_prefix_hits(clock) -> None:  # noqa: ANN001
     assert sum(s.prefix_cache.hits for s in h.stats) == 8
 
 
+def test_request_blocks_merges_every_data_parallel_core(clock) -> None:  # noqa: ANN001
+    async def scenario() -> None:
+        async with Harness(clock, num_blocks=64, block_size=4, data_parallel_size=2) as h:
+            for i in range(4):
+                h.submit(f"r{i}", [i * 100 + j for j in range(10)], max_tokens=30)
+            await settle()
+            h.client.step()
+            await settle()
+            per_core = [core.get_request_blocks() for core in h.client.cores]
+            owners = [[r.request_id for r in state.requests] for state in per_core]
+            assert owners[0] and owners[1]  # the load landed on both cores
+            state = await h.client.request_blocks()
+            assert [r.request_id for r in state.requests] == owners[0] + owners[1]  # rank order
+            for row in state.requests:
+                assert row.status == "RUNNING" and row.num_computed_tokens == 10 and len(row.block_ids[0]) == 3
+            assert len(per_core[1].block_hashes) == 2 * 2  # two full blocks of prompt each, hashed
+            assert state.block_hashes == per_core[1].block_hashes | per_core[0].block_hashes
+            await h.run()
+            assert (await h.client.request_blocks()).requests == []
+
+    asyncio.run(scenario())
+
+
 def test_small_pool_preempts_and_every_stream_ends(clock) -> None:  # noqa: ANN001
     async def scenario() -> Harness:
         async with Harness(clock, num_blocks=24, block_size=4, token_budget=64, max_num_seqs=8) as h:

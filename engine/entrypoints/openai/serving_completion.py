@@ -131,6 +131,11 @@ class _ChoiceView:
         self.num_completion_tokens = [0] * (len(prompt_texts) * n)
         self.num_prompt_tokens = [0] * len(prompt_texts)
         self.num_cached_tokens = [0] * len(prompt_texts)
+        # Per prompt: (the engine's prompt_logprobs rows, what was built from them). The n choices
+        # of one prompt share its prompt logprobs, so they are built once, not once per choice; the
+        # rows are held so that the identity check cannot match a recycled id().
+        self._prompt_json: dict[int, tuple[Any, Any]] = {}
+        self._echo_logprobs: dict[int, tuple[Any, CompletionLogProbs, int]] = {}
 
     def count_prompt(self, index: int, output: RequestOutput) -> None:
         self.num_prompt_tokens[index] = len(output.prompt_token_ids)
@@ -147,8 +152,7 @@ class _ChoiceView:
             text = self.prompt_texts[index] + text
             self.echo_pending[i] = False
             if request.logprobs is not None:  # the prompt's tokens first, offsets from 0
-                echo_logprobs, self.offsets[i] = completion_logprobs(
-                    output.prompt_token_ids, output.prompt_logprobs or [], self.token_text, 0)
+                echo_logprobs, self.offsets[i] = self._echo_prompt_logprobs(index, output)
         logprobs: CompletionLogProbs | None = None
         if request.logprobs is not None:
             logprobs, self.offsets[i] = completion_logprobs(
@@ -160,13 +164,34 @@ class _ChoiceView:
         choice = cls(index=i, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
                      stop_reason=completion.stop_reason)
         if request.prompt_logprobs is not None:
-            choice.prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
+            choice.prompt_logprobs = self._prompt_logprobs_json(index, output)
         if request.return_token_ids:
             choice.token_ids = list(completion.token_ids)
             if self.prompt_ids_pending[i]:
                 choice.prompt_token_ids = list(output.prompt_token_ids)
                 self.prompt_ids_pending[i] = False
         return choice
+
+    def _prompt_logprobs_json(self, index: int, output: RequestOutput) -> Any:
+        """Prompt index's prompt_logprobs field, built once and shared by its choices (read-only)."""
+        cached = self._prompt_json.get(index)
+        if cached is None or cached[0] is not output.prompt_logprobs:
+            cached = (output.prompt_logprobs, prompt_logprobs_json(output.prompt_logprobs))
+            self._prompt_json[index] = cached
+        return cached[1]
+
+    def _echo_prompt_logprobs(self, index: int, output: RequestOutput) -> tuple[CompletionLogProbs, int]:
+        """A fresh copy of prompt index's echoed-token logprobs (the caller extends it) and its end offset."""
+        cached = self._echo_logprobs.get(index)
+        if cached is None or cached[0] is not output.prompt_logprobs:
+            built, end = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs or [],
+                                             self.token_text, 0)
+            cached = (output.prompt_logprobs, built, end)
+            self._echo_logprobs[index] = cached
+        _, built, end = cached
+        # Fresh lists (the entries are immutable floats/strs or dicts nobody mutates).
+        return CompletionLogProbs(text_offset=list(built.text_offset), token_logprobs=list(built.token_logprobs),
+                                  tokens=list(built.tokens), top_logprobs=list(built.top_logprobs)), end
 
     def usage(self) -> Any:
         return make_usage(sum(self.num_prompt_tokens), sum(self.num_completion_tokens), sum(self.num_cached_tokens))

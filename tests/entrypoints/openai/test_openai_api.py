@@ -222,6 +222,49 @@ def test_prompt_logprobs_and_echo_with_logprobs(client, reference) -> None:
     assert chat_rows[0] is None and all(len(row) == 1 for row in chat_rows[1:])
 
 
+def test_n_choices_share_one_prompt_logprobs_build(client, monkeypatch) -> None:
+    """n=3: every choice carries the same prompt logprobs, built once per prompt, not once per choice."""
+    from engine.entrypoints.openai import serving_completion
+
+    built_rows: list[object] = []
+    echo_builds: list[list[int]] = []
+    real_json, real_completion = serving_completion.prompt_logprobs_json, serving_completion.completion_logprobs
+
+    def count_json(rows):  # noqa: ANN001, ANN202
+        built_rows.append(rows)
+        return real_json(rows)
+
+    def count_completion(token_ids, steps, token_text, text_offset):  # noqa: ANN001, ANN202
+        echo_builds.append(list(token_ids))
+        return real_completion(token_ids, steps, token_text, text_offset)
+
+    monkeypatch.setattr(serving_completion, "prompt_logprobs_json", count_json)
+    monkeypatch.setattr(serving_completion, "completion_logprobs", count_completion)
+    prompts = [PROMPT, "Once upon a time"]
+    response = client.completions.create(model="tiny", prompt=prompts, max_tokens=3, n=3, temperature=1.0,
+                                         seed=7, extra_body={"prompt_logprobs": 1})
+    assert len(response.choices) == 6 and len(built_rows) == 2  # one build per prompt
+    for p in range(2):
+        rows = [choice.model_extra["prompt_logprobs"] for choice in response.choices[3 * p:3 * p + 3]]
+        assert rows[0] is not None and rows[0][0] is None and rows[1] == rows[0] and rows[2] == rows[0]
+    assert response.choices[0].model_extra["prompt_logprobs"] != response.choices[3].model_extra["prompt_logprobs"]
+
+    # echo + logprobs: the echoed prompt tokens' logprobs are built once, each choice then adds its own.
+    echo_builds.clear()
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, n=3, temperature=1.0, seed=7,
+                                       echo=True, logprobs=1)
+    num_prompt = echoed.usage.prompt_tokens
+    prompt_builds = [ids for ids in echo_builds if len(ids) == num_prompt]
+    assert len(prompt_builds) == 1 and len(echo_builds) == 1 + 3
+    heads = [(c.logprobs.tokens[:num_prompt], c.logprobs.token_logprobs[:num_prompt],
+              c.logprobs.text_offset[:num_prompt]) for c in echoed.choices]
+    assert heads[1] == heads[0] and heads[2] == heads[0]
+    for choice in echoed.choices:
+        assert len(choice.logprobs.tokens) == num_prompt + 3 and choice.text.startswith(PROMPT)
+        # offsets continue from the echoed text, per choice
+        assert choice.logprobs.text_offset[num_prompt] == heads[0][2][-1] + len(heads[0][0][-1])
+
+
 def test_tokenize_detokenize(server, client) -> None:
     tokenizer = server.engine.get_tokenizer()
     with httpx.Client(base_url=server.url, timeout=60) as http:
