@@ -150,3 +150,18 @@ def test_rebound_kv_caches_rebuild_the_plan(tiny_llama_dir, monkeypatch, driver_
     logits, greedy = _run(model, second)  # a new harness: new caches bound
     assert driver_steps == [1, 1, 1, 3, 3, 17, 12] * 2
     assert torch.equal(logits, reference[0]) and greedy == reference[1]
+
+
+def test_a_slot_past_the_cache_is_refused_not_written(tiny_llama_dir, monkeypatch, driver_steps):
+    monkeypatch.setenv("LMC_DECODE_STACK", "1")
+    bump_weights_version()
+    harness = PagedHarness(_model(tiny_llama_dir, "int8"), num_blocks=8, block_size=16)
+    harness.step([("a", list(range(1, 17)))])  # one full block
+    harness.step([("b", [3])])  # a one-token prompt: a query of 1, the driver's
+    assert driver_steps == [1]
+    before = [cache.clone() for cache in harness.kv_caches]
+    harness.free_blocks = [8]  # one past the 8-block cache: position 16 of "a" lands in it
+    with pytest.raises(IndexError, match="past the cache's 128 slots"):
+        harness.step([("a", [5]), ("b", [6])])
+    assert driver_steps == [1]  # the driver declined (nothing written); the usual forward named the slot
+    assert all(torch.equal(cache, old) for cache, old in zip(harness.kv_caches, before))
