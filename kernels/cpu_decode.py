@@ -33,7 +33,7 @@ SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
 KERNELS = ("quantize_act", "quant_gemm", "rms_norm_bf16", "add_rms_norm_bf16", "rms_norm_heads_bf16",
            "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16")
 GLOBALS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "qk_norm",
-           "max_rows", "max_position")
+           "max_rows", "max_position", "num_slots")
 LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias")
 LAYER_TAIL = ("in_norm", "post_norm", "q_norm", "k_norm", "k_cache", "v_cache", "block_stride", "window")
 LAYER_FIELDS = 4 * len(LINEAR) + len(LAYER_TAIL)

@@ -50,7 +50,8 @@ def _write_cache(
     key = key.reshape(key.shape[0], row)  # [num_tokens, num_kv_heads * head_dim]
     value = value.reshape(value.shape[0], row)
     if token_idx is None and cpu_attention.supports_cache_write(key, value, kv_cache):
-        cpu_attention.reshape_and_cache(key, value, kv_cache, slots)
+        # The C kernel reads slots as a plain int64 vector; index_copy_ took any strided one.
+        cpu_attention.reshape_and_cache(key, value, kv_cache, slots.contiguous())
         return
     if token_idx is not None:
         key, value = key[token_idx], value[token_idx]

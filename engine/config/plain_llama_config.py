@@ -44,6 +44,11 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "pad_token_id", "bos_token_id", "pretraining_tp")
 _BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "attention_bias", "mlp_bias")
 _FLOAT_FIELDS = ("initializer_range", "rms_norm_eps", "attention_dropout")
+# LlamaConfig (@strict) refuses an int for these two (attention_dropout takes either), and an
+# initializer_range outside [0, 1].
+_STRICT_FLOAT_FIELDS = ("initializer_range", "rms_norm_eps")
+# dtype names AutoConfig resolves (it refuses a name torch lacks); anything else goes to it.
+_DTYPE_NAMES = {None, "float32", "float16", "bfloat16", "float64"}
 # Keys transformers writes that change nothing the engine reads.
 _BOOKKEEPING_KEYS = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
                      "_name_or_path"}
@@ -77,13 +82,15 @@ class PlainLlamaConfig:
 def read_plain_llama_config(model_dir: str | Path) -> PlainLlamaConfig | None:
     """model_dir's config as a PlainLlamaConfig, or None when AutoConfig must read it."""
     try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # AutoConfig raises its own error for a missing or broken file
     if not isinstance(raw, dict) or raw.get("model_type") != "llama" \
             or raw.get("architectures") != ["LlamaForCausalLM"]:
         return None
     if set(raw) - set(_LLAMA_DEFAULTS) - _BOOKKEEPING_KEYS - {"rope_parameters", "rope_theta", "rope_scaling"}:
+        return None
+    if raw.get("dtype") not in _DTYPE_NAMES or raw.get("torch_dtype") not in _DTYPE_NAMES:
         return None
     rope = _plain_rope_parameters(raw)
     if rope is None:
@@ -130,5 +137,7 @@ def _types_ok(fields: dict[str, Any]) -> bool:
             and all(fields[k] is None or is_int(fields[k]) for k in _OPTIONAL_INT_FIELDS)
             and all(isinstance(fields[k], bool) for k in _BOOL_FIELDS)
             and all(is_int(fields[k]) or isinstance(fields[k], float) for k in _FLOAT_FIELDS)
+            and all(isinstance(fields[k], float) for k in _STRICT_FLOAT_FIELDS)
+            and 0.0 <= fields["initializer_range"] <= 1.0
             and (eos is None or is_int(eos) or (isinstance(eos, list) and all(map(is_int, eos))))
             and fields["hidden_act"] == "silu")

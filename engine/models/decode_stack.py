@@ -190,7 +190,8 @@ class DecodeStack:
         cos = model.rotary_emb.cos
         g = {"layers": len(model.layers), "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "inter": inter, "block_size": block_size, "qk_norm": int(first.use_qk_norm),
-             "max_rows": self.max_rows, "max_position": cos.shape[0]}
+             "max_rows": self.max_rows, "max_position": cos.shape[0],
+             "num_slots": min(c.shape[1] for c in caches) * block_size}  # the K/V writes' bound
         self._globals = torch.tensor([g[name] for name in cpu_decode.GLOBALS], dtype=torch.int64)
         self._eps = float(model.norm.eps)
         self._scale = float(attn0.scale)

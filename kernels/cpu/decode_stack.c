@@ -63,7 +63,7 @@ enum { K_QUANTIZE_ACT, K_QUANT_GEMM, K_RMS_NORM, K_ADD_RMS_NORM, K_RMS_NORM_HEAD
 
 /* Model-wide integers (int64 each), in this order. */
 enum { G_LAYERS, G_HIDDEN, G_HEADS, G_KV_HEADS, G_HEAD_DIM, G_INTER, G_BLOCK_SIZE, G_QK_NORM,
-       G_MAX_ROWS, G_MAX_POSITION, G_COUNT };
+       G_MAX_ROWS, G_MAX_POSITION, G_NUM_SLOTS, G_COUNT };
 
 /* One linear: 8 int64, in this order. fmt: quant_gemm's (0 b8, 1 b4, 2 c8) or FMT_DENSE_BF16. */
 enum { L_FMT, L_N, L_K, L_KP, L_W, L_SCALES, L_OFFSETS, L_BIAS, L_COUNT };
@@ -161,7 +161,8 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
     const int64_t half = D / 2, block_size = g[G_BLOCK_SIZE];
     if (rows <= 0 || rows > g[G_MAX_ROWS]) return -1;
     for (int64_t m = 0; m < rows; m++)
-        if (slots[m] < 0 || positions[m] < 0 || positions[m] >= g[G_MAX_POSITION]) return -1;
+        if (slots[m] < 0 || slots[m] >= g[G_NUM_SLOTS] || positions[m] < 0 || positions[m] >= g[G_MAX_POSITION])
+            return -1; /* the usual forward: its reshape_and_cache names a slot past the cache */
 
     bf16 *res = (bf16 *)buf[B_RES_A], *x = (bf16 *)buf[B_RES_B];
     bf16 *normed = (bf16 *)buf[B_NORMED], *qkv = (bf16 *)buf[B_QKV], *attn = (bf16 *)buf[B_ATTN];

@@ -187,6 +187,17 @@ def test_reshape_and_cache_skips_minus_one():
     assert int((kv_cache != 0).flatten(3).any(-1).sum()) == 4  # 2 slots x (K, V), nothing else
 
 
+def test_reshape_and_cache_takes_a_strided_slot_mapping():
+    kv_cache = torch.zeros(get_kv_cache_shape(4, BLOCK_SIZE, 2, 8))
+    key = torch.arange(3 * 16, dtype=torch.float32).view(3, 2, 8) + 1
+    slots = torch.tensor([5, 0, 9, 0, 2 * BLOCK_SIZE + 3, 0])[::2]  # a view with stride 2
+    reshape_and_cache(key, -key, kv_cache, slots)
+    flat = kv_cache.view(2, -1, 2, 8)
+    for i, slot in enumerate([5, 9, 2 * BLOCK_SIZE + 3]):
+        assert torch.equal(flat[0, slot], key[i]) and torch.equal(flat[1, slot], -key[i])
+    assert int((kv_cache != 0).flatten(3).any(-1).sum()) == 6  # 3 slots x (K, V), nothing else
+
+
 def test_causal_attention_without_cache_matches_reference():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(10, n * 16, generator=gen) for n in (4, 2, 2))

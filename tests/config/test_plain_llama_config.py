@@ -52,6 +52,7 @@ def test_tiny_llama_config_matches_autoconfig(tiny_llama_dir: Path) -> None:
     {"rope_theta": 500000, "num_key_value_heads": 2, "rms_norm_eps": 1e-5},  # older spelling
     {"rope_parameters": {"rope_theta": 1234.5, "rope_type": "default"}, "head_dim": 32},
     {"rope_scaling": None, "eos_token_id": [2, 7], "pad_token_id": None, "torch_dtype": "bfloat16"},
+    {"dtype": "float32", "attention_dropout": 0, "initializer_range": 1.0},  # int dropout: LlamaConfig takes it
 ])
 def test_written_configs_match_autoconfig(tmp_path: Path, extra: dict[str, Any]) -> None:
     _assert_same_as_autoconfig(_write(tmp_path, {**_BASE, **extra}))
@@ -65,6 +66,9 @@ def test_written_configs_match_autoconfig(tmp_path: Path, extra: dict[str, Any])
     {"hidden_size": "64"},  # wrong type
     {"num_attention_heads": 5},  # 64 not divisible: AutoConfig's own error
     {"hidden_act": "gelu"},
+    # AutoConfig (LlamaConfig's strict fields) refuses these: the reader must not take them
+    {"rms_norm_eps": 0}, {"rms_norm_eps": 1}, {"initializer_range": 5.0}, {"initializer_range": 0},
+    {"dtype": "nonsense"}, {"torch_dtype": "float99"},
 ])
 def test_anything_else_goes_to_autoconfig(tmp_path: Path, change: dict[str, Any]) -> None:
     assert read_plain_llama_config(_write(tmp_path, {**_BASE, **change})) is None

@@ -82,3 +82,11 @@ def test_serve_refuses_bad_flags(captured: dict[str, Any], argv: list[str], mess
     result = runner.invoke(app, argv)
     assert result.exit_code == 2 and message in result.output, result.output
     assert "model" not in captured  # refused before any engine starts
+
+
+def test_serve_prefaults_the_kv_cache_unless_told_not_to(captured: dict[str, Any]) -> None:
+    assert runner.invoke(app, ["serve", "--port", "0"]).exit_code == 0
+    assert captured["args"]["kv_cache_prefault"] is True  # on by default for serve
+    result = runner.invoke(app, ["serve", "--port", "0", "--no-kv-cache-prefault"])
+    assert result.exit_code == 0, result.output
+    assert captured["args"]["kv_cache_prefault"] is False

@@ -88,6 +88,13 @@ def _run(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list[
     return torch.cat(got), greedy
 
 
+def _quantized_driver_steps() -> list[int]:
+    """The rows of _run's steps the driver serves for a quantized model: the 17-row step only
+    where the bound is above 16 (a CPU with AMX: cpu_quant.dense_rows() is 16 there)."""
+    bound = min(decode_stack.MAX_ROWS, cpu_quant.dense_rows())
+    return [1, 1, 1, 3, 3] + ([17] if bound >= 17 else []) + [12]
+
+
 def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
     prompt = torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     monkeypatch.setenv("LMC_DECODE_STACK", "0")
@@ -102,7 +109,7 @@ def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monkeypatch, driver_steps):
     (ref_logits, ref_greedy), (logits, greedy) = _both(request.getfixturevalue(fixture), quant, monkeypatch)
-    assert driver_steps == [1, 1, 1, 3, 3, 17, 12], "the driver serves exactly the pure-decode steps"
+    assert driver_steps == _quantized_driver_steps(), "the driver serves exactly the pure-decode steps"
     assert torch.equal(logits, ref_logits)
     assert greedy == ref_greedy
 
@@ -148,5 +155,20 @@ def test_rebound_kv_caches_rebuild_the_plan(tiny_llama_dir, monkeypatch, driver_
     model = _model(tiny_llama_dir, "int8")
     _run(model, first)
     logits, greedy = _run(model, second)  # a new harness: new caches bound
-    assert driver_steps == [1, 1, 1, 3, 3, 17, 12] * 2
+    assert driver_steps == _quantized_driver_steps() * 2
     assert torch.equal(logits, reference[0]) and greedy == reference[1]
+
+
+def test_a_slot_past_the_cache_is_refused_not_written(tiny_llama_dir, monkeypatch, driver_steps):
+    monkeypatch.setenv("LMC_DECODE_STACK", "1")
+    bump_weights_version()
+    harness = PagedHarness(_model(tiny_llama_dir, "int8"), num_blocks=8, block_size=16)
+    harness.step([("a", list(range(1, 17)))])  # one full block
+    harness.step([("b", [3])])  # a one-token prompt: a query of 1, the driver's
+    assert driver_steps == [1]
+    before = [cache.clone() for cache in harness.kv_caches]
+    harness.free_blocks = [8]  # one past the 8-block cache: position 16 of "a" lands in it
+    with pytest.raises(IndexError, match="past the cache's 128 slots"):
+        harness.step([("a", [5]), ("b", [6])])
+    assert driver_steps == [1]  # the driver declined (nothing written); the usual forward named the slot
+    assert all(torch.equal(cache, old) for cache, old in zip(harness.kv_caches, before))
