@@ -378,6 +378,8 @@ def main() -> None:
     parser.add_argument("--save-result", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     import torch
 

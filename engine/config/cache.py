@@ -16,7 +16,8 @@ class CacheConfig:
     # Touch every page of the CPU KV cache at start-up, as vLLM's torch.zeros cache does. Off,
     # pages are faulted in (and zeroed by the kernel) when first written: a cold start pays
     # nothing for the cache, but the first passes over it pay that zeroing inside the steps
-    # (about 0.4 s of a 4 s batched run where the VM backs memory lazily; README "KV cache pages").
+    # (about 0.4 s of a 4 s batched run where the VM backs memory lazily; on CUDA and off Linux
+    # the cache is torch.zeros, every page written already; README "KV cache pages").
     kv_cache_prefault: bool = False
     gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory the engine may use
     num_gpu_blocks_override: int | None = None  # skip the memory budget, use this many blocks

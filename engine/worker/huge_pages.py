@@ -46,12 +46,19 @@ def _anonymous_zeros(nbytes: int) -> tuple[Tensor, bool]:
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset), advised
 
 
-def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """torch.zeros(shape), on huge pages and zeroed lazily where the device is the CPU of a Linux host."""
+def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     prefault: bool = False) -> Tensor:
+    """torch.zeros(shape), on huge pages and zeroed lazily where the device is the CPU of a Linux host.
+
+    prefault: touch every page now (the kernel zeroes them here, not in the first write); moot
+    elsewhere, where torch.zeros has written every page already.
+    """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     flat, advised = _anonymous_zeros(nbytes)
     if not advised:
         logger.debug("huge pages not available for the KV cache")
+    if prefault:
+        flat.zero_()  # torch's threads share the page faults
     return flat.view(dtype).view(shape)

@@ -39,9 +39,11 @@ def get_kv_cache_spec(model: nn.Module, block_size: int) -> dict[str, KVCacheSpe
 
 
 def allocate_kv_caches(
-    model: nn.Module, kv_cache_config: KVCacheConfig, block_size: int, dtype: torch.dtype, device: torch.device
+    model: nn.Module, kv_cache_config: KVCacheConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+    prefault: bool = False,
 ) -> list[Tensor]:
-    """Allocate one tensor per KVCacheTensor and bind it to the layers that share it.
+    """Allocate one tensor per KVCacheTensor and bind it to the layers that share it (prefault:
+    CacheConfig.kv_cache_prefault, see zeros_huge_pages).
 
     Each layer also learns its KV cache group, which picks its block table and slot mapping.
     Returns the tensors in kv_cache_tensors order (one per layer for a single group).
@@ -65,7 +67,7 @@ def allocate_kv_caches(
             )
         ((num_kv_heads, head_dim),) = shapes
         shape = get_kv_cache_shape(kv_cache_config.num_blocks, block_size, num_kv_heads, head_dim)
-        kv_cache = zeros_huge_pages(shape, dtype, device)
+        kv_cache = zeros_huge_pages(shape, dtype, device, prefault)
         for name, layer in zip(tensor_spec.shared_by, sharing):
             layer.kv_cache = kv_cache
             layer.kv_cache_group_id = group_of[name]

@@ -162,10 +162,8 @@ class ModelRunner:
             self.group_metadata_builder = GroupAttentionMetadataBuilder(
                 self.input_batch.block_table, self.buffers.input_ids.cpu.shape[0], self.device)
         self.kv_caches = allocate_kv_caches(self.model, self.kv_cache_config, self.block_size,
-                                            self.dtype, self.device)
-        if self.config.cache_config.kv_cache_prefault and self.device.type == "cpu":
-            for kv_cache in self.kv_caches:
-                kv_cache.zero_()  # faults every page in now (torch's threads share the zeroing)
+                                            self.dtype, self.device,
+                                            prefault=self.config.cache_config.kv_cache_prefault)
         self.kv_transfer.register_kv_caches(
             {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)}, num_groups)
         # Decode graphs read group 0's block table only: hybrid models run eagerly. Tensor-parallel
