@@ -32,7 +32,7 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens].
     """
     num_tokens = slot_mapping.shape[0]
-    slots = slot_mapping.long()
+    slots = slot_mapping.long().contiguous()  # the C writer reads a plain int64 vector
     valid = slots >= 0
     token_idx = None
     if not bool(valid.all()):
@@ -50,8 +50,7 @@ def _write_cache(
     key = key.reshape(key.shape[0], row)  # [num_tokens, num_kv_heads * head_dim]
     value = value.reshape(value.shape[0], row)
     if token_idx is None and cpu_attention.supports_cache_write(key, value, kv_cache):
-        # The C kernel reads slots as a plain int64 vector; index_copy_ took any strided one.
-        cpu_attention.reshape_and_cache(key, value, kv_cache, slots.contiguous())
+        cpu_attention.reshape_and_cache(key, value, kv_cache, slots)
         return
     if token_idx is not None:
         key, value = key[token_idx], value[token_idx]
@@ -167,7 +166,7 @@ def _group_decodes(md: AttentionMetadata, rows: list[int]) -> list[_DecodeGroup]
 def _build_plan(md: AttentionMetadata) -> _Plan:
     """Split the batch into decode groups and prefill chunks (pure bookkeeping, once a step)."""
     num_tokens = md.num_actual_tokens
-    slots = md.slot_mapping[:num_tokens].long()
+    slots = md.slot_mapping[:num_tokens].long().contiguous()  # the C writer reads a plain int64 vector
     valid = slots >= 0
     write_idx = None
     if not bool(valid.all()):
