@@ -30,34 +30,26 @@ from engine.models.embedded import gguf_source, resolve_model_path
 from engine.models.layers import Embedding, Linear
 from engine.models.loader import load_model
 from engine.models.quant import _drop_dense
-from engine.models.quant.perplexity import perplexity, stdlib_text
+from engine.models.quant.perplexity import perplexity, stdlib_text, window_perplexity
 from kernels import cpu_quant
 
 VARIANTS = ("fp32", "bf16", "gguf", "int8", "q8_0", "q4_0", "q4_1", "llamacpp")
 
 
 def llamacpp_perplexity(gguf: Path, token_ids: list[int], window: int, threads: int = 2) -> float:
-    """exp(mean NLL) from llama.cpp's logits, windows as engine.models.quant.perplexity's."""
-    import math
-
+    """exp(mean NLL) from llama.cpp's logits, in engine.models.quant.perplexity's windows."""
     import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=window, n_batch=window, n_ubatch=window,
                 n_threads=threads, logits_all=True, verbose=False)
-    total, count = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        ids = token_ids[start : start + window]
-        if len(ids) < 2:
-            break
+
+    def logits_of(ids: torch.Tensor) -> torch.Tensor:
         llm.reset()
-        llm.eval(ids)
-        logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
-        peak = logits.max(axis=1, keepdims=True)
-        log_z = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-        total += float((log_z - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
-        count += len(ids) - 1
-    return math.exp(total / count)
+        llm.eval(ids.tolist())
+        return torch.from_numpy(np.asarray(llm.scores[: ids.numel() - 1], dtype=np.float64))
+
+    return window_perplexity(token_ids, window, logits_of)
 
 
 def requantize_model(model: torch.nn.Module, type_name: str) -> None:

@@ -290,13 +290,14 @@ def _cold_run(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     phases: dict[str, dict[str, float]] = {}
     last_t, last_cpu, last_pid = launch, 0.0, None
-    for phase, t, cpu, pid in parse_marks(done.stderr):
+    marks = parse_marks(done.stderr)
+    for phase, t, cpu, pid in marks:
         # A phase ends at its mark; its CPU is this process's since the previous mark (the
         # first phase, interpreter start and the CLI's imports, counts from 0).
         phases[phase] = {"wall_s": round(t - last_t, 3),
                          "cpu_s": round(cpu - (last_cpu if pid == last_pid else 0.0), 3)}
         last_t, last_cpu, last_pid = t, cpu, pid
-    first = next((t for phase, t, _, _ in parse_marks(done.stderr) if phase == "first_token"), None)
+    first = next((t for phase, t, _, _ in marks if phase == "first_token"), None)
     return {"wall_s": round(wall, 3), "first_token_s": None if first is None else round(first - launch, 3),
             "cpu_s": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 3),
             "phases": phases, "text": done.stdout.strip()}

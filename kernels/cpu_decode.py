@@ -7,9 +7,9 @@ same kernels in the same order from C, over persistent buffers: the quantized pa
 states are bit-identical to the layer-by-layer forward's.
 
 The driver takes the kernels as function pointers read from their loaded libraries
-(quant_gemm.c, fused_ops.c, paged_attention.c), so it always runs the kernels the rest of the
-engine runs and compiles none of them twice. Its arrays' layouts (enums in decode_stack.c) are
-mirrored here.
+(quant_gemm.c, fused_ops.c, paged_attention.c, cache_write.c), so it always runs the kernels
+the rest of the engine runs and compiles none of them twice. Its arrays' layouts (enums in
+decode_stack.c) are mirrored here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
 
 # decode_stack.c's enums, in order.
 KERNELS = ("quantize_act", "quant_gemm", "rms_norm_bf16", "add_rms_norm_bf16", "rms_norm_heads_bf16",
-           "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16")
+           "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16", "reshape_and_cache_rows")
 GLOBALS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "qk_norm",
            "max_rows", "max_position", "num_slots")
 LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias")
@@ -93,6 +93,7 @@ EXPECTED_ARGTYPES = {
     "silu_and_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64],
     "paged_decode_attention_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P,
                                     _I, _I, _I, _I, _I, _F, _I, _F],
+    "reshape_and_cache_rows": [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64],
 }
 
 
@@ -103,7 +104,8 @@ def kernel_table() -> ctypes.Array | None:
     libraries = {"quant": cpu_quant.load(), "ops": cpu_ops.load(), "attention": cpu_attention.load()}
     if any(lib is None for lib in libraries.values()):
         return None
-    owners = {"quantize_act": "quant", "quant_gemm": "quant", "paged_decode_attention_bf16": "attention"}
+    owners = {"quantize_act": "quant", "quant_gemm": "quant", "paged_decode_attention_bf16": "attention",
+              "reshape_and_cache_rows": "attention"}
     table = (ctypes.c_void_p * len(KERNELS))()
     for i, name in enumerate(KERNELS):
         fn = getattr(libraries[owners.get(name, "ops")], name, None)

@@ -330,9 +330,10 @@ def embedding_rows(qw: QuantWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Rows `ids` of the dense weights, in dtype: an embedding lookup in packed weights."""
     k = qw.in_features
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qw.out_features):
-        raise IndexError(f"embedding ids must be in [0, {qw.out_features}), got "
-                         f"{int(flat.min())}..{int(flat.max())}")
+    if flat.numel():
+        low, high = (int(v) for v in torch.aminmax(flat))  # one pass (every decode step)
+        if low < 0 or high >= qw.out_features:
+            raise IndexError(f"embedding ids must be in [0, {qw.out_features}), got {low}..{high}")
     if dtype not in (torch.bfloat16, torch.float32):
         return embedding_rows(qw, ids, torch.float32).to(dtype)
     out = torch.empty(flat.numel(), k, dtype=dtype)

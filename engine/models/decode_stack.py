@@ -162,8 +162,9 @@ class DecodeStack:
         caches = self._caches
         if any(c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches):
             return False
-        if any(layer.self_attn.attn.kv_cache_group_id or layer.self_attn.attn.backend is not torch_backend
-               for layer in model.layers):
+        # one scale and soft-cap for every layer: the driver takes them once
+        if any(attn.kv_cache_group_id or attn.backend is not torch_backend or attn.scale != attn0.scale
+               or attn.logits_soft_cap != attn0.logits_soft_cap for attn in self._attns):
             return False
         block_size = caches[0].shape[2]
         if any(c.shape[2] != block_size for c in caches):
@@ -193,12 +194,6 @@ class DecodeStack:
              "max_rows": self.max_rows, "max_position": cos.shape[0],
              "num_slots": min(c.shape[1] for c in caches) * block_size}  # the K/V writes' bound
         self._globals = torch.tensor([g[name] for name in cpu_decode.GLOBALS], dtype=torch.int64)
-        self._eps = float(model.norm.eps)
-        self._scale = float(attn0.scale)
-        self._soft_cap = float(attn0.logits_soft_cap or 0.0)
-        if any(layer.self_attn.attn.logits_soft_cap != attn0.logits_soft_cap
-               or layer.self_attn.attn.scale != attn0.scale for layer in model.layers):
-            return False
         m = self.max_rows
         kp = max(cpu_quant.padded(hidden), cpu_quant.padded(inter))
         bf16 = torch.bfloat16
@@ -207,11 +202,12 @@ class DecodeStack:
                  "gate_up": (m * 2 * inter, bf16), "act": (m * inter, bf16), "xq": (m * kp, torch.int8),
                  "xd": (m * kp // cpu_quant.BLOCK, torch.float32), "xs": (m * kp // cpu_quant.BLOCK, torch.float32),
                  "cos": (m * head_dim // 2, torch.float32), "sin": (m * head_dim // 2, torch.float32)}
-        self._buffers = [torch.empty(*sizes[name][:1], dtype=sizes[name][1]) for name in cpu_decode.BUFFERS]
+        self._buffers = [torch.empty(numel, dtype=dtype) for numel, dtype in (sizes[name] for name in cpu_decode.BUFFERS)]
         self._buffer_ptrs = (ctypes.c_void_p * len(self._buffers))(*(b.data_ptr() for b in self._buffers))
         self._keep = keep + [model.norm.weight, cos, model.rotary_emb.sin]
         self._args = (ctypes.c_void_p(self._globals.data_ptr()), ctypes.c_void_p(self._layers.data_ptr()),
-                      ctypes.c_void_p(model.norm.weight.data_ptr()), self._eps, self._scale, self._soft_cap,
+                      ctypes.c_void_p(model.norm.weight.data_ptr()), float(model.norm.eps), float(attn0.scale),
+                      float(attn0.logits_soft_cap or 0.0),
                       ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(model.rotary_emb.sin.data_ptr()))
         return True
 

@@ -112,6 +112,18 @@ def is_norm(hf_name: str) -> bool:
     return hf_name.endswith("norm.weight")
 
 
+def permuted_rope_heads(hf_name: str, arch: GGUFArchitecture, heads: int, kv_heads: int) -> int | None:
+    """The head count to un-permute a checkpoint tensor's rows by (q_proj: heads, k_proj:
+    kv_heads) in a file whose converter interleaved them (llama); None for any other tensor."""
+    if not arch.permuted_qk:
+        return None
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return heads
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return kv_heads
+    return None
+
+
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaved-rope row order for a q/k projection [heads*D, in]."""
     rows = weight.shape[0]

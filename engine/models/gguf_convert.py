@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.models.gguf_arch import (  # noqa: F401 - re-exported: the converter's public names
     SUPPORTED_GGUF_ARCHITECTURES, end_of_generation_ids, gguf_architecture, gguf_config_dict,
-    hf_tensor_name, is_norm, unpermute_rope_rows,
+    hf_tensor_name, is_norm, permuted_rope_heads, unpermute_rope_rows,
 )
 from engine.models.gguf_arch import _field
 
@@ -38,10 +38,9 @@ def gguf_state_dict(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         name = hf_tensor_name(t.name, arch)
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
         array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-        if arch.permuted_qk and name.endswith("self_attn.q_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_attention_heads"])
-        elif arch.permuted_qk and name.endswith("self_attn.k_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_key_value_heads"])
+        rope_heads = permuted_rope_heads(name, arch, config["num_attention_heads"], config["num_key_value_heads"])
+        if rope_heads is not None:
+            array = unpermute_rope_rows(array, rope_heads)
         if arch.norm_shift and is_norm(name):
             array = array - np.float32(arch.norm_shift)
         if not (array.flags.writeable and array.flags.c_contiguous):

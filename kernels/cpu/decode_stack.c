@@ -40,7 +40,7 @@
 
 typedef uint16_t bf16;
 
-/* The kernels' signatures (kernels/cpu/quant_gemm.c, fused_ops.c, paged_attention.c). */
+/* The kernels' signatures (kernels/cpu/quant_gemm.c, fused_ops.c, paged_attention.c, cache_write.c). */
 typedef void (*quantize_act_fn)(const void *, int64_t, int, int64_t, int64_t, int64_t, int, int8_t *,
                                 float *, float *);
 typedef void (*quant_gemm_fn)(int, int64_t, int64_t, int64_t, const uint8_t *, const void *,
@@ -56,10 +56,12 @@ typedef void (*silu_fn)(const bf16 *, int64_t, bf16 *, int64_t, int64_t, int64_t
 typedef int (*decode_attn_fn)(const bf16 *, int64_t, bf16 *, int64_t, const int64_t *,
                               const bf16 *, const bf16 *, int64_t, const int32_t *, int64_t,
                               const int32_t *, int, int, int, int, int, float, int, float);
+typedef int (*cache_write_fn)(const char *, int64_t, const char *, int64_t, char *, char *, int64_t,
+                              const int64_t *, int64_t, int64_t, int64_t);
 
 /* Function table, in this order (kernels/cpu_decode.py KERNELS). */
 enum { K_QUANTIZE_ACT, K_QUANT_GEMM, K_RMS_NORM, K_ADD_RMS_NORM, K_RMS_NORM_HEADS, K_ROTARY,
-       K_SILU, K_DECODE_ATTN, K_COUNT };
+       K_SILU, K_DECODE_ATTN, K_CACHE_WRITE, K_COUNT };
 
 /* Model-wide integers (int64 each), in this order. */
 enum { G_LAYERS, G_HIDDEN, G_HEADS, G_KV_HEADS, G_HEAD_DIM, G_INTER, G_BLOCK_SIZE, G_QK_NORM,
@@ -197,11 +199,11 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
         ((rotary_fn)kern[K_ROTARY])(qkv, qkv_n, cos_rows, sin_rows, rows, heads + kv_heads, D);
         bf16 *k_cache = PTR(bf16 *, y[Y_K_CACHE]), *v_cache = PTR(bf16 *, y[Y_V_CACHE]);
         const int64_t block_stride = y[Y_BLOCK_STRIDE]; /* elements per block */
-        for (int64_t m = 0; m < rows; m++) {
-            const int64_t at = (slots[m] / block_size) * block_stride + (slots[m] % block_size) * kv_size;
-            memcpy(k_cache + at, qkv + m * qkv_n + q_size, (size_t)kv_size * sizeof(bf16));
-            memcpy(v_cache + at, qkv + m * qkv_n + q_size + kv_size, (size_t)kv_size * sizeof(bf16));
-        }
+        /* k, v -> their slots (the caches are contiguous: slot * kv_size; slots checked above) */
+        ((cache_write_fn)kern[K_CACHE_WRITE])((const char *)(qkv + q_size), qkv_n,
+                                              (const char *)(qkv + q_size + kv_size), qkv_n, (char *)k_cache,
+                                              (char *)v_cache, g[G_NUM_SLOTS], slots, rows, kv_size,
+                                              (int64_t)sizeof(bf16));
 #ifdef _OPENMP
         /* The kernel gives each request to one thread: with one row, a parallel region would
          * only add a fork and a join (and a wait for a descheduled thread on a busy machine). */

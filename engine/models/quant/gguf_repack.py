@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.models.gguf_arch import gguf_architecture, hf_tensor_name, unpermute_rope_rows
+from engine.models.gguf_arch import gguf_architecture, hf_tensor_name, permuted_rope_heads, unpermute_rope_rows
 from kernels.cpu_quant import BLOCK, QuantWeight, pack_blocks
 
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
@@ -113,8 +113,8 @@ def read_gguf_quantized(gguf_path: Path, hf_config: Any) -> dict[str, Unpacked]:
         cols, rows = (int(n) for n in t.shape)  # GGUF lists dims innermost first
         name = hf_tensor_name(t.name, arch)
         unpacked = unpack_tensor(type_name, np.asarray(t.data), rows, cols)
-        if arch.permuted_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            n_heads = heads if ".q_proj." in name else kv_heads
+        n_heads = permuted_rope_heads(name, arch, heads, kv_heads)
+        if n_heads is not None:
             unpacked.q = unpermute_rope_rows(unpacked.q, n_heads)
             unpacked.d = unpermute_rope_rows(unpacked.d, n_heads)
             unpacked.m = unpermute_rope_rows(unpacked.m, n_heads)

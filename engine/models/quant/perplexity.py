@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from engine.forward_context import set_forward_context
 
@@ -40,19 +41,29 @@ def stdlib_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
     return "\n\n".join(parts)
 
 
-@torch.inference_mode()
-def perplexity(model: nn.Module, token_ids: list[int], window: int = 512) -> float:
+def window_perplexity(token_ids: list[int], window: int, logits_of: Callable[[Tensor], Tensor]) -> float:
     """exp(mean negative log-likelihood) of each token given the ones before it in its window
-    (non-overlapping windows of `window` tokens, each a fresh context)."""
+    (non-overlapping windows of `window` tokens, each a fresh context); logits_of(ids) gives
+    the logits [len(ids) - 1, vocab] predicting ids[1:] (any system: benchmarks/perplexity.py
+    holds llama.cpp to the same windows)."""
     total, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         ids = torch.tensor(token_ids[start : start + window], dtype=torch.int64)
         if ids.numel() < 2:
             break
-        with set_forward_context(None):
-            hidden = model(ids, torch.arange(ids.numel()))
-        logits = model.compute_logits(hidden[:-1]).double()
-        nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits_of(ids).double(), ids[1:], reduction="sum")
         total += float(nll)
         count += ids.numel() - 1
     return math.exp(total / count)
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, token_ids: list[int], window: int = 512) -> float:
+    """window_perplexity of a loaded model (one forward per window)."""
+
+    def logits_of(ids: Tensor) -> Tensor:
+        with set_forward_context(None):
+            hidden = model(ids, torch.arange(ids.numel()))
+        return model.compute_logits(hidden[:-1])
+
+    return window_perplexity(token_ids, window, logits_of)
