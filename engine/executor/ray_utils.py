@@ -15,6 +15,7 @@ worker's node report, which is ours, is msgspec.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -62,6 +63,16 @@ def core_ray_environment() -> dict[str, str]:
         if name in os.environ:
             environment[name] = os.environ[name]
     return environment
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(error: BaseException) -> str:
+    """A Ray error's first line without the terminal colour codes Ray puts in it (the message
+    reaches the console, HTTP answers and logs, where they show as garbage)."""
+    text = _ANSI_ESCAPE.sub("", str(error)).strip()
+    return text.splitlines()[0] if text else repr(error)
 
 
 def connect(option: str = "distributed_executor_backend") -> bool:

@@ -38,7 +38,7 @@ import msgspec
 from engine.config import EngineArgs
 from engine.errors import EngineStartupError
 from engine.executor.ray_utils import (
-    RAY_NAMESPACE, WorkerNodeInfo, connect, import_ray, make_placement_group, node_info,
+    RAY_NAMESPACE, WorkerNodeInfo, connect, first_line, import_ray, make_placement_group, node_info,
 )
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import EngineAddresses, make_engine_addresses
@@ -144,7 +144,7 @@ class _RayCoreHandle:
             ray.get(self.run_ref)
             self.exitcode, self.reason = 0, "its engine core shut down"
         except Exception as error:  # noqa: BLE001 - ActorDiedError, or Ray itself went away
-            self.exitcode, self.reason = 1, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self.exitcode, self.reason = 1, f"{type(error).__name__}: {first_line(error)}"
         finally:
             self._ended.set()
             with contextlib.suppress(OSError):
