@@ -33,7 +33,7 @@ import msgspec
 from engine.errors import EngineDeadError, EngineUnresponsiveError
 from engine.executor.abstract import Executor
 from engine.executor.ray_utils import (
-    RAY_NAMESPACE, RayWorkerWrapper, WorkerNodeInfo, connect, import_ray, make_placement_group,
+    RAY_NAMESPACE, RayWorkerWrapper, WorkerNodeInfo, connect, import_ray, make_placement_group, worker_bundle,
 )
 from engine.executor.ray_utils import first_line as _first_line
 
@@ -68,7 +68,7 @@ class RayDistributedExecutor(Executor):
         self._steps: queue.SimpleQueue[_StepEntry | None] = queue.SimpleQueue()
         self.started_ray = connect()
         try:
-            self.placement_group = make_placement_group(self.world_size, device)
+            self.placement_group = make_placement_group(self.world_size, worker_bundle(device))
             # The worker's calls run one at a time in submission order; the monitor's
             # never-returning call has a thread of its own.
             actor_class = ray.remote(concurrency_groups={"monitor": 1})(RayWorkerWrapper)

@@ -222,7 +222,7 @@ class RayCores:
             num_cores = engine_args.data_parallel_size
             bundle = core_bundle(engine_args, ray.cluster_resources())
             self.placement_group = make_placement_group(
-                num_cores, "", bundle=bundle, what="engine cores", remedy="lower data_parallel_size")
+                num_cores, bundle, what="engine cores", remedy="lower data_parallel_size")
             actor_class = ray.remote(RayEngineCoreActor)
             names = [f"lmc-core-{os.getpid()}-dp{rank}" for rank in range(num_cores)]
             for rank in range(num_cores):
