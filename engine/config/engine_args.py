@@ -177,6 +177,12 @@ class EngineArgs:
 
         return ECTransferConfig.from_arg(self.ec_transfer_config)
 
+    @property
+    def uses_data_parallel_client(self) -> bool:
+        """Whether the frontend drives its cores through the DP client: several cores, or one
+        core as a Ray actor (data_parallel_backend="ray")."""
+        return self.data_parallel_size > 1 or self.data_parallel_backend == "ray"
+
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
         """Build EngineArgs, naming unknown arguments in the error."""
@@ -293,7 +299,7 @@ class EngineArgs:
         if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
             raise InvalidEngineArgsError(
                 "data_parallel_routing='prefix' needs enable_prefix_caching=True (it follows each core's prefix cache).")
-        if size > 1 or self.data_parallel_backend == "ray":  # ray: even one core runs as an actor
+        if self.uses_data_parallel_client:  # ray: even one core runs as an actor
             if not self.multiprocess:
                 raise InvalidEngineArgsError(
                     f"data_parallel_size={size} with data_parallel_backend={self.data_parallel_backend!r} needs "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,8 +33,9 @@ import msgspec
 from engine.errors import EngineDeadError, EngineUnresponsiveError
 from engine.executor.abstract import Executor
 from engine.executor.ray_utils import (
-    RAY_NAMESPACE, RayWorkerWrapper, WorkerNodeInfo, connect, import_ray, make_placement_group,
+    RAY_NAMESPACE, RayWorkerWrapper, WorkerNodeInfo, connect, import_ray, make_placement_group, worker_bundle,
 )
+from engine.executor.ray_utils import first_line as _first_line
 
 if TYPE_CHECKING:
     from engine.model_runner_output import ModelRunnerOutput
@@ -68,7 +68,7 @@ class RayDistributedExecutor(Executor):
         self._steps: queue.SimpleQueue[_StepEntry | None] = queue.SimpleQueue()
         self.started_ray = connect()
         try:
-            self.placement_group = make_placement_group(self.world_size, device)
+            self.placement_group = make_placement_group(self.world_size, worker_bundle(device))
             # The worker's calls run one at a time in submission order; the monitor's
             # never-returning call has a thread of its own.
             actor_class = ray.remote(concurrency_groups={"monitor": 1})(RayWorkerWrapper)
@@ -258,13 +258,3 @@ def _local_ranks(infos: list[WorkerNodeInfo]) -> tuple[list[int], dict[str, str]
 
 def _name(method: str | Callable[..., Any]) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", "a function")
-
-
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _first_line(error: BaseException) -> str:
-    """A Ray error's first line without the terminal colour codes Ray puts in it (the message
-    reaches the console, HTTP answers and logs, where they show as garbage)."""
-    text = _ANSI_ESCAPE.sub("", str(error)).strip()
-    return text.splitlines()[0] if text else repr(error)

@@ -15,6 +15,7 @@ worker's node report, which is ours, is msgspec.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -64,6 +65,16 @@ def core_ray_environment() -> dict[str, str]:
     return environment
 
 
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(error: BaseException) -> str:
+    """A Ray error's first line without the terminal colour codes Ray puts in it (the message
+    reaches the console, HTTP answers and logs, where they show as garbage)."""
+    text = _ANSI_ESCAPE.sub("", str(error)).strip()
+    return text.splitlines()[0] if text else repr(error)
+
+
 def connect(option: str = "distributed_executor_backend") -> bool:
     """Join the cluster (see the module docstring); True when this call started a local instance."""
     ray = import_ray(option)
@@ -86,14 +97,13 @@ def worker_bundle(device: str) -> dict[str, float]:
     return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
 
 
-def make_placement_group(world_size: int, device: str, bundle: dict[str, float] | None = None,
-                         what: str = "workers", remedy: str = "lower tensor_parallel_size") -> Any:
-    """One bundle per rank (worker_bundle(device) unless given), reserved before any actor starts;
-    a clear error when the cluster is too small."""
+def make_placement_group(world_size: int, bundle: dict[str, float], what: str = "workers",
+                         remedy: str = "lower tensor_parallel_size") -> Any:
+    """world_size copies of bundle (one per rank: worker_bundle for the workers), reserved before
+    any actor starts; a clear error when the cluster is too small."""
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundle = bundle or worker_bundle(device)
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)

@@ -15,11 +15,6 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
-def _data_parallel(engine_args: EngineArgs) -> bool:
-    """The DP client: several cores, or one core as a Ray actor (data_parallel_backend="ray")."""
-    return engine_args.data_parallel_size > 1 or engine_args.data_parallel_backend == "ray"
-
-
 def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None,
                 on_config: Callable[[EngineConfig], None] | None = None,
                 ) -> tuple[EngineCoreClient, EngineConfig]:
@@ -30,7 +25,7 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
     on_config (in-process core only) gets the resolved config before the weights load, so the
     caller can start work that needs only the config (the tokenizer, on a thread) meanwhile.
     """
-    if _data_parallel(engine_args):
+    if engine_args.uses_data_parallel_client:
         client: EngineCoreClient = SyncDPClient(engine_args, while_starting=while_starting)
         return client, engine_args.create_frontend_config(client.ready_info)  # type: ignore[attr-defined]
     if engine_args.multiprocess:
@@ -47,7 +42,7 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
 def make_async_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None
                       ) -> AsyncMPClient | AsyncDPClient:
     """The client AsyncLLM uses: AsyncDPClient for data_parallel_size > 1, else AsyncMPClient."""
-    if _data_parallel(engine_args):
+    if engine_args.uses_data_parallel_client:
         return AsyncDPClient(engine_args, while_starting=while_starting)
     return AsyncMPClient(engine_args, while_starting=while_starting)
 

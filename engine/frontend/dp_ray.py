@@ -38,7 +38,7 @@ import msgspec
 from engine.config import EngineArgs
 from engine.errors import EngineStartupError
 from engine.executor.ray_utils import (
-    RAY_NAMESPACE, WorkerNodeInfo, connect, import_ray, make_placement_group, node_info,
+    RAY_NAMESPACE, WorkerNodeInfo, connect, first_line, import_ray, make_placement_group, node_info,
 )
 from engine.frontend.engine_process import EngineProcess
 from engine.ipc import EngineAddresses, make_engine_addresses
@@ -144,7 +144,7 @@ class _RayCoreHandle:
             ray.get(self.run_ref)
             self.exitcode, self.reason = 0, "its engine core shut down"
         except Exception as error:  # noqa: BLE001 - ActorDiedError, or Ray itself went away
-            self.exitcode, self.reason = 1, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self.exitcode, self.reason = 1, f"{type(error).__name__}: {first_line(error)}"
         finally:
             self._ended.set()
             with contextlib.suppress(OSError):
@@ -222,7 +222,7 @@ class RayCores:
             num_cores = engine_args.data_parallel_size
             bundle = core_bundle(engine_args, ray.cluster_resources())
             self.placement_group = make_placement_group(
-                num_cores, "", bundle=bundle, what="engine cores", remedy="lower data_parallel_size")
+                num_cores, bundle, what="engine cores", remedy="lower data_parallel_size")
             actor_class = ray.remote(RayEngineCoreActor)
             names = [f"lmc-core-{os.getpid()}-dp{rank}" for rank in range(num_cores)]
             for rank in range(num_cores):

@@ -9,7 +9,7 @@ the engine sees the request.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -135,7 +135,7 @@ class _ChoiceView:
         # of one prompt share its prompt logprobs, so they are built once, not once per choice; the
         # rows are held so that the identity check cannot match a recycled id().
         self._prompt_json: dict[int, tuple[Any, Any]] = {}
-        self._echo_logprobs: dict[int, tuple[Any, CompletionLogProbs, int]] = {}
+        self._echo_logprobs: dict[int, tuple[Any, tuple[CompletionLogProbs, int]]] = {}
 
     def count_prompt(self, index: int, output: RequestOutput) -> None:
         self.num_prompt_tokens[index] = len(output.prompt_token_ids)
@@ -152,19 +152,24 @@ class _ChoiceView:
             text = self.prompt_texts[index] + text
             self.echo_pending[i] = False
             if request.logprobs is not None:  # the prompt's tokens first, offsets from 0
-                echo_logprobs, self.offsets[i] = self._echo_prompt_logprobs(index, output)
+                echo_logprobs, self.offsets[i] = self._per_prompt(
+                    self._echo_logprobs, index, output, lambda: completion_logprobs(
+                        output.prompt_token_ids, output.prompt_logprobs or [], self.token_text, 0))
         logprobs: CompletionLogProbs | None = None
         if request.logprobs is not None:
             logprobs, self.offsets[i] = completion_logprobs(
                 completion.token_ids, completion.logprobs or [], self.token_text, self.offsets[i])
-            if echo_logprobs is not None:
-                for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
-                    getattr(echo_logprobs, name).extend(getattr(logprobs, name))
-                logprobs = echo_logprobs
+            if echo_logprobs is not None:  # new lists: the cached echo is shared by the n choices
+                logprobs = CompletionLogProbs(
+                    text_offset=echo_logprobs.text_offset + logprobs.text_offset,
+                    token_logprobs=echo_logprobs.token_logprobs + logprobs.token_logprobs,
+                    tokens=echo_logprobs.tokens + logprobs.tokens,
+                    top_logprobs=echo_logprobs.top_logprobs + logprobs.top_logprobs)
         choice = cls(index=i, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
                      stop_reason=completion.stop_reason)
         if request.prompt_logprobs is not None:
-            choice.prompt_logprobs = self._prompt_logprobs_json(index, output)
+            choice.prompt_logprobs = self._per_prompt(  # shared by the choices (read-only)
+                self._prompt_json, index, output, lambda: prompt_logprobs_json(output.prompt_logprobs))
         if request.return_token_ids:
             choice.token_ids = list(completion.token_ids)
             if self.prompt_ids_pending[i]:
@@ -172,26 +177,15 @@ class _ChoiceView:
                 self.prompt_ids_pending[i] = False
         return choice
 
-    def _prompt_logprobs_json(self, index: int, output: RequestOutput) -> Any:
-        """Prompt index's prompt_logprobs field, built once and shared by its choices (read-only)."""
-        cached = self._prompt_json.get(index)
+    @staticmethod
+    def _per_prompt(cache: dict[int, tuple[Any, Any]], index: int, output: RequestOutput,
+                    build: Callable[[], Any]) -> Any:
+        """build() of prompt index's prompt logprobs, made once per engine rows object (the
+        choices of one prompt, and later outputs that carry the same rows, reuse it)."""
+        cached = cache.get(index)
         if cached is None or cached[0] is not output.prompt_logprobs:
-            cached = (output.prompt_logprobs, prompt_logprobs_json(output.prompt_logprobs))
-            self._prompt_json[index] = cached
+            cached = cache[index] = (output.prompt_logprobs, build())
         return cached[1]
-
-    def _echo_prompt_logprobs(self, index: int, output: RequestOutput) -> tuple[CompletionLogProbs, int]:
-        """A fresh copy of prompt index's echoed-token logprobs (the caller extends it) and its end offset."""
-        cached = self._echo_logprobs.get(index)
-        if cached is None or cached[0] is not output.prompt_logprobs:
-            built, end = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs or [],
-                                             self.token_text, 0)
-            cached = (output.prompt_logprobs, built, end)
-            self._echo_logprobs[index] = cached
-        _, built, end = cached
-        # Fresh lists (the entries are immutable floats/strs or dicts nobody mutates).
-        return CompletionLogProbs(text_offset=list(built.text_offset), token_logprobs=list(built.token_logprobs),
-                                  tokens=list(built.tokens), top_logprobs=list(built.top_logprobs)), end
 
     def usage(self) -> Any:
         return make_usage(sum(self.num_prompt_tokens), sum(self.num_completion_tokens), sum(self.num_cached_tokens))
