@@ -40,6 +40,7 @@ _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # block_table, its stride, seq_lens
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # reqs, heads, kv, D, bs
     ctypes.c_float, ctypes.c_int, ctypes.c_float,  # scale, window, soft_cap
+    ctypes.c_int64, ctypes.c_int64,  # the cache's blocks, block_table's entries a row
 ]
 
 
@@ -50,6 +51,7 @@ _PREFILL_ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # q_starts, q_lens, seq_lens, n
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, D, block size
     ctypes.c_float, ctypes.c_int, ctypes.c_float,  # scale, window, soft_cap
+    ctypes.c_int64, ctypes.c_int64,  # the cache's blocks, block_table's entries a row
 ]
 
 
@@ -105,6 +107,11 @@ def _check_rows(q: Tensor, out: Tensor) -> None:
         raise ValueError("q and out must be [num_tokens, H*D] rows of one dtype, contiguous along H*D")
 
 
+def _block_table_error(kv_cache: Tensor, block_table: Tensor) -> IndexError:
+    return IndexError(f"a block_table row names a block outside the cache's {kv_cache.shape[1]} blocks, "
+                      f"or its sequence needs more than the row's {block_table.shape[1]} entries")
+
+
 def paged_decode_attention(
     q: Tensor, out: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
     token_idx: Tensor | None, num_kv_heads: int, scale: float, sliding_window: int | None = None,
@@ -129,8 +136,10 @@ def paged_decode_attention(
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.stride(1),
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         seq_lens.shape[0], q.shape[1] // head_dim, num_kv_heads, head_dim, block_size,
-        scale, sliding_window or 0, logits_soft_cap or 0.0,
+        scale, sliding_window or 0, logits_soft_cap or 0.0, kv_cache.shape[1], block_table.shape[1],
     )
+    if status == -3:
+        raise _block_table_error(kv_cache, block_table)
     if status != 0:
         raise ValueError(f"unsupported shape for the CPU decode kernel: head_dim {head_dim} "
                          f"(max 256), block_size {block_size} (max 64), "
@@ -161,8 +170,10 @@ def paged_prefill_attention(
         block_table.data_ptr(), block_table.stride(0),
         q_starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), q_lens.shape[0],
         q.shape[1] // head_dim, num_kv_heads, head_dim, block_size,
-        scale, sliding_window or 0, logits_soft_cap or 0.0,
+        scale, sliding_window or 0, logits_soft_cap or 0.0, kv_cache.shape[1], block_table.shape[1],
     )
+    if status == -3:
+        raise _block_table_error(kv_cache, block_table)
     if status == -2:
         raise MemoryError("the CPU prefill kernel could not allocate its per-thread scratch")
     if status != 0:

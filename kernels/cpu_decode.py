@@ -37,7 +37,8 @@ GLOBALS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_
 LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias")
 LAYER_TAIL = ("in_norm", "post_norm", "q_norm", "k_norm", "k_cache", "v_cache", "block_stride", "window")
 LAYER_FIELDS = 4 * len(LINEAR) + len(LAYER_TAIL)
-STEP = ("rows", "embeds", "out", "positions", "slots", "block_table", "block_table_stride", "seq_lens")
+STEP = ("rows", "embeds", "out", "positions", "slots", "block_table", "block_table_stride", "seq_lens",
+        "blocks_per_row")
 BUFFERS = ("res_a", "res_b", "normed", "qkv", "attn", "gate_up", "act", "xq", "xd", "xs", "cos", "sin")
 FMT_DENSE_BF16 = 16
 
@@ -92,7 +93,7 @@ EXPECTED_ARGTYPES = {
     "rotary_neox_bf16": [_P, _I64, _P, _P, _I64, _I64, _I64],
     "silu_and_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64],
     "paged_decode_attention_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P,
-                                    _I, _I, _I, _I, _I, _F, _I, _F],
+                                    _I, _I, _I, _I, _I, _F, _I, _F, _I64, _I64],
     "reshape_and_cache_rows": [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64],
 }
 

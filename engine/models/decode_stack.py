@@ -237,6 +237,7 @@ class DecodeStack:
         step[0], step[1], step[2], step[3] = rows, embeds.data_ptr(), out.data_ptr(), positions.data_ptr()
         step[4], step[5], step[6], step[7] = (slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                               seq_lens.data_ptr())
+        step[8] = block_table.shape[1]
         status = self.library.decode_stack_run(self.kernels, *self._args, self._buffer_ptrs, step)
         if status == -1:
             return None

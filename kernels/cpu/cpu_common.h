@@ -23,6 +23,20 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
+/* Whether the block-table row of a sequence of seq_len tokens names, in every entry the
+ * attention kernels read (0 .. (seq_len - 1) / block_size), a block of the cache: the row has
+ * that many entries (blocks_per_row) and each lies in [0, num_blocks). The kernels index the
+ * cache with these entries, so a bad table is refused here rather than read out of bounds. */
+static inline int block_row_in_cache(const int32_t *row, int64_t blocks_per_row, int64_t seq_len,
+                                     int64_t block_size, int64_t num_blocks) {
+    if (seq_len <= 0) return 1;
+    const int64_t last = (seq_len - 1) / block_size;
+    if (last >= blocks_per_row) return 0;
+    for (int64_t b = 0; b <= last; b++)
+        if (row[b] < 0 || row[b] >= num_blocks) return 0;
+    return 1;
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 

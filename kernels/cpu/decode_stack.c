@@ -55,7 +55,8 @@ typedef void (*rotary_fn)(bf16 *, int64_t, const float *, const float *, int64_t
 typedef void (*silu_fn)(const bf16 *, int64_t, bf16 *, int64_t, int64_t, int64_t);
 typedef int (*decode_attn_fn)(const bf16 *, int64_t, bf16 *, int64_t, const int64_t *,
                               const bf16 *, const bf16 *, int64_t, const int32_t *, int64_t,
-                              const int32_t *, int, int, int, int, int, float, int, float);
+                              const int32_t *, int, int, int, int, int, float, int, float, int64_t,
+                              int64_t);
 typedef int (*cache_write_fn)(const char *, int64_t, const char *, int64_t, char *, char *, int64_t,
                               const int64_t *, int64_t, int64_t, int64_t);
 
@@ -78,7 +79,7 @@ enum { Y_QKV = 0, Y_O = L_COUNT, Y_GATE_UP = 2 * L_COUNT, Y_DOWN = 3 * L_COUNT,
 
 /* Per-step arguments (int64 each), in this order. */
 enum { S_ROWS, S_EMBEDS, S_OUT, S_POSITIONS, S_SLOTS, S_BLOCK_TABLE, S_BLOCK_TABLE_STRIDE,
-       S_SEQ_LENS, S_COUNT };
+       S_SEQ_LENS, S_BLOCKS_PER_ROW, S_COUNT };
 
 /* Scratch buffers, in this order (sized for G_MAX_ROWS rows by the caller). */
 enum { B_RES_A, B_RES_B, B_NORMED, B_QKV, B_ATTN, B_GATE_UP, B_ACT, B_XQ, B_XD, B_XS, B_COS,
@@ -165,6 +166,11 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
     for (int64_t m = 0; m < rows; m++)
         if (slots[m] < 0 || slots[m] >= g[G_NUM_SLOTS] || positions[m] < 0 || positions[m] >= g[G_MAX_POSITION])
             return -1; /* the usual forward: its reshape_and_cache names a slot past the cache */
+    for (int64_t m = 0; m < rows; m++) /* likewise its attention, a block-table entry outside the cache */
+        if (!block_row_in_cache(PTR(const int32_t *, step[S_BLOCK_TABLE]) + m * step[S_BLOCK_TABLE_STRIDE],
+                                step[S_BLOCKS_PER_ROW], PTR(const int32_t *, step[S_SEQ_LENS])[m], block_size,
+                                g[G_NUM_SLOTS] / block_size))
+            return -1;
 
     bf16 *res = (bf16 *)buf[B_RES_A], *x = (bf16 *)buf[B_RES_B];
     bf16 *normed = (bf16 *)buf[B_NORMED], *qkv = (bf16 *)buf[B_QKV], *attn = (bf16 *)buf[B_ATTN];
@@ -213,7 +219,8 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
         const int status = ((decode_attn_fn)kern[K_DECODE_ATTN])(
             qkv, qkv_n, attn, q_size, NULL, k_cache, v_cache, block_stride, block_table,
             step[S_BLOCK_TABLE_STRIDE], seq_lens, (int)rows, (int)heads, (int)kv_heads, (int)D,
-            (int)block_size, scale, (int)y[Y_WINDOW], soft_cap);
+            (int)block_size, scale, (int)y[Y_WINDOW], soft_cap, g[G_NUM_SLOTS] / block_size,
+            step[S_BLOCKS_PER_ROW]);
 #ifdef _OPENMP
         if (rows == 1) omp_set_num_threads(threads);
 #endif

@@ -408,9 +408,12 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
          const T *k_cache, const T *v_cache, int64_t block_stride,                              \
          const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens,       \
          int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
-         float scale, int window, float soft_cap) {                                             \
+         float scale, int window, float soft_cap, int64_t num_blocks, int64_t blocks_per_row) { \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_kv_heads <= 0                  \
         || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP) return -1;    \
+    for (int req = 0; req < num_reqs; req++)                                                    \
+        if (!block_row_in_cache(block_table + (int64_t)req * block_table_stride, blocks_per_row, \
+                                seq_lens[req], block_size, num_blocks)) return -3;              \
     const int group = num_heads / num_kv_heads;                                                 \
     const FN task_fn = PICK_TASK(TASK, D64, D128, head_dim);                                    \
     const request_bf16_fn request_fn = REQUEST(head_dim, num_heads);                            \

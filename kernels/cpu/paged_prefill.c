@@ -513,17 +513,21 @@ static int pf_run_bf16(pf_args *a, int num_chunks) {
 #endif /* AVX512_BF16 */
 
 /* chunk c: query rows q_starts[c] .. + q_lens[c], the last q_lens[c] of seq_lens[c] tokens.
- * Returns 0, -1 for an unsupported shape, -2 when scratch memory could not be allocated. */
+ * Returns 0, -1 for an unsupported shape, -2 when scratch memory could not be allocated, -3
+ * for a block-table entry outside the cache (nothing written then). */
 #define DEFINE_PREFILL_ENTRY(NAME, BF16, T, FAST)                                               \
 int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,                     \
          const T *k_cache, const T *v_cache, int64_t block_stride,                              \
          const int32_t *block_table, int64_t block_table_stride, const int32_t *q_starts,       \
          const int32_t *q_lens, const int32_t *seq_lens, int num_chunks, int num_heads,         \
          int num_kv_heads, int head_dim, int block_size, float scale, int window,               \
-         float soft_cap) {                                                                      \
+         float soft_cap, int64_t num_blocks, int64_t blocks_per_row) {                          \
     if (head_dim > PF_MAX_HEAD_DIM || block_size > PF_MAX_BLOCK || num_kv_heads <= 0            \
         || num_heads % num_kv_heads != 0) return -1;                                            \
     if (num_chunks <= 0) return 0;                                                              \
+    for (int c = 0; c < num_chunks; c++)                                                        \
+        if (!block_row_in_cache(block_table + (int64_t)c * block_table_stride, blocks_per_row,  \
+                                seq_lens[c], block_size, num_blocks)) return -3;                \
     const int group = num_heads / num_kv_heads;                                                 \
     FAST                                                                                        \
     int tiles_before[num_chunks + 1];                                                           \

@@ -109,6 +109,39 @@ def test_bad_arguments_raise_clear_errors():
                                                     torch.ones(1, dtype=torch.int32), None, 1, 0.1)
 
 
+@pytest.mark.parametrize("bad", ["past-the-cache", "negative", "row-too-short"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_block_table_entries_outside_the_cache_are_refused(kernel, bad):
+    """The kernels index the cache with block-table entries: one outside it (or a sequence longer
+    than its row) is an IndexError before anything is read or written, not a wild read."""
+    kv_cache = torch.randn(2, 4, 16, 1, 64)
+    block_table = torch.tensor([[1, 2], [3, 99]], dtype=torch.int32)  # 99: past row 1's one block
+    seq_lens = torch.tensor([20, 10], dtype=torch.int32)
+
+    def run(out: torch.Tensor) -> None:
+        if kernel == "decode":
+            cpu_attention.paged_decode_attention(torch.randn(2, 64), out, kv_cache, block_table, seq_lens,
+                                                 None, 1, 0.125)
+        else:
+            q_lens = torch.tensor([3, 2], dtype=torch.int32)
+            cpu_attention.paged_prefill_attention(torch.randn(5, 64), out, kv_cache, block_table,
+                                                  torch.tensor([0, 3], dtype=torch.int32), q_lens,
+                                                  seq_lens, 1, 0.125)
+
+    rows = 2 if kernel == "decode" else 5
+    run(torch.zeros(rows, 64))  # entries a sequence does not reach are never read, so not checked
+    if bad == "past-the-cache":
+        block_table[0, 1] = 4
+    elif bad == "negative":
+        block_table[1, 0] = -1
+    else:
+        seq_lens[0] = 33  # three blocks; the row has two entries
+    out = torch.zeros(rows, 64)
+    with pytest.raises(IndexError, match="outside the cache's 4 blocks"):
+        run(out)
+    assert torch.all(out == 0)
+
+
 def _prefill_reference(q, kv_cache, block_table, q_starts, q_lens, seq_lens, num_kv_heads, scale,
                        window, soft_cap):
     """float64 causal attention of each chunk's queries over its sequence's cached K/V."""

@@ -172,3 +172,18 @@ def test_a_slot_past_the_cache_is_refused_not_written(tiny_llama_dir, monkeypatc
         harness.step([("a", [5]), ("b", [6])])
     assert driver_steps == [1]  # the driver declined (nothing written); the usual forward named the slot
     assert all(torch.equal(cache, old) for cache, old in zip(harness.kv_caches, before))
+
+
+def test_a_block_table_entry_past_the_cache_is_refused(tiny_llama_dir, monkeypatch, driver_steps):
+    """Slots in the cache but an earlier block-table entry outside it: the driver declines the
+    step and the usual forward's attention names the bad table (no read out of bounds)."""
+    monkeypatch.setenv("LMC_DECODE_STACK", "1")
+    bump_weights_version()
+    harness = PagedHarness(_model(tiny_llama_dir, "int8"), num_blocks=8, block_size=16)
+    harness.step([("a", list(range(1, 17)))])  # one full block
+    harness.step([("b", [3])])
+    assert driver_steps == [1]
+    harness.seqs["a"].block_ids[0] = 8  # one past the 8-block cache; "a"'s next slot is in a new block
+    with pytest.raises(IndexError, match="outside the cache's 8 blocks"):
+        harness.step([("a", [5]), ("b", [6])])
+    assert driver_steps == [1]
