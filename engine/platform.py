@@ -7,11 +7,10 @@ which run in the engine core and the worker, never in the frontend.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidEngineArgsError
+from kernels.cpu_features import cpu_flags, flags_of
 
 if TYPE_CHECKING:
     import torch
@@ -39,22 +38,14 @@ def detect_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU advertises AMX-BF16 or AVX512-BF16 (bf16 matmuls beat fp32 there)."""
-    try:
-        return cpuinfo_has_fast_bf16(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return any(flag in cpu_flags() for flag in _FAST_BF16_FLAGS)
 
 
 def cpuinfo_has_fast_bf16(cpuinfo: str) -> bool:
     """Whether the first `flags` line of /proc/cpuinfo text names a fast-bf16 feature."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return any(flag in flags for flag in _FAST_BF16_FLAGS)
-    return False
+    return any(flag in flags_of(cpuinfo) for flag in _FAST_BF16_FLAGS)
 
 
 def resolve_dtype(dtype: Any, device: str) -> str:

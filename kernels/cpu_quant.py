@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.cpu_build import CpuKernelBuildError, load_library
+from kernels.cpu_features import cpu_flags
 
 SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
 FORMATS = {"b8": 0, "b4": 1, "c8": 2}
@@ -90,13 +91,9 @@ def padded_rows(n: int) -> int:
 
 
 def _cpu_has_amx() -> bool:
-    """Whether the CPU has AMX bf16 tiles (Linux: /proc/cpuinfo), where oneDNN's bf16 matmuls
-    run several times faster than AVX512 dot products."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
+    """Whether the CPU has AMX bf16 tiles, where oneDNN's bf16 matmuls run several times faster
+    than AVX512 dot products."""
+    return "amx_bf16" in cpu_flags()
 
 
 # Rows above which block-format linears dequantize to the activation dtype and multiply with
