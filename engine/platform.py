@@ -7,10 +7,11 @@ which run in the engine core and the worker, never in the frontend.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidEngineArgsError
-from kernels.cpu_features import cpu_flags, flags_of
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,8 @@ _DTYPE_NAMES: dict[str, str] = {
     "half": "float16",
 }
 
+CPUINFO = Path("/proc/cpuinfo")
+
 # /proc/cpuinfo flags that mean bf16 matrix products run in hardware (oneDNN uses them).
 _FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -36,6 +39,24 @@ def detect_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def flags_of(cpuinfo: str) -> frozenset[str]:
+    """The flags of the first `flags` line of /proc/cpuinfo text (empty when there is none)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags, read once: the one /proc/cpuinfo reader (the dtype default here,
+    the quantized kernels' AMX choice); empty where it cannot be read (not Linux)."""
+    try:
+        return flags_of(CPUINFO.read_text(encoding="ascii", errors="replace"))
+    except OSError:
+        return frozenset()
 
 
 def cpu_has_fast_bf16() -> bool:

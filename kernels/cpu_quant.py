@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.platform import cpu_flags
 from kernels.cpu_build import CpuKernelBuildError, load_library
-from kernels.cpu_features import cpu_flags
 
 SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
 FORMATS = {"b8": 0, "b4": 1, "c8": 2}
