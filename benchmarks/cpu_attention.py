@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.worker.huge_pages import zeros_huge_pages
+from kernels.huge_pages import zeros_huge_pages
 from kernels import cpu_attention
 
 BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM, NUM_BLOCKS = 16, 3, 3, 64, 4000

@@ -19,7 +19,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from engine.worker.block_table import MultiGroupBlockTable
 from engine.worker.cpu_gpu_buffer import CpuGpuBuffer
-from engine.worker.huge_pages import zeros_huge_pages
+from kernels.huge_pages import zeros_huge_pages
 
 
 def get_attention_layers_by_name(model: nn.Module) -> dict[str, Attention]:

@@ -105,3 +105,37 @@ def test_auto_keeps_gguf_weights_in_bf16_on_cpu_only(tmp_path, monkeypatch):
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None
     monkeypatch.delenv("LMC_QUANT_AUTO")
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cuda") is None
+
+
+@pytest.mark.skipif(cpu_quant.load() is None, reason="no quantized CPU kernels")
+def test_packed_weights_share_one_huge_page_allocation(tiny_llama_dir):
+    """quantize_model re-homes every packed tensor in one allocation on huge pages (a decode step
+    streams them all): contiguous, 2 MiB-aligned on Linux, values unchanged, tied copies shared."""
+    import sys
+
+    import torch
+    from transformers import AutoConfig
+
+    from engine.models.layers import Embedding, Linear
+    from engine.models.loader import load_model
+    from engine.models.quant import quantize_model
+
+    model = load_model(tiny_llama_dir, AutoConfig.from_pretrained(tiny_llama_dir), torch.bfloat16,
+                       torch.device("cpu"))
+    expected = {name: cpu_quant.quantize_int8_per_channel(m.weight) for name, m in model.named_modules()
+                if isinstance(m, (Linear, Embedding))}
+    quantize_model(model, "int8")
+    quants = {name: m.quant for name, m in model.named_modules() if isinstance(m, (Linear, Embedding))}
+    assert quants.keys() == expected.keys()
+    for name, q in quants.items():
+        assert torch.equal(q.qweight, expected[name].qweight) and torch.equal(q.scales, expected[name].scales)
+    if model.lm_head.weight is model.model.embed_tokens.weight or getattr(model, "tie_word_embeddings", False):
+        assert quants["lm_head"] is quants["model.embed_tokens"]
+    unique = {id(q): q for q in quants.values()}.values()
+    tensors = [t for q in unique for t in (q.qweight, q.scales, q.offsets) if t is not None]
+    starts = sorted(t.data_ptr() for t in tensors)
+    span = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors) - starts[0]
+    assert all(p % 64 == 0 for p in starts)
+    assert span <= sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)  # one packed arena
+    if sys.platform.startswith("linux"):
+        assert starts[0] % (1 << 21) == 0  # the arena starts on a huge page

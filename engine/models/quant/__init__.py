@@ -31,6 +31,7 @@ from engine.errors import InvalidEngineArgsError
 from engine.models.layers import Embedding, Linear
 from kernels import cpu_quant
 from kernels.cpu_quant import QuantWeight
+from kernels.huge_pages import huge_page_copies
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,21 @@ def _load_packed(path: Path) -> dict[str, QuantWeight] | None:
     return weights
 
 
+def _move_to_huge_pages(weights: dict[str, QuantWeight]) -> None:
+    """Re-home every packed tensor (tied modules' shared copy once) in one allocation on huge
+    pages. A decode step streams all of them from DRAM, and on 4 KiB pages (the cache file's
+    private mapping, or numpy's buffers) that costs TLB misses: measured 16.4-18.2 -> 14.2-14.9 ms
+    for SmolLM2's 120 linears at 29 rows on one core (kernels/huge_pages.py)."""
+    unique = list({id(q): q for q in weights.values()}.values())
+    tensors = [t for q in unique for t in (q.qweight, q.scales, q.offsets) if t is not None]
+    copies = iter(huge_page_copies(tensors))
+    for q in unique:
+        q.qweight, q.scales = next(copies), next(copies)
+        if q.offsets is not None:
+            q.offsets = next(copies)
+        q.kernel_args = None  # pointers into the old tensors
+
+
 def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
                    cache_dir: Path | None = None) -> QuantSummary:
     """Replace the dense weights of the model's linears (and embedding) by packed quantized ones.
@@ -174,6 +190,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
                 if key not in shared:
                     shared[key] = cpu_quant.quantize_int8_per_channel(module.weight)
                 weights[name] = shared[key]
+    _move_to_huge_pages(weights)
     linears = dense = 0
     for name, module in model.named_modules():
         if not isinstance(module, (Linear, Embedding)):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine.worker.huge_pages import zeros_huge_pages
+from kernels.huge_pages import huge_page_copies, zeros_huge_pages
 
 CPU = torch.device("cpu")
 
@@ -38,3 +38,19 @@ def test_large_cache_is_not_touched_up_front() -> None:
     assert rss_bytes() - before < 64 << 20
     cache[:2].fill_(1)
     assert cache[:2].all() and not cache[2:3].any()
+
+
+def test_huge_page_copies_keep_values_shapes_and_dtypes() -> None:
+    tensors = [torch.randint(0, 255, (33, 7), dtype=torch.uint8), torch.randn(5, 3).half(),
+               torch.randn(11), torch.empty(0, 4), torch.randn(4, 6).t()]  # the last not contiguous
+    copies = huge_page_copies(tensors)
+    for t, c in zip(tensors, copies):
+        assert c.shape == t.shape and c.dtype == t.dtype and c.is_contiguous() and torch.equal(c, t)
+        assert c.data_ptr() != t.data_ptr() or t.numel() == 0
+    if sys.platform.startswith("linux"):
+        pointers = [c.data_ptr() for c in copies if c.numel()]
+        assert pointers[0] % (1 << 21) == 0 and all(p % 64 == 0 for p in pointers)
+    expected = [t.clone() for t in tensors]
+    del tensors
+    gc.collect()  # the copies alone keep the arena alive
+    assert all(torch.equal(c, e) for c, e in zip(copies, expected))
