@@ -281,11 +281,16 @@ def quantize_activations(x: Tensor, padded_in: int, per_token: bool,
     return xq, xd, xs
 
 
-def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: bool = False) -> Tensor:
-    """x [M, K] @ W^T (+ bias float32 [N]) with int8 activations; output in x's dtype."""
+def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: bool = False,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [M, K] @ W^T (+ bias float32 [N]) with int8 activations; output in out_dtype (bf16 or
+    float32; default x's dtype), rounded once from the kernel's float32 sums."""
     _check_x(x, qw)
     rows = x.shape[0]
-    out = torch.empty(rows, qw.out_features, dtype=x.dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    out = torch.empty(rows, qw.out_features, dtype=out_dtype)
     if rows == 0:
         return out
     if qw.kernel_args is None:
@@ -294,10 +299,10 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
                           qw.offsets.data_ptr() if qw.offsets is not None else 0)
     fmt, n, k, kp, w, wd, wm = qw.kernel_args
     xq, xd, xs = _act_scratch.pointers(rows, kp)  # the activations' int8 copy, quantized in the call
-    bf16 = int(x.dtype == torch.bfloat16)
     _library(scalar).quant_linear_act(fmt, rows, n, k, kp, w, wd, wm or None,
                                       bias.data_ptr() if bias is not None else None, x.data_ptr(),
-                                      x.stride(0), bf16, xq, xd, xs, out.data_ptr(), out.stride(0), bf16)
+                                      x.stride(0), int(x.dtype == torch.bfloat16), xq, xd, xs,
+                                      out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16))
     return out
 
 
@@ -313,14 +318,17 @@ def dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32, out: Tensor 
     return out
 
 
-def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None) -> Tensor:
-    """The layer's forward: the int8 GEMM, or (block formats, many rows) dequantize + torch."""
+def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> Tensor:
+    """The layer's forward: the int8 GEMM, or (block formats, many rows) dequantize + torch.
+    out_dtype: the output's (bf16 or float32; default x's dtype)."""
     if qw.fmt != "c8" and x.shape[0] > DENSE_ROWS:
         numel = qw.out_features * qw.in_features
         w = _dense_scratch.get(numel, x.dtype)[:numel].view(qw.out_features, qw.in_features)
         dequantize(qw, x.dtype, out=w)
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    return quant_gemm(x, qw, bias)
+        out = F.linear(x, w, None if bias is None else bias.to(x.dtype))
+        return out if out_dtype is None else out.to(out_dtype)
+    return quant_gemm(x, qw, bias, out_dtype=out_dtype)
 
 
 def embedding_rows(qw: QuantWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:

@@ -103,8 +103,8 @@ class LogitsProjection:
         """hidden [n, in] -> float32 logits [n, out] of this rank's head rows (a ParallelLMHead's
         caller gathers them: Linear.forward here, not the head's own gathering forward)."""
         weight = head.weight
-        if head.quant is not None:  # packed weights: int8 activations round more than a bf16 output does
-            return Linear.forward(head, hidden).float()
+        if head.quant is not None:  # packed weights: the kernel writes its float32 sums as they are
+            return cpu_quant.quant_linear(hidden, head.quant, head.quant_bias, out_dtype=torch.float32)
         if weight.dtype == torch.float32:
             return F.linear(hidden.float(), weight, head.bias)
         if hidden.is_cuda and self._mm_out_dtype:

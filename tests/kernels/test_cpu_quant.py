@@ -82,6 +82,24 @@ def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("fmt", ["b8", "b4"])
+def test_quant_gemm_float32_output_from_bf16_rows(fmt, scalar):
+    """bf16 activations with out_dtype=float32 (the lm_head's logits): the kernel's float32 sums as
+    they are, which the default bf16 output is the rounding of."""
+    qw, _ = _weights(fmt)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(6)).bfloat16()
+    wide = cpu_quant.quant_gemm(x, qw, scalar=scalar, out_dtype=torch.float32)
+    narrow = cpu_quant.quant_gemm(x, qw, scalar=scalar)
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    assert torch.equal(wide.bfloat16(), narrow)
+    assert not torch.equal(wide, narrow.float())  # not a bf16 value widened
+    if not scalar:  # the layer's entry point (native library) passes it on
+        assert torch.equal(cpu_quant.quant_linear(x, qw, out_dtype=torch.float32), wide)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_quant.quant_gemm(x, qw, out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_activation_quantization(per_token, dtype, scalar):

@@ -3,9 +3,11 @@ where the argmax and the top logprobs are decided), the rest at bf16 speed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.models.layers import Linear, LogitsProjection
+from kernels import cpu_quant
 
 
 def _head(dtype: torch.dtype, bias: bool = False) -> Linear:
@@ -58,3 +60,18 @@ def test_fp32_head_is_a_plain_linear() -> None:
     head, project = _head(torch.float32), LogitsProjection()
     hidden = torch.randn(3, 64)
     assert torch.equal(project(hidden, head), head(hidden))
+
+
+def test_quantized_head_logits_are_the_kernels_float32_sums() -> None:
+    """A packed (quantized) head: the int8 kernel writes float32 logits directly, not a bf16
+    output widened (the rounding the dense head's fp32 refine exists to undo)."""
+    if cpu_quant.load() is None:
+        pytest.skip("no C compiler: the quantized kernels are unavailable")
+    head = Linear(64, 512, False, torch.bfloat16)
+    head.weight.data = torch.randn(512, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    head.set_quant_weight(cpu_quant.quantize_int8_per_channel(head.weight.float()))
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    logits = LogitsProjection()(hidden, head)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, cpu_quant.quant_gemm(hidden, head.quant, out_dtype=torch.float32))
+    assert torch.equal(logits.bfloat16(), head(hidden))  # the layer's bf16 output is its rounding
