@@ -154,7 +154,13 @@ void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K,
 }
 
 #define NR 16 /* rows a tile */
-#define TT 16 /* tokens a register tile: 16 accumulators, 8 weight vectors, d, m in 32 zmm */
+#define TT 8 /* tokens a register tile (below TT + 1, the accumulators stay in registers) */
+/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, one tile): a chunk's int8
+ * activations (TCHUNK x Kp bytes, 196 KB at K = 1536) stay in L2 while the threads walk the
+ * tiles; a whole 2048-token prefill's (3 MB) would stream from L3 once per tile. */
+#ifndef TCHUNK
+#define TCHUNK 128
+#endif
 
 /* Bytes of one tile's quantized values. */
 static inline int64_t tile_bytes(int fmt, int64_t Kp) { return fmt == FMT_B4 ? Kp * 8 : Kp * 16; }
@@ -194,16 +200,20 @@ static inline __attribute__((always_inline)) __m512i tile_vec(const uint8_t *tw,
     return _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
 }
 
-/* One tile (16 rows) x T tokens (T <= TT, a compile-time constant where inlined) -> acc[T].
+/* One tile (16 rows) x T tokens -> acc[T]. T <= TT a compile-time constant where inlined: fully
+ * unrolled, the accumulators stay in registers; T a run-time count (up to TCHUNK): they stay in
+ * L1 (a load and a store per token and block, on ports the arithmetic leaves idle) and the
+ * tile's weight vectors are loaded, unpacked and their scales converted once per T tokens
+ * (measured: 16-token register tiles, which spill, were 3% slower at M = 32 than this).
  * chan: FMT_C8 (one scale per row: d and m the same for every block). pw (NULL: none): a later
  * tile's weights, prefetched to L2 a block's share at a time while this one computes, so that
  * the weights' DRAM stream hides behind the arithmetic (prefetching the scales too measured
  * 10% slower for one token, and no faster for more). */
 static inline __attribute__((always_inline)) void tile_tokens(
-    const int T, const int is4, const int chan, int64_t nb, int64_t Kp, const uint8_t *tw,
+    const int64_t T, const int is4, const int chan, int64_t nb, int64_t Kp, const uint8_t *tw,
     const void *td, const void *tm, const int8_t *xq, const float *xd, const float *xs,
-    const uint8_t *pw, __m512 acc[TT]) {
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    const uint8_t *pw, __m512 *acc) {
+    for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     __m512 d = _mm512_setzero_ps(), m = d;
     if (chan) {
         d = _mm512_loadu_ps((const float *)td);
@@ -218,7 +228,7 @@ static inline __attribute__((always_inline)) void tile_tokens(
         for (int c = 0; c < 8; c++) w[c] = tile_vec(tw, is4, b, c);
         if (pw) /* a block's share of the bytes (b4: 256 of a pair's 512), spread evenly */
             for (int c = 0; c < (is4 ? 4 : 8); c++) _mm_prefetch((const char *)pw + b * (is4 ? 256 : 512) + c * 64, _MM_HINT_T1);
-        for (int t = 0; t < T; t++) {
+        for (int64_t t = 0; t < T; t++) {
             const int32_t *xp = (const int32_t *)(xq + t * Kp + b * QBLOCK);
             /* two chains of 4 (exact int32 sums, added): half the latency of one chain of 8, so
              * the out-of-order window overlaps more tokens */
@@ -253,20 +263,19 @@ static inline void store_tile_row(void *out, int out_bf16, int64_t o, int64_t n0
     _mm256_mask_storeu_epi16((uint16_t *)out + o + n0, mask, _mm512_cvtepi32_epi16(r));
 }
 
-/* tile_tokens for one format (is4, chan constant) and every T: a switch of inlined copies. */
+/* tile_tokens for one format (is4, chan constant): inlined copies for T = 1..TT in registers,
+ * and one for more tokens with the accumulators in memory. */
 #define TILE_TOKENS_CASE(N_, IS4, CHAN) \
     case N_: tile_tokens(N_, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pw, acc); break;
 #define TILE_TOKENS_SWITCH(IS4, CHAN)                                                              \
     switch (nt) {                                                                                  \
-    TILE_TOKENS_CASE(16, IS4, CHAN) TILE_TOKENS_CASE(15, IS4, CHAN) TILE_TOKENS_CASE(14, IS4, CHAN) \
-    TILE_TOKENS_CASE(13, IS4, CHAN) TILE_TOKENS_CASE(12, IS4, CHAN) TILE_TOKENS_CASE(11, IS4, CHAN) \
-    TILE_TOKENS_CASE(10, IS4, CHAN) TILE_TOKENS_CASE(9, IS4, CHAN) TILE_TOKENS_CASE(8, IS4, CHAN)   \
-    TILE_TOKENS_CASE(7, IS4, CHAN) TILE_TOKENS_CASE(6, IS4, CHAN) TILE_TOKENS_CASE(5, IS4, CHAN)    \
-    TILE_TOKENS_CASE(4, IS4, CHAN) TILE_TOKENS_CASE(3, IS4, CHAN) TILE_TOKENS_CASE(2, IS4, CHAN)    \
-    default: tile_tokens(1, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pw, acc); break;                \
+    TILE_TOKENS_CASE(1, IS4, CHAN) TILE_TOKENS_CASE(2, IS4, CHAN) TILE_TOKENS_CASE(3, IS4, CHAN)    \
+    TILE_TOKENS_CASE(4, IS4, CHAN) TILE_TOKENS_CASE(5, IS4, CHAN) TILE_TOKENS_CASE(6, IS4, CHAN)    \
+    TILE_TOKENS_CASE(7, IS4, CHAN) TILE_TOKENS_CASE(8, IS4, CHAN)                                   \
+    default: tile_tokens(nt, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pw, acc); break;              \
     }
 
-/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TT tokens at a time. pfd: the
+/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TCHUNK tokens at a time. pfd: the
  * tiles ahead this thread computes next (1, or the team's size where the threads take turns),
  * whose weights are prefetched meanwhile, and its output lines too if pf_out. */
 static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
@@ -280,14 +289,14 @@ static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64
     const void *tm = fmt == FMT_C8 ? NULL : (const void *)((const uint16_t *)wm_ + tile * nb * NR);
     const int64_t next = tile + pfd;
     const int has_next = next * NR < N;
-    __m512 acc[TT];
-    for (int64_t t0 = 0; t0 < M; t0 += TT) {
-        const int nt = M - t0 < TT ? (int)(M - t0) : TT;
+    __m512 acc[TCHUNK];
+    for (int64_t t0 = 0; t0 < M; t0 += TCHUNK) {
+        const int64_t nt = M - t0 < TCHUNK ? M - t0 : TCHUNK;
         const int8_t *x = xq + t0 * Kp;
         const float *dx = xd + t0 * nb, *sx = xs + t0 * nb;
         const uint8_t *pw = t0 == 0 && has_next ? w + next * tile_bytes(fmt, Kp) : NULL;
         if (pf_out && has_next)
-            for (int t = 0; t < nt; t++) __builtin_prefetch((char *)out + ((t0 + t) * ldo + next * NR) * osize, 1, 3);
+            for (int64_t t = 0; t < nt; t++) __builtin_prefetch((char *)out + ((t0 + t) * ldo + next * NR) * osize, 1, 3);
         if (fmt == FMT_B4) {
             TILE_TOKENS_SWITCH(1, 0)
         } else if (fmt == FMT_B8) {
@@ -295,9 +304,10 @@ static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64
         } else {
             TILE_TOKENS_SWITCH(0, 1)
         }
-        for (int t = 0; t < nt; t++) store_tile_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
+        for (int64_t t = 0; t < nt; t++) store_tile_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
     }
 }
+
 #else
 /* Portable: row `lane` of tile `tile` (output row n) against every token, the same int32 block sums. */
 static void row_gemm(int fmt, int64_t M, int64_t tile, int lane, int64_t Kp, const uint8_t *w,
@@ -335,10 +345,6 @@ static inline void gemm_tile(int fmt, int64_t M, int64_t N, int64_t tile, int64_
 #endif
 }
 
-/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, one tile): a chunk's int8
- * activations (TCHUNK x Kp bytes, 196 KB at K = 1536) stay in L2 while the threads walk the
- * tiles; a whole 2048-token prefill's (3 MB) would stream from L3 once per tile. */
-#define TCHUNK 128
 
 /* Whether the output lines are claimed for writing a tile ahead: where they are too many to
  * stay in L2 (the head's, a prefill's), each store would otherwise stall on a read for
