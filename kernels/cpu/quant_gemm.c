@@ -162,7 +162,7 @@ void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K,
  * unpack the weights less often, but measured 30% slower than 32 where the weights and outputs
  * stream from DRAM (a 49152-row head at 512 tokens), for at most 3% faster where they don't. */
 #define TPASS 32
-/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, one tile): a chunk's int8
+/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, two tiles): a chunk's int8
  * activations (TCHUNK x Kp bytes, 196 KB at K = 1536) stay in L2 while the threads walk the
  * tiles; a whole 2048-token prefill's (3 MB) would stream from L3 once per tile. */
 #define TCHUNK 128
@@ -369,15 +369,27 @@ static inline int team_size(void) {
 #endif
 }
 
+/* A task: TCHUNK tokens x TASK_TILES adjacent tiles. Two tiles of bf16 outputs are whole
+ * 64-byte lines, so two threads never write the same output line at the same time. */
+#define TASK_TILES 2
+
+static inline int64_t gemm_tasks(int64_t M, int64_t tiles) {
+    return (M + TCHUNK - 1) / TCHUNK * ((tiles + TASK_TILES - 1) / TASK_TILES);
+}
+
 static inline void gemm_task(int fmt, int64_t M, int64_t N, int64_t task, int64_t tiles, int64_t Kp,
                              const uint8_t *w, const void *wd_, const void *wm_, const float *bias,
                              const int8_t *xq, const float *xd, const float *xs, void *out, int64_t ldo,
                              int out_bf16) {
-    const int64_t nb = Kp / QBLOCK, t0 = task / tiles * TCHUNK, tile = task % tiles;
+    const int64_t units = (tiles + TASK_TILES - 1) / TASK_TILES;
+    const int64_t nb = Kp / QBLOCK, t0 = task / units * TCHUNK, tile0 = task % units * TASK_TILES;
     const int64_t mt = M - t0 < TCHUNK ? M - t0 : TCHUNK;
-    gemm_tile(fmt, mt, N, tile, Kp, w, wd_, wm_, bias, xq + t0 * Kp, xd + t0 * nb, xs + t0 * nb,
-              (char *)out + t0 * ldo * (out_bf16 ? 2 : 4), ldo, out_bf16, team_size(),
-              prefetch_out(M, ldo, out_bf16));
+    const int team = team_size();
+    for (int64_t tile = tile0; tile < tile0 + TASK_TILES && tile < tiles; tile++)
+        /* the last tile's successor is the thread's next task, about a team of tasks on */
+        gemm_tile(fmt, mt, N, tile, Kp, w, wd_, wm_, bias, xq + t0 * Kp, xd + t0 * nb, xs + t0 * nb,
+                  (char *)out + t0 * ldo * (out_bf16 ? 2 : 4), ldo, out_bf16,
+                  tile + 1 < tile0 + TASK_TILES ? 1 : TASK_TILES * (team - 1) + 1, prefetch_out(M, ldo, out_bf16));
 }
 
 /* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL)
@@ -387,11 +399,11 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
                 const void *wm_, const float *bias, const int8_t *xq, const float *xd,
                 const float *xs, void *out, int64_t ldo, int out_bf16) {
     const int64_t tiles = (N + NR - 1) / NR;
-    /* A decode step's tiles are small and even: static halves. From 16 tokens a task (a tile x
-     * up to TCHUNK tokens) is tens of microseconds, so they are handed out one by one: a thread
+    /* A decode step's tiles are small and even: static halves. From 16 tokens a task (two tiles
+     * x up to TCHUNK tokens) is microseconds or more, so they are handed out one by one: a thread
      * the OS descheduled on a busy machine then holds back one task, not half the matrix. */
     if (M >= 16) {
-        const int64_t tasks = (M + TCHUNK - 1) / TCHUNK * tiles;
+        const int64_t tasks = gemm_tasks(M, tiles);
 #pragma omp parallel for schedule(dynamic, 1) if (tiles > 1)
         for (int64_t task = 0; task < tasks; task++)
             gemm_task(fmt, M, N, task, tiles, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
@@ -421,7 +433,7 @@ void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, cons
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
-        const int64_t tasks = (M + TCHUNK - 1) / TCHUNK * tiles;
+        const int64_t tasks = gemm_tasks(M, tiles);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++)
             gemm_task(fmt, M, N, task, tiles, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
