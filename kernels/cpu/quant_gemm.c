@@ -280,9 +280,10 @@ static inline void store_tile_row(void *out, int out_bf16, int64_t o, int64_t n0
     default: tile_tokens(nt, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pw, acc); break;              \
     }
 
-/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TPASS tokens at a time. pfd: the
- * tiles ahead this thread computes next (1, or the team's size where the threads take turns),
- * whose weights are prefetched meanwhile, and its output lines too if pf_out. */
+/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TPASS tokens at a time. pfd: how
+ * many tiles ahead is the one this thread computes next (1, or past the other threads' tasks
+ * where they take turns), whose weights are prefetched meanwhile, and its output lines too if
+ * pf_out. */
 static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
                       const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16, int pfd,
@@ -312,7 +313,6 @@ static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64
         for (int64_t t = 0; t < nt; t++) store_tile_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
     }
 }
-
 #else
 /* Portable: row `lane` of tile `tile` (output row n) against every token, the same int32 block sums. */
 static void row_gemm(int fmt, int64_t M, int64_t tile, int lane, int64_t Kp, const uint8_t *w,
@@ -350,7 +350,6 @@ static inline void gemm_tile(int fmt, int64_t M, int64_t N, int64_t tile, int64_
 #endif
 }
 
-
 /* Whether the output lines are claimed for writing a tile ahead: where they are too many to
  * stay in L2 (the head's, a prefill's), each store would otherwise stall on a read for
  * ownership (the 49152-row head at 32 tokens: +10 to +15%, a 2048-token prefill's linears +3%);
@@ -359,8 +358,8 @@ static inline int prefetch_out(int64_t M, int64_t ldo, int out_bf16) {
     return M * ldo * (out_bf16 ? 2 : 4) > (1 << 20);
 }
 
-/* The calling thread's team size: the threads take the tasks in turns, so a thread's next tile
- * is about this many tiles ahead. */
+/* The calling thread's team size: the threads take the tasks in turns, so a thread's next task
+ * is about this many tasks ahead. */
 static inline int team_size(void) {
 #ifdef _OPENMP
     return omp_get_num_threads();
