@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,32,128")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--int8-only", action="store_true",
+                        help="time only the int8 kernel (faster A/B runs of quant_gemm.c)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"vnni={cpu_quant.has_vnni()} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}")
@@ -63,13 +65,17 @@ def main() -> None:
             t_q = t_dq = t_bf = float("inf")
             for _ in range(2):  # alternate
                 t_q = min(t_q, _best(lambda x=x, qw=qw: cpu_quant.quant_gemm(x, qw), reps))
+                if args.int8_only:
+                    continue
                 scratch = torch.empty(n, k, dtype=torch.bfloat16)
                 t_dq = min(t_dq, _best(lambda x=x, qw=qw, s=scratch: F.linear(
                     x, cpu_quant.dequantize(qw, torch.bfloat16, out=s)), reps))
                 t_bf = min(t_bf, _best(lambda x=x, w=dense: F.linear(x, w), reps))
             ops = 2 * m * n * k
+            dense = (f"{t_dq * 1e3:8.3f} {t_bf * 1e3:8.3f} {ops / t_bf / 1e9:6.0f}" if not args.int8_only
+                     else f"{'-':>8} {'-':>8} {'-':>6}")
             print(f"{name:8} {m:4} {t_q * 1e3:8.3f} {ops / t_q / 1e9:6.0f} {qw.nbytes() / t_q / 1e9:5.1f} "
-                  f"{t_dq * 1e3:8.3f} {t_bf * 1e3:8.3f} {ops / t_bf / 1e9:6.0f}", flush=True)
+                  + dense, flush=True)
 
 
 if __name__ == "__main__":

@@ -20,17 +20,24 @@
  * xs = dx * sum(xq) for the offset term; per-token scales measured +2.9% perplexity on
  * SmolLM2 against +0.9% per block, so every format uses blocks).
  *
- * A tile's 8 vectors of a block accumulate in int32, then one conversion and two float fmas
- * (d * dx, and m * xs) per block, token and 16 rows: 8 dot products per 4 float operations.
- * The threads split the tiles; each tile is read once for the whole batch, 8 tokens at a time
- * from L1, so a decode step streams the weights once. Without AVX512-VNNI a portable C path
- * computes the same int32 block sums.
+ * A tile's 8 vectors of a block accumulate in int32 (two chains of 4), then one conversion, a
+ * multiply (d * dx) and two float fmas (the dot, and m * xs) per block, token and 16 rows. The
+ * dot products, multiplies and fmas share the same two vector pipes (Zen 5: the conversion, the
+ * loads and the nibble unpacking run beside them), so 8 vpdpbusd in 11 pipe slots bound the
+ * kernel at ~8/11 of vpdpbusd's peak; it runs within ~7% of that from 16 tokens up. The
+ * threads split the tiles; each tile is read once for the whole batch, up to 8 tokens at a time
+ * in registers, more in passes of TPASS with the accumulators in L1, so a decode step streams
+ * the weights once. Without AVX512-VNNI a portable C path computes the same int32 block sums.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_common.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(LMC_SCALAR)
 #define QG_VNNI 1
@@ -150,7 +157,15 @@ void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K,
 }
 
 #define NR 16 /* rows a tile */
-#define TT 8  /* tokens a register tile */
+#define TT 8 /* tokens a register tile (below TT + 1, the accumulators stay in registers) */
+/* Tokens a pass over a tile's weights with the accumulators in memory. Longer passes load and
+ * unpack the weights less often, but measured 30% slower than 32 where the weights and outputs
+ * stream from DRAM (a 49152-row head at 512 tokens), for at most 3% faster where they don't. */
+#define TPASS 32
+/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, two tiles): a chunk's int8
+ * activations (TCHUNK x Kp bytes, 196 KB at K = 1536) stay in L2 while the threads walk the
+ * tiles; a whole 2048-token prefill's (3 MB) would stream from L3 once per tile. */
+#define TCHUNK 128
 
 /* Bytes of one tile's quantized values. */
 static inline int64_t tile_bytes(int fmt, int64_t Kp) { return fmt == FMT_B4 ? Kp * 8 : Kp * 16; }
@@ -190,13 +205,20 @@ static inline __attribute__((always_inline)) __m512i tile_vec(const uint8_t *tw,
     return _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
 }
 
-/* One tile (16 rows) x T tokens (T <= TT, a compile-time constant where inlined) -> acc[T].
- * chan: FMT_C8 (one scale per row: d and m the same for every block). */
+/* One tile (16 rows) x T tokens -> acc[T]. T <= TT a compile-time constant where inlined: fully
+ * unrolled, the accumulators stay in registers; T a run-time count (up to TPASS): they stay in
+ * L1 (a load and a store per token and block, on ports the arithmetic leaves idle) and the
+ * tile's weight vectors are loaded, unpacked and their scales converted once per T tokens
+ * (16-token register tiles, which spill, measured 3% slower at M = 32 than this).
+ * chan: FMT_C8 (one scale per row: d and m the same for every block). pw (NULL: none): a later
+ * tile's weights, prefetched to L2 a block's share at a time while this one computes, so that
+ * the weights' DRAM stream hides behind the arithmetic (prefetching the scales too measured
+ * 10% slower for one token, and no faster for more). */
 static inline __attribute__((always_inline)) void tile_tokens(
-    const int T, const int is4, const int chan, int64_t nb, int64_t Kp, const uint8_t *tw,
+    const int64_t T, const int is4, const int chan, int64_t nb, int64_t Kp, const uint8_t *tw,
     const void *td, const void *tm, const int8_t *xq, const float *xd, const float *xs,
-    const uint8_t *pf, __m512 acc[TT]) {
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    const uint8_t *pw, __m512 *acc) {
+    for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     __m512 d = _mm512_setzero_ps(), m = d;
     if (chan) {
         d = _mm512_loadu_ps((const float *)td);
@@ -209,14 +231,19 @@ static inline __attribute__((always_inline)) void tile_tokens(
         }
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = tile_vec(tw, is4, b, c);
-        if (pf) /* the next tile's block b, to L2 while this one computes: DRAM streams hide */
-            for (int c = 0; c < (is4 ? 4 : 8); c++) _mm_prefetch((const char *)pf + b * (is4 ? 256 : 512) + c * 64, _MM_HINT_T1);
-        for (int t = 0; t < T; t++) {
+        if (pw) /* a block's share of the bytes (b4: 256 of a pair's 512), spread evenly */
+            for (int c = 0; c < (is4 ? 4 : 8); c++) _mm_prefetch((const char *)pw + b * (is4 ? 256 : 512) + c * 64, _MM_HINT_T1);
+        for (int64_t t = 0; t < T; t++) {
             const int32_t *xp = (const int32_t *)(xq + t * Kp + b * QBLOCK);
-            /* one chain: the next block's (and the other tokens') chains hide vpdpbusd's latency */
+            /* two chains of 4 (exact int32 sums, added): half the latency of one chain of 8, so
+             * the out-of-order window overlaps more tokens */
             __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xp[0]));
-            for (int c = 1; c < 8; c++) i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(xp[c]));
-            const __m512 dot = _mm512_cvtepi32_ps(i0);
+            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(xp[4]));
+            for (int c = 1; c < 4; c++) {
+                i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(xp[c]));
+                i1 = _mm512_dpbusd_epi32(i1, w[c + 4], _mm512_set1_epi32(xp[c + 4]));
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
             acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b])), acc[t]);
             acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
         }
@@ -241,34 +268,41 @@ static inline void store_tile_row(void *out, int out_bf16, int64_t o, int64_t n0
     _mm256_mask_storeu_epi16((uint16_t *)out + o + n0, mask, _mm512_cvtepi32_epi16(r));
 }
 
-/* tile_tokens for one format (is4, chan constant) and every T: a switch of inlined copies. */
+/* tile_tokens for one format (is4, chan constant): inlined copies for T = 1..TT in registers,
+ * and one for more tokens with the accumulators in memory. */
+#define TILE_TOKENS_CASE(N_, IS4, CHAN) \
+    case N_: tile_tokens(N_, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pw, acc); break;
 #define TILE_TOKENS_SWITCH(IS4, CHAN)                                                              \
     switch (nt) {                                                                                  \
-    case 8: tile_tokens(8, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    case 7: tile_tokens(7, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    case 6: tile_tokens(6, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    case 5: tile_tokens(5, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    case 4: tile_tokens(4, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    case 3: tile_tokens(3, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    case 2: tile_tokens(2, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                  \
-    default: tile_tokens(1, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pf, acc); break;                 \
+    TILE_TOKENS_CASE(1, IS4, CHAN) TILE_TOKENS_CASE(2, IS4, CHAN) TILE_TOKENS_CASE(3, IS4, CHAN)    \
+    TILE_TOKENS_CASE(4, IS4, CHAN) TILE_TOKENS_CASE(5, IS4, CHAN) TILE_TOKENS_CASE(6, IS4, CHAN)    \
+    TILE_TOKENS_CASE(7, IS4, CHAN) TILE_TOKENS_CASE(8, IS4, CHAN)                                   \
+    default: tile_tokens(nt, IS4, CHAN, nb, Kp, tw, td, tm, x, dx, sx, pw, acc); break;              \
     }
 
-/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TT tokens at a time. */
+/* Tile `tile` (rows n0 = 16 tile .. + nr) against every token, TPASS tokens at a time. pfd: how
+ * many tiles ahead is the one this thread computes next (1, or past the other threads' tasks
+ * where they take turns), whose weights are prefetched meanwhile, and its output lines too if
+ * pf_out. */
 static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
-                      const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
-    const int64_t nb = Kp / QBLOCK, n0 = tile * NR;
+                      const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16, int pfd,
+                      int pf_out) {
+    const int64_t nb = Kp / QBLOCK, n0 = tile * NR, osize = out_bf16 ? 2 : 4;
     const uint8_t *tw = w + tile * tile_bytes(fmt, Kp);
     const void *td = fmt == FMT_C8 ? (const void *)((const float *)wd_ + n0)
                                    : (const void *)((const uint16_t *)wd_ + tile * nb * NR);
     const void *tm = fmt == FMT_C8 ? NULL : (const void *)((const uint16_t *)wm_ + tile * nb * NR);
-    __m512 acc[TT];
-    for (int64_t t0 = 0; t0 < M; t0 += TT) {
-        const int nt = M - t0 < TT ? (int)(M - t0) : TT;
+    const int64_t next = tile + pfd;
+    const int has_next = next * NR < N;
+    __m512 acc[TPASS];
+    for (int64_t t0 = 0; t0 < M; t0 += TPASS) {
+        const int64_t nt = M - t0 < TPASS ? M - t0 : TPASS;
         const int8_t *x = xq + t0 * Kp;
         const float *dx = xd + t0 * nb, *sx = xs + t0 * nb;
-        const uint8_t *pf = t0 == 0 && n0 + NR < N ? tw + tile_bytes(fmt, Kp) : NULL;
+        const uint8_t *pw = t0 == 0 && has_next ? w + next * tile_bytes(fmt, Kp) : NULL;
+        if (pf_out && has_next)
+            for (int64_t t = 0; t < nt; t++) __builtin_prefetch((char *)out + ((t0 + t) * ldo + next * NR) * osize, 1, 3);
         if (fmt == FMT_B4) {
             TILE_TOKENS_SWITCH(1, 0)
         } else if (fmt == FMT_B8) {
@@ -276,7 +310,7 @@ static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64
         } else {
             TILE_TOKENS_SWITCH(0, 1)
         }
-        for (int t = 0; t < nt; t++) store_tile_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
+        for (int64_t t = 0; t < nt; t++) store_tile_row(out, out_bf16, (t0 + t) * ldo, n0, nr, acc[t], bias);
     }
 }
 #else
@@ -301,32 +335,60 @@ static void row_gemm(int fmt, int64_t M, int64_t tile, int lane, int64_t Kp, con
 }
 #endif
 
-/* One tile of 16 output rows against every token. */
+/* One tile of 16 output rows against every token (pfd, pf_out: tile_gemm's). */
 static inline void gemm_tile(int fmt, int64_t M, int64_t N, int64_t tile, int64_t Kp, const uint8_t *w,
                              const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
-                             const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
+                             const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16,
+                             int pfd, int pf_out) {
     const int nr = N - tile * NR < NR ? (int)(N - tile * NR) : NR;
 #if QG_VNNI
-    tile_gemm(fmt, M, N, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+    tile_gemm(fmt, M, N, tile, nr, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16, pfd, pf_out);
 #else
+    (void)pfd, (void)pf_out;
     for (int lane = 0; lane < nr; lane++)
         row_gemm(fmt, M, tile, lane, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
 #endif
 }
 
-/* Batches of 16 tokens and more run as tasks of (TCHUNK tokens, one tile): a chunk's int8
- * activations (TCHUNK x Kp bytes, 196 KB at K = 1536) stay in L2 while the threads walk the
- * tiles; a whole 2048-token prefill's (3 MB) would stream from L3 once per tile. */
-#define TCHUNK 128
+/* Whether the output lines are claimed for writing a tile ahead: where they are too many to
+ * stay in L2 (the head's, a prefill's), each store would otherwise stall on a read for
+ * ownership (the 49152-row head at 32 tokens: +10 to +15%, a 2048-token prefill's linears +3%);
+ * smaller outputs are in cache already and the prefetches only cost (-4% at 8 tokens). */
+static inline int prefetch_out(int64_t M, int64_t ldo, int out_bf16) {
+    return M * ldo * (out_bf16 ? 2 : 4) > (1 << 20);
+}
+
+/* The calling thread's team size: the threads take the tasks in turns, so a thread's next task
+ * is about this many tasks ahead. */
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* A task: TCHUNK tokens x TASK_TILES adjacent tiles. Two tiles of bf16 outputs are whole
+ * 64-byte lines, so two threads never write the same output line at the same time. */
+#define TASK_TILES 2
+
+static inline int64_t gemm_tasks(int64_t M, int64_t tiles) {
+    return (M + TCHUNK - 1) / TCHUNK * ((tiles + TASK_TILES - 1) / TASK_TILES);
+}
 
 static inline void gemm_task(int fmt, int64_t M, int64_t N, int64_t task, int64_t tiles, int64_t Kp,
                              const uint8_t *w, const void *wd_, const void *wm_, const float *bias,
                              const int8_t *xq, const float *xd, const float *xs, void *out, int64_t ldo,
                              int out_bf16) {
-    const int64_t nb = Kp / QBLOCK, t0 = task / tiles * TCHUNK, tile = task % tiles;
+    const int64_t units = (tiles + TASK_TILES - 1) / TASK_TILES;
+    const int64_t nb = Kp / QBLOCK, t0 = task / units * TCHUNK, tile0 = task % units * TASK_TILES;
     const int64_t mt = M - t0 < TCHUNK ? M - t0 : TCHUNK;
-    gemm_tile(fmt, mt, N, tile, Kp, w, wd_, wm_, bias, xq + t0 * Kp, xd + t0 * nb, xs + t0 * nb,
-              (char *)out + t0 * ldo * (out_bf16 ? 2 : 4), ldo, out_bf16);
+    const int team = team_size();
+    for (int64_t tile = tile0; tile < tile0 + TASK_TILES && tile < tiles; tile++)
+        /* the last tile's successor is the thread's next task, about a team of tasks on */
+        gemm_tile(fmt, mt, N, tile, Kp, w, wd_, wm_, bias, xq + t0 * Kp, xd + t0 * nb, xs + t0 * nb,
+                  (char *)out + t0 * ldo * (out_bf16 ? 2 : 4), ldo, out_bf16,
+                  tile + 1 < tile0 + TASK_TILES ? 1 : TASK_TILES * (team - 1) + 1, prefetch_out(M, ldo, out_bf16));
 }
 
 /* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL)
@@ -336,18 +398,19 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
                 const void *wm_, const float *bias, const int8_t *xq, const float *xd,
                 const float *xs, void *out, int64_t ldo, int out_bf16) {
     const int64_t tiles = (N + NR - 1) / NR;
-    /* A decode step's tiles are small and even: static halves. From 16 tokens a task (a tile x
-     * up to TCHUNK tokens) is tens of microseconds, so they are handed out one by one: a thread
+    /* A decode step's tiles are small and even: static halves. From 16 tokens a task (two tiles
+     * x up to TCHUNK tokens) is microseconds or more, so they are handed out one by one: a thread
      * the OS descheduled on a busy machine then holds back one task, not half the matrix. */
     if (M >= 16) {
-        const int64_t tasks = (M + TCHUNK - 1) / TCHUNK * tiles;
+        const int64_t tasks = gemm_tasks(M, tiles);
 #pragma omp parallel for schedule(dynamic, 1) if (tiles > 1)
         for (int64_t task = 0; task < tasks; task++)
             gemm_task(fmt, M, N, task, tiles, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
     } else {
 #pragma omp parallel for schedule(static) if (tiles > 1)
         for (int64_t tile = 0; tile < tiles; tile++)
-            gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
+            gemm_tile(fmt, M, N, tile, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16, 1,
+                      prefetch_out(M, ldo, out_bf16));
     }
 }
 
@@ -369,7 +432,7 @@ void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, cons
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
-        const int64_t tasks = (M + TCHUNK - 1) / TCHUNK * tiles;
+        const int64_t tasks = gemm_tasks(M, tiles);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++)
             gemm_task(fmt, M, N, task, tiles, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);

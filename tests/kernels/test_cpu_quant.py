@@ -62,7 +62,7 @@ def _dequantized_activations(x: torch.Tensor, padded_in: int, per_token: bool, s
 @pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
-@pytest.mark.parametrize("rows", [1, 6, 19, 131])  # 19: register tiles of 8, 8, 3; 131: chunks of 128 + 3
+@pytest.mark.parametrize("rows", [1, 6, 12, 19, 131])  # 19: register tiles of 16 + 3; 131: chunks of 128 + 3
 def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
     qw, dense = _weights(fmt)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(2)).to(dtype)
