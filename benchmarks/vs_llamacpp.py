@@ -14,7 +14,9 @@ Figures, each system on the same file and the same token ids:
   summary gives each round's ratio and their median (the machine's speed drifts by 10-20%).
 - single stream: one request, 32 prompt tokens, decode tokens per second (first token excluded);
   llama.cpp's figure is the better of its high-level generate and its low-level API.
-- HF transformers `generate` on the batched workload, best of fp32 / bf16 x batch 16 / 32.
+- HF transformers `generate` on the batched workload, best of fp32 / bf16 x batch 16 / 32; each
+  later round runs that best configuration again, and the summary gives the rounds' ratios
+  against it and their median too.
 - per-step breakdown of lm-console's batch-1 decode step (engine core in this process):
   scheduler, input preparation, model forward (+ logits), sampling, output processing.
 - cold start: `lmc generate "..." --max-tokens 16` wall time to the first token (warm caches),
@@ -194,7 +196,21 @@ def hf_best(requests, threads: int) -> dict[str, Any]:
     bench = [BenchRequest(list(ids), n) for ids, n in requests]
     best, runs = best_hf(bench, str(resolve_model_path(None)), [16, 32], ["float32", "bfloat16"])
     return {"output_tok_s": best["output_tokens_per_second"], "system": best["system"],
+            "dtype": best["dtype"], "batch_size": best["batch_size"],
             "runs": {r["system"]: r["output_tokens_per_second"] for r in runs}}
+
+
+def hf_again(requests, threads: int, hf: dict[str, Any]) -> float:
+    """HF's best configuration (from hf_best) once more: output tok/s."""
+    import torch
+
+    from engine.models.embedded import resolve_model_path
+    from lm_console.bench.datasets import BenchRequest
+    from lm_console.bench.hf_baseline import run_hf
+
+    torch.set_num_threads(threads)
+    bench = [BenchRequest(list(ids), n) for ids, n in requests]
+    return run_hf(bench, str(resolve_model_path(None)), hf["dtype"], hf["batch_size"])["output_tokens_per_second"]
 
 
 def llamacpp_batched(gguf: Path, requests, threads: int, kv_unified: bool = False) -> dict[str, Any]:
@@ -355,12 +371,17 @@ def _print_cold_phases(cold: dict[str, Any]) -> None:
 def batched_rounds(gguf: Path, requests, threads: int, report: dict[str, Any], rounds: int) -> list[dict[str, float]]:
     """Output tok/s per round: round 0 is the main run's (llama.cpp's better of one at a time and
     its batching), each later one a fresh lm-console engine per variant, then llama.cpp's
-    continuous batching, one after the other."""
+    continuous batching and HF's best configuration again (when measured), one after the other:
+    HF alone moved 158-189 tok/s within ten minutes on the shared machine, so one HF figure
+    makes a noisy denominator."""
+    hf = report.get("hf")
     table = [{**{v: r["output_tok_s"] for v, r in report["lmc"].items()},
-              "llama.cpp": report["llamacpp"]["output_tok_s"]}]
+              "llama.cpp": report["llamacpp"]["output_tok_s"], **({"hf": hf["output_tok_s"]} if hf else {})}]
     for _ in range(1, rounds):
         row = {v: lmc_batched(v, requests, threads, single=False)["output_tok_s"] for v in report["lmc"]}
         row["llama.cpp"] = llamacpp_batched(gguf, requests, threads)["output_tok_s"]
+        if hf:
+            row["hf"] = hf_again(requests, threads, hf)
         print("round", len(table), json.dumps(row), flush=True)
         table.append(row)
     return table
@@ -420,7 +441,11 @@ def main() -> None:
     hf = report.get("hf")
     if hf:
         for variant, r in report["lmc"].items():
-            print(f"{variant}: batched {r['output_tok_s'] / hf['output_tok_s']:.2f}x HF's best ({hf['system']})")
+            ratios = [row[variant] / row["hf"] for row in report.get("rounds", []) if "hf" in row]
+            rounds = (f" (rounds {', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x)"
+                      if ratios else "")
+            print(f"{variant}: batched {r['output_tok_s'] / hf['output_tok_s']:.2f}x HF's best ({hf['system']})"
+                  f"{rounds}")
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(report, indent=1))
 
