@@ -8,7 +8,7 @@ allocation (madvise MADV_HUGEPAGE, honoured where THP is `always` or `madvise`) 
 A quantized model's decode step likewise streams every packed weight (~96 MB for SmolLM2) from
 DRAM: on 4 KiB pages (the packed-weight cache file mapped privately, as safetensors loads it)
 its 120 linears at 29 rows took 16.4-18.2 ms on one core, copied onto huge pages 14.2-14.9 ms
-(`huge_page_copies`).
+(`HugePageArena`).
 
 The zeros are the kernel's: the tensor is a fresh anonymous private mapping, whose pages read as
 zero and are zeroed on first touch, so allocating the cache costs nothing up front and a short
@@ -23,6 +23,7 @@ import logging
 import math
 import mmap
 import sys
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -68,24 +69,42 @@ def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return flat.view(dtype).view(shape)
 
 
-def huge_page_copies(tensors: list[Tensor]) -> list[Tensor]:
-    """Copies of CPU tensors packed into one allocation on huge pages (each starting on a 64-byte
-    line), in order; contiguous, of the same shapes and dtypes. The copies share the one mapping,
-    which lives as long as any of them. Elsewhere than a Linux host, plain contiguous clones."""
-    if not sys.platform.startswith("linux") or any(t.device.type != "cpu" for t in tensors):
-        return [t.contiguous().clone() for t in tensors]
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // 64) * 64
-    if total == 0:
-        return [t.clone() for t in tensors]
-    arena, _ = _anonymous_zeros(total)
-    arena.zero_()  # the page faults (the kernel zeroing each huge page), shared by torch's threads
-    copies = []
-    for t, offset in zip(tensors, offsets):
+def _line_bytes(t: Tensor) -> int:
+    """t's bytes rounded up to whole 64-byte lines (its share of an arena)."""
+    return -(-t.numel() * t.element_size() // 64) * 64
+
+
+class HugePageArena:
+    """One allocation on huge pages that CPU tensors are copied into one after another, each on
+    a 64-byte line; the copies share its mapping, which lives as long as any of them. Pages are
+    touched as the copies land, so a caller that drops each original once copied never holds
+    both whole sets (a large model's packed weights). Elsewhere than a Linux host, the copies are
+    plain contiguous clones."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._flat = _anonymous_zeros(nbytes)[0] if sys.platform.startswith("linux") and nbytes > 0 else None
+        self._offset = 0
+
+    @classmethod
+    def for_tensors(cls, tensors: Iterable[Tensor]) -> HugePageArena:
+        """An arena with room for copies of these tensors."""
+        return cls(sum(_line_bytes(t) for t in tensors))
+
+    def copy(self, t: Tensor) -> Tensor:
+        """A contiguous copy of t (same shape and dtype) in the arena."""
+        if self._flat is None or t.device.type != "cpu" or t.numel() == 0:
+            return t.contiguous().clone()
         nbytes = t.numel() * t.element_size()
-        copy = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        if self._offset + nbytes > self._flat.numel():
+            raise ValueError(f"the arena has {self._flat.numel() - self._offset} bytes left, "
+                             f"a copy needs {nbytes}")
+        copy = self._flat[self._offset : self._offset + nbytes].view(t.dtype).view(t.shape)
         copy.copy_(t)
-        copies.append(copy)
-    return copies
+        self._offset += _line_bytes(t)
+        return copy
+
+
+def huge_page_copies(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of CPU tensors in one HugePageArena, in order."""
+    arena = HugePageArena.for_tensors(tensors)
+    return [arena.copy(t) for t in tensors]

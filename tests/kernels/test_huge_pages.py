@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernels.huge_pages import huge_page_copies, zeros_huge_pages
+from kernels.huge_pages import HugePageArena, huge_page_copies, zeros_huge_pages
 
 CPU = torch.device("cpu")
 
@@ -54,3 +54,13 @@ def test_huge_page_copies_keep_values_shapes_and_dtypes() -> None:
     del tensors
     gc.collect()  # the copies alone keep the arena alive
     assert all(torch.equal(c, e) for c, e in zip(copies, expected))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the arena is a mapping on Linux only")
+def test_an_arena_holds_what_it_was_sized_for_and_refuses_more() -> None:
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int16)]
+    arena = HugePageArena.for_tensors(tensors)
+    copies = [arena.copy(t) for t in tensors]
+    assert all(torch.equal(c, t) for c, t in zip(copies, tensors))
+    with pytest.raises(ValueError, match="bytes left"):
+        arena.copy(torch.randn(64))

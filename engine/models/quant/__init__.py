@@ -31,7 +31,7 @@ from engine.errors import InvalidEngineArgsError
 from engine.models.layers import Embedding, Linear
 from kernels import cpu_quant
 from kernels.cpu_quant import QuantWeight
-from kernels.huge_pages import huge_page_copies
+from kernels.huge_pages import HugePageArena
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +150,12 @@ def _move_to_huge_pages(weights: dict[str, QuantWeight]) -> None:
     private mapping, or numpy's buffers) that costs TLB misses: measured 16.4-18.2 -> 14.2-14.9 ms
     for SmolLM2's 120 linears at 29 rows on one core (kernels/huge_pages.py)."""
     unique = list({id(q): q for q in weights.values()}.values())
-    tensors = [t for q in unique for t in (q.qweight, q.scales, q.offsets) if t is not None]
-    copies = iter(huge_page_copies(tensors))
-    for q in unique:
-        q.qweight, q.scales = next(copies), next(copies)
+    arena = HugePageArena.for_tensors(t for q in unique for t in (q.qweight, q.scales, q.offsets)
+                                      if t is not None)
+    for q in unique:  # each original is dropped once copied: never both whole sets at once
+        q.qweight, q.scales = arena.copy(q.qweight), arena.copy(q.scales)
         if q.offsets is not None:
-            q.offsets = next(copies)
+            q.offsets = arena.copy(q.offsets)
         q.kernel_args = None  # pointers into the old tensors
 
 
