@@ -183,9 +183,10 @@ def llamacpp(gguf: Path, requests, threads: int) -> dict[str, Any] | None:
                     "the high-level generate and the low-level API"}
 
 
-def hf_best(requests, threads: int) -> dict[str, Any]:
-    """HF transformers `generate` on the same workload, best of fp32 / bf16 x batch 16 / 32
-    (the issue's baseline), on the embedded model's dense checkpoint."""
+def hf_best(requests, threads: int, batch_sizes: tuple[int, ...] = (16, 32),
+            dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, Any]:
+    """HF transformers `generate` on the same workload, best of dtypes x batch sizes (by default
+    the issue's baseline: fp32 / bf16 x 16 / 32), on the embedded model's dense checkpoint."""
     import torch
 
     from engine.models.embedded import resolve_model_path
@@ -194,23 +195,10 @@ def hf_best(requests, threads: int) -> dict[str, Any]:
 
     torch.set_num_threads(threads)
     bench = [BenchRequest(list(ids), n) for ids, n in requests]
-    best, runs = best_hf(bench, str(resolve_model_path(None)), [16, 32], ["float32", "bfloat16"])
+    best, runs = best_hf(bench, str(resolve_model_path(None)), list(batch_sizes), list(dtypes))
     return {"output_tok_s": best["output_tokens_per_second"], "system": best["system"],
             "dtype": best["dtype"], "batch_size": best["batch_size"],
             "runs": {r["system"]: r["output_tokens_per_second"] for r in runs}}
-
-
-def hf_again(requests, threads: int, hf: dict[str, Any]) -> float:
-    """HF's best configuration (from hf_best) once more: output tok/s."""
-    import torch
-
-    from engine.models.embedded import resolve_model_path
-    from lm_console.bench.datasets import BenchRequest
-    from lm_console.bench.hf_baseline import run_hf
-
-    torch.set_num_threads(threads)
-    bench = [BenchRequest(list(ids), n) for ids, n in requests]
-    return run_hf(bench, str(resolve_model_path(None)), hf["dtype"], hf["batch_size"])["output_tokens_per_second"]
 
 
 def llamacpp_batched(gguf: Path, requests, threads: int, kv_unified: bool = False) -> dict[str, Any]:
@@ -381,10 +369,18 @@ def batched_rounds(gguf: Path, requests, threads: int, report: dict[str, Any], r
         row = {v: lmc_batched(v, requests, threads, single=False)["output_tok_s"] for v in report["lmc"]}
         row["llama.cpp"] = llamacpp_batched(gguf, requests, threads)["output_tok_s"]
         if hf:
-            row["hf"] = hf_again(requests, threads, hf)
+            row["hf"] = hf_best(requests, threads, (hf["batch_size"],), (hf["dtype"],))["output_tok_s"]
         print("round", len(table), json.dumps(row), flush=True)
         table.append(row)
     return table
+
+
+def _rounds_summary(report: dict[str, Any], variant: str, baseline: str) -> str:
+    """The variant's ratio to the baseline in each round and their median, as " (rounds ...; median ...x)"."""
+    ratios = [row[variant] / row[baseline] for row in report.get("rounds", []) if baseline in row]
+    if not ratios:
+        return ""
+    return f" (rounds {', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x)"
 
 
 def main() -> None:
@@ -433,19 +429,14 @@ def main() -> None:
         report["rounds"] = batched_rounds(gguf, requests, args.threads, report, args.rounds)
     if ref:
         for variant, r in report["lmc"].items():
-            ratios = [row[variant] / row["llama.cpp"] for row in report.get("rounds", [])]
-            rounds = (f" (rounds {', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x)"
-                      if ratios else "")
-            print(f"{variant}: batched {r['output_tok_s'] / ref['output_tok_s']:.2f}x llama.cpp{rounds}, "
+            print(f"{variant}: batched {r['output_tok_s'] / ref['output_tok_s']:.2f}x llama.cpp"
+                  f"{_rounds_summary(report, variant, 'llama.cpp')}, "
                   f"single stream {r['single_decode_tok_s'] / ref['single_decode_tok_s']:.2f}x")
     hf = report.get("hf")
     if hf:
         for variant, r in report["lmc"].items():
-            ratios = [row[variant] / row["hf"] for row in report.get("rounds", []) if "hf" in row]
-            rounds = (f" (rounds {', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x)"
-                      if ratios else "")
             print(f"{variant}: batched {r['output_tok_s'] / hf['output_tok_s']:.2f}x HF's best ({hf['system']})"
-                  f"{rounds}")
+                  f"{_rounds_summary(report, variant, 'hf')}")
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(report, indent=1))
 

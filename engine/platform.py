@@ -31,7 +31,7 @@ _DTYPE_NAMES: dict[str, str] = {
 CPUINFO = Path("/proc/cpuinfo")
 
 # /proc/cpuinfo flags that mean bf16 matrix products run in hardware (oneDNN uses them).
-_FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+_FAST_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
 def detect_device() -> str:
@@ -61,12 +61,12 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU advertises AMX-BF16 or AVX512-BF16 (bf16 matmuls beat fp32 there)."""
-    return any(flag in cpu_flags() for flag in _FAST_BF16_FLAGS)
+    return not _FAST_BF16_FLAGS.isdisjoint(cpu_flags())
 
 
 def cpuinfo_has_fast_bf16(cpuinfo: str) -> bool:
     """Whether the first `flags` line of /proc/cpuinfo text names a fast-bf16 feature."""
-    return any(flag in flags_of(cpuinfo) for flag in _FAST_BF16_FLAGS)
+    return not _FAST_BF16_FLAGS.isdisjoint(flags_of(cpuinfo))
 
 
 def resolve_dtype(dtype: Any, device: str) -> str:

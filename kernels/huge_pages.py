@@ -102,9 +102,3 @@ class HugePageArena:
         copy.copy_(t)
         self._offset += _line_bytes(t)
         return copy
-
-
-def huge_page_copies(tensors: list[Tensor]) -> list[Tensor]:
-    """Copies of CPU tensors in one HugePageArena, in order."""
-    arena = HugePageArena.for_tensors(tensors)
-    return [arena.copy(t) for t in tensors]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernels.huge_pages import HugePageArena, huge_page_copies, zeros_huge_pages
+from kernels.huge_pages import HugePageArena, zeros_huge_pages
 
 CPU = torch.device("cpu")
 
@@ -40,10 +40,11 @@ def test_large_cache_is_not_touched_up_front() -> None:
     assert cache[:2].all() and not cache[2:3].any()
 
 
-def test_huge_page_copies_keep_values_shapes_and_dtypes() -> None:
+def test_arena_copies_keep_values_shapes_and_dtypes() -> None:
     tensors = [torch.randint(0, 255, (33, 7), dtype=torch.uint8), torch.randn(5, 3).half(),
                torch.randn(11), torch.empty(0, 4), torch.randn(4, 6).t()]  # the last not contiguous
-    copies = huge_page_copies(tensors)
+    arena = HugePageArena.for_tensors(tensors)
+    copies = [arena.copy(t) for t in tensors]
     for t, c in zip(tensors, copies):
         assert c.shape == t.shape and c.dtype == t.dtype and c.is_contiguous() and torch.equal(c, t)
         assert c.data_ptr() != t.data_ptr() or t.numel() == 0
