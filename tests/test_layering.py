@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "engine.config", "engine.errors", "engine.protocol", "engine.admission", "engine.request", "engine.sampling_params",
         "engine.outputs", "engine.ipc", "engine.platform", "engine.kv_cache_interface",
         "engine.kv_cache_hashing", "engine.scheduler_output", "engine.model_runner_output",
-        "engine.startup_trace",
+        "engine.startup_trace", "engine.malloc_tuning",
         "engine.metrics", "engine.multimodal",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "engine.admission",

@@ -34,6 +34,7 @@ from engine.distributed.message_queue import Handle, MessageQueue
 from engine.errors import EngineDeadError, EngineStartupError, InvalidEngineArgsError
 from engine.executor.abstract import Executor
 from engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from engine.malloc_tuning import huge_page_heap
 from engine.worker.rpc_protocol import (
     ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, SampleReply, ShutdownCall, WorkerCodec,
     method_name,
@@ -106,7 +107,7 @@ class MultiprocExecutor(Executor):
                 target=run_worker_process, name=f"Worker_TP{rank}", daemon=True,
                 args=(self.config, rank, rank, init_method, self.broadcast_mq.export_handle(),
                       ready_writer, death_reader))
-            with _children_allowed():
+            with _children_allowed(), huge_page_heap():
                 proc.start()
             ready_writer.close()
             death_reader.close()

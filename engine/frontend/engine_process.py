@@ -26,6 +26,7 @@ import engine.errors
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, EngineStartupError
 from engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_engine_addresses, make_socket
+from engine.malloc_tuning import huge_page_heap
 from engine.protocol import (
     EngineCoreReadyInfo, EngineCoreRequestType, EngineCoreStartupFailure,
 )
@@ -102,7 +103,7 @@ class EngineProcess:
             args=(_core_environment(self.engine_args), self.engine_args, self.addresses, self.core_identity,
                   death_reader))
         try:
-            with _main_module_hidden():
+            with _main_module_hidden(), huge_page_heap():
                 proc.start()
         finally:
             death_reader.close()

@@ -9,6 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import destroy_distributed, init_distributed
 from engine.kv_cache_interface import KVCacheSpec
+from engine.malloc_tuning import tune_malloc
 from engine.model_runner_output import ModelRunnerOutput
 from engine.scheduler_output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -39,6 +40,7 @@ class Worker:
         if device.device == "cpu":
             # The ranks share the cores: each takes its share unless num_threads says otherwise.
             torch.set_num_threads(device.num_threads or max(1, (os.cpu_count() or 1) // tp_size))
+            tune_malloc()  # a step's activations reuse the last step's memory (engine/malloc_tuning.py)
         init_distributed(tp_size, self.rank, self.distributed_init_method,
                          "nccl" if device.device == "cuda" else "gloo", self.local_rank)
         torch.manual_seed(self.config.model_config.seed)
