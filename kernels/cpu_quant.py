@@ -259,33 +259,48 @@ class _ActScratch(threading.local):
 _act_scratch = _ActScratch()
 
 
-def _check_x(x: Tensor, qw: QuantWeight) -> None:
-    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu"
-            or x.stride(1) != 1 or x.shape[1] != qw.in_features):
-        raise ValueError(f"x must be a 2-D bf16/float32 CPU tensor [M, {qw.in_features}] "
+# What quantize_act / quant_linear_act read (cpu_common.h ACT_*).
+_ACT_F32, _ACT_BF16, _ACT_SWIGLU_BF16 = 0, 1, 2
+
+
+def _check_x(x: Tensor, qw: QuantWeight, swiglu: bool = False) -> None:
+    width = 2 * qw.in_features if swiglu else qw.in_features
+    dtypes = (torch.bfloat16,) if swiglu else (torch.bfloat16, torch.float32)
+    if (x.dim() != 2 or x.dtype not in dtypes or x.device.type != "cpu"
+            or x.stride(1) != 1 or x.shape[1] != width):
+        what = "bf16 CPU tensor [M, 2 x" if swiglu else "bf16/float32 CPU tensor [M,"
+        raise ValueError(f"x must be a 2-D {what} {qw.in_features}] "
                          f"contiguous along its last axis, got {x.dtype} {tuple(x.shape)} "
                          f"strides {x.stride()}")
 
 
-def quantize_activations(x: Tensor, padded_in: int, per_token: bool,
-                         scalar: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_activations(x: Tensor, padded_in: int, per_token: bool, scalar: bool = False,
+                         swiglu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(xq int8 [M, Kp], scales, sums) as quant_gemm reads them: views of this thread's activation
     scratch, the one quant_gemm quantizes into, so valid until the thread's next quant_gemm,
-    quant_linear or quantize_activations (clone them to keep them)."""
+    quant_linear or quantize_activations (clone them to keep them). swiglu: x is bf16 gate | up
+    [M, 2K] and silu(gate) * up is quantized (quant_gemm's swiglu)."""
     rows, k = x.shape
+    kind = _ACT_SWIGLU_BF16 if swiglu else _ACT_BF16 if x.dtype == torch.bfloat16 else _ACT_F32
+    if swiglu:
+        if x.dtype != torch.bfloat16 or k % 2:
+            raise ValueError(f"swiglu needs bf16 gate | up rows of even width, got {x.dtype} {tuple(x.shape)}")
+        k //= 2
     groups = 1 if per_token else padded_in // BLOCK
     xq, xd, xs = _act_scratch.views(rows, padded_in, groups)
-    _library(scalar).quantize_act(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
-                                  k, padded_in, int(per_token), xq.data_ptr(), xd.data_ptr(),
-                                  xs.data_ptr())
+    _library(scalar).quantize_act(x.data_ptr(), x.stride(0), kind, rows, k, padded_in, int(per_token),
+                                  xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
     return xq, xd, xs
 
 
 def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: bool = False,
-               out_dtype: torch.dtype | None = None) -> Tensor:
+               out_dtype: torch.dtype | None = None, swiglu: bool = False) -> Tensor:
     """x [M, K] @ W^T (+ bias float32 [N]) with int8 activations; output in out_dtype (bf16 or
-    float32; default x's dtype), rounded once from the kernel's float32 sums."""
-    _check_x(x, qw)
+    float32; default x's dtype), rounded once from the kernel's float32 sums.
+
+    swiglu: x is bf16 [M, 2K], gate | up, and the activations are silu(gate) * up, computed in
+    float32 as they are quantized (SwiGLU's down projection, with no [M, K] intermediate)."""
+    _check_x(x, qw, swiglu)
     rows = x.shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -301,7 +316,8 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
     xq, xd, xs = _act_scratch.pointers(rows, kp)  # the activations' int8 copy, quantized in the call
     _library(scalar).quant_linear_act(fmt, rows, n, k, kp, w, wd, wm or None,
                                       bias.data_ptr() if bias is not None else None, x.data_ptr(),
-                                      x.stride(0), int(x.dtype == torch.bfloat16), xq, xd, xs,
+                                      x.stride(0), _ACT_SWIGLU_BF16 if swiglu else int(x.dtype == torch.bfloat16),
+                                      xq, xd, xs,
                                       out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16))
     return out
 
@@ -319,9 +335,17 @@ def dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32, out: Tensor 
 
 
 def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> Tensor:
+                 out_dtype: torch.dtype | None = None, swiglu: bool = False) -> Tensor:
     """The layer's forward: the int8 GEMM, or (block formats, many rows) dequantize + torch.
-    out_dtype: the output's (bf16 or float32; default x's dtype)."""
+    out_dtype: the output's (bf16 or float32; default x's dtype); swiglu: x is gate | up, bf16
+    [M, 2K], and the input is silu(gate) * up (quant_gemm)."""
+    if swiglu:
+        if x.dim() != 2 or x.shape[1] != 2 * qw.in_features:
+            raise ValueError(f"swiglu needs gate | up rows [M, {2 * qw.in_features}], got {tuple(x.shape)}")
+        if x.dtype == torch.bfloat16 and (qw.fmt == "c8" or x.shape[0] <= DENSE_ROWS):
+            return quant_gemm(x, qw, bias, out_dtype=out_dtype, swiglu=True)
+        gate, up = x.split(qw.in_features, dim=-1)  # float32, or the dense path's many rows
+        return quant_linear(F.silu(gate) * up, qw, bias, out_dtype)
     if qw.fmt != "c8" and x.shape[0] > DENSE_ROWS:
         numel = qw.out_features * qw.in_features
         w = _dense_scratch.get(numel, x.dtype)[:numel].view(qw.out_features, qw.in_features)

@@ -20,6 +20,7 @@ from engine.models.parallel_layers import (
     ColumnParallelLinear, LazyWeight, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
     VocabParallelEmbedding, as_tensor,
 )
+from kernels import cpu_quant
 
 # HF checkpoint projection -> (our fused parameter, shard index); see _fused_shards.
 _FUSED = {
@@ -97,7 +98,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, "intermediate_size")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # via [T, 2 * intermediate]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        down = self.down_proj
+        if down.quant is not None:
+            # The int8 kernel quantizes silu(gate) * up as it reads gate | up: no [T, I] pass.
+            return cpu_quant.quant_linear(gate_up, down.quant, down.quant_bias, swiglu=True)
+        return down(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

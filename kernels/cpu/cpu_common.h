@@ -3,8 +3,16 @@
 #ifndef LMC_CPU_COMMON_H
 #define LMC_CPU_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* What an activation pointer holds (quantize_act, quant_linear_act): float32 or bf16 rows
+ * [M, K], or bf16 rows [M, 2K] of gate | up whose silu(gate) * up is the activation (SwiGLU's,
+ * computed in float32 as it is quantized, never stored). */
+#define ACT_F32 0
+#define ACT_BF16 1
+#define ACT_SWIGLU_BF16 2
 
 /* bf16 is the top half of a float32: widening is exact. */
 static inline float bf16_to_float(uint16_t value) {
@@ -21,6 +29,13 @@ static inline uint16_t float_to_bf16(float value) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
+}
+
+/* silu(g) = g * sigmoid(g), the sigmoid from e = exp(-|g|): nothing overflows (the kernels are
+ * built with -ffast-math, which assumes no infinities, so exp(-g) must stay finite). */
+static inline float silu_f(float g) {
+    const float e = expf(-fabsf(g));
+    return g * (g >= 0.f ? 1.f : e) / (1.f + e);
 }
 
 /* Whether the block-table row of a sequence of seq_len tokens names, in every entry the
@@ -56,6 +71,18 @@ static inline __m512 exp_nonpositive_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* silu(g) = g * sigmoid(g), the sigmoid from e = exp(-|g|) so that nothing overflows on either
+ * side: 1 / (1 + e) for g >= 0, e / (1 + e) below (reciprocal estimate + one Newton step). */
+static inline __m512 silu_ps(__m512 g) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 e = exp_nonpositive_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 den = _mm512_add_ps(one, e);
+    __m512 inv = _mm512_rcp14_ps(den);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mul_ps(_mm512_mul_ps(g, _mm512_mask_blend_ps(negative, one, e)), inv);
 }
 
 /* In-register transpose of a 16x16 matrix of 32-bit elements: afterwards r[j] holds element j

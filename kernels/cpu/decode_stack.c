@@ -12,7 +12,8 @@
  *               rope(q, k) in place; k, v -> paged cache slots
  *               a = paged_decode_attention(q)
  *               x = quant_gemm(a)  (o_proj); h = add_rms_norm(x, res)
- *               g = quant_gemm(h)  (gate|up); s = silu(g_gate) * g_up; x = quant_gemm(s)
+ *               g = quant_gemm(h)  (gate|up); x = quant_gemm(quantize_act(silu(g_gate) * g_up))
+ *                 (dense: s = silu(g_gate) * g_up stored, then the GEMV)
  *   end         out = add_rms_norm(x, res) with the final norm's weight
  *
  * Dense bf16 linears (FMT_DENSE_BF16) run this file's own GEMV (AVX512-BF16 dot products, a
@@ -134,9 +135,10 @@ static void dense_rows(const int64_t *lin, const bf16 *x, int64_t ldx, int64_t r
     }
 }
 
-/* out[rows, N] (row stride ldo) = linear(x[rows, K], row stride ldx). */
+/* out[rows, N] (row stride ldo) = linear(x[rows, K], row stride ldx); a quantized linear with
+ * kind ACT_SWIGLU_BF16 reads x as gate | up rows [rows, 2K] and quantizes silu(gate) * up. */
 static void linear(const void *const *kern, const int64_t *lin, const bf16 *x, int64_t ldx,
-                   int64_t rows, bf16 *out, int64_t ldo, void *const *buf) {
+                   int64_t rows, bf16 *out, int64_t ldo, void *const *buf, int kind) {
     if (lin[L_FMT] == FMT_DENSE_BF16) {
         dense_rows(lin, x, ldx, rows, out, ldo);
         return;
@@ -144,7 +146,7 @@ static void linear(const void *const *kern, const int64_t *lin, const bf16 *x, i
     const int64_t Kp = lin[L_KP];
     int8_t *xq = (int8_t *)buf[B_XQ];
     float *xd = (float *)buf[B_XD], *xs = (float *)buf[B_XS];
-    ((quantize_act_fn)kern[K_QUANTIZE_ACT])(x, ldx, 1, rows, lin[L_K], Kp, 0, xq, xd, xs);
+    ((quantize_act_fn)kern[K_QUANTIZE_ACT])(x, ldx, kind, rows, lin[L_K], Kp, 0, xq, xd, xs);
     ((quant_gemm_fn)kern[K_QUANT_GEMM])((int)lin[L_FMT], rows, lin[L_N], Kp, PTR(const uint8_t *, lin[L_W]),
                                         PTR(const void *, lin[L_SCALES]), PTR(const void *, lin[L_OFFSETS]),
                                         PTR(const float *, lin[L_BIAS]), xq, xd, xs, out, ldo, 1);
@@ -196,7 +198,7 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
             add_rms_norm(x, H, res, H, normed, H, PTR(const bf16 *, y[Y_IN_NORM]), rows, H, eps);
             bf16 *t = res; res = x; x = t; /* the sum (in x) is the stream now */
         }
-        linear(kern, y + Y_QKV, normed, H, rows, qkv, qkv_n, buf);
+        linear(kern, y + Y_QKV, normed, H, rows, qkv, qkv_n, buf, ACT_BF16);
         if (g[G_QK_NORM]) {
             const rms_norm_heads_fn norm_heads = (rms_norm_heads_fn)kern[K_RMS_NORM_HEADS];
             norm_heads(qkv, qkv_n, PTR(const bf16 *, y[Y_Q_NORM]), rows, heads, D, eps);
@@ -225,12 +227,16 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
         if (rows == 1) omp_set_num_threads(threads);
 #endif
         if (status != 0) return status;
-        linear(kern, y + Y_O, attn, q_size, rows, x, H, buf);
+        linear(kern, y + Y_O, attn, q_size, rows, x, H, buf, ACT_BF16);
         add_rms_norm(x, H, res, H, normed, H, PTR(const bf16 *, y[Y_POST_NORM]), rows, H, eps);
         { bf16 *t = res; res = x; x = t; }
-        linear(kern, y + Y_GATE_UP, normed, H, rows, gate_up, 2 * I, buf);
-        ((silu_fn)kern[K_SILU])(gate_up, 2 * I, act, I, rows, I);
-        linear(kern, y + Y_DOWN, act, I, rows, x, H, buf);
+        linear(kern, y + Y_GATE_UP, normed, H, rows, gate_up, 2 * I, buf, ACT_BF16);
+        if (y[Y_DOWN + L_FMT] == FMT_DENSE_BF16) {
+            ((silu_fn)kern[K_SILU])(gate_up, 2 * I, act, I, rows, I);
+            linear(kern, y + Y_DOWN, act, I, rows, x, H, buf, ACT_BF16);
+        } else { /* as the layer path: silu(gate) * up quantized straight from gate | up */
+            linear(kern, y + Y_DOWN, gate_up, 2 * I, rows, x, H, buf, ACT_SWIGLU_BF16);
+        }
     }
     bf16 *out = PTR(bf16 *, step[S_OUT]);
     if (g[G_LAYERS] == 0) {

@@ -58,22 +58,6 @@ static inline void store16(bf16 *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, to_bf16x16(v));
 }
 
-/* exp(x) for x in float32: 2^n * e^r with |r| <= ln2/2, a degree-6 polynomial for e^r. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.5f)), _mm512_set1_ps(-88.5f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 #endif
 
 /* ---- silu(gate) * up ---------------------------------------------------------------------- */
@@ -84,18 +68,11 @@ static void silu_and_mul_row(const bf16 *gate, const bf16 *up, bf16 *out, int64_
     for (; j < d; j += 16) {
         __mmask16 m = tail_mask(d - j);
         __m512 g = load16(gate + j, m), u = load16(up + j, m);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        /* g / (1 + e): reciprocal estimate (14 bits) and one Newton step, cheaper than a divide */
-        __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
-        __m512 inv = _mm512_rcp14_ps(den);
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-        __m512 s = _mm512_mul_ps(g, inv);
-        store16(out + j, _mm512_mul_ps(s, u), m);
+        store16(out + j, _mm512_mul_ps(silu_ps(g), u), m);
     }
 #endif
     for (; j < d; j++) {
-        float g = bf16_to_float(gate[j]);
-        out[j] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[j]));
+        out[j] = float_to_bf16(silu_f(bf16_to_float(gate[j])) * bf16_to_float(up[j]));
     }
 }
 

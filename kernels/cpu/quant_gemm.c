@@ -72,14 +72,17 @@ static inline float half_to_float(uint16_t h) {
 
 int quant_gemm_has_vnni(void) { return QG_VNNI; }
 
-static inline float load_x(const void *x, int is_bf16, int64_t i) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+/* Element i of an activation row (ACT_*: kind; K: the row's width, where up starts in a
+ * gate | up row). */
+static inline float load_x(const void *x, int kind, int64_t K, int64_t i) {
+    if (kind == ACT_SWIGLU_BF16) {
+        return silu_f(bf16_to_float(((const uint16_t *)x)[i])) * bf16_to_float(((const uint16_t *)x)[K + i]);
+    }
+    return kind == ACT_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 #if QG_VNNI
-/* 16 activations k0.. of a row as floats (masked: `valid` of them, the rest zero). */
-static inline __m512 load_x16(const void *row, int is_bf16, int64_t k0, int valid) {
-    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1u);
+static inline __m512 load_raw16(const void *row, int is_bf16, int64_t k0, __mmask16 mask) {
     if (is_bf16) {
         const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + k0);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -87,10 +90,18 @@ static inline __m512 load_x16(const void *row, int is_bf16, int64_t k0, int vali
     return _mm512_maskz_loadu_ps(mask, (const float *)row + k0);
 }
 
+/* 16 activations k0.. of a row as floats (masked: `valid` of them, the rest zero). */
+static inline __m512 load_x16(const void *row, int kind, int64_t K, int64_t k0, int valid) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1u);
+    if (kind == ACT_SWIGLU_BF16)
+        return _mm512_mul_ps(silu_ps(load_raw16(row, 1, k0, mask)), load_raw16(row, 1, K + k0, mask));
+    return load_raw16(row, kind == ACT_BF16, k0, mask);
+}
+
 /* One block of 32 (k0.., `valid` real values) -> q[32], its scale; returns the sum of q. */
-static inline int32_t quantize_block(const void *row, int is_bf16, int64_t k0, int valid, int8_t *q,
+static inline int32_t quantize_block(const void *row, int kind, int64_t K, int64_t k0, int valid, int8_t *q,
                                      float *scale) {
-    const __m512 v0 = load_x16(row, is_bf16, k0, valid), v1 = load_x16(row, is_bf16, k0 + 16, valid - 16);
+    const __m512 v0 = load_x16(row, kind, K, k0, valid), v1 = load_x16(row, kind, K, k0 + 16, valid - 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     /* cvtps rounds to nearest even, as lrintf in the portable path */
@@ -104,18 +115,18 @@ static inline int32_t quantize_block(const void *row, int is_bf16, int64_t k0, i
 #endif
 
 /* Quantize row m of x (see quantize_act). */
-static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int64_t K, int64_t Kp,
+static void quantize_row(const void *x, int64_t ldx, int kind, int64_t m, int64_t K, int64_t Kp,
                          int per_token, int8_t *xq, float *xd, float *xs) {
     const int64_t nb = Kp / QBLOCK;
-    const void *row = (const char *)x + m * ldx * (is_bf16 ? 2 : 4);
+    const void *row = (const char *)x + m * ldx * (kind == ACT_F32 ? 4 : 2);
     int8_t *q = xq + m * Kp;
     if (per_token) {
         float amax = 0.f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_x(row, kind, K, k)));
         const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
         int32_t sum = 0;
         for (int64_t k = 0; k < K; k++) {
-            const int32_t v = (int32_t)lrintf(load_x(row, is_bf16, k) * inv);
+            const int32_t v = (int32_t)lrintf(load_x(row, kind, K, k) * inv);
             q[k] = (int8_t)v;
             sum += v;
         }
@@ -128,15 +139,15 @@ static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int
         const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
         float d;
 #if QG_VNNI
-        const int32_t sum = quantize_block(row, is_bf16, k0, (int)(k1 - k0), q + k0, &d);
+        const int32_t sum = quantize_block(row, kind, K, k0, (int)(k1 - k0), q + k0, &d);
 #else
         float amax = 0.f;
-        for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, is_bf16, k)));
+        for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(load_x(row, kind, K, k)));
         d = amax / 127.f;
         const float inv = d > 0.f ? 1.f / d : 0.f;
         int32_t sum = 0;
         for (int64_t k = k0; k < k0 + QBLOCK; k++) {
-            const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, is_bf16, k) * inv) : 0;
+            const int32_t v = k < k1 ? (int32_t)lrintf(load_x(row, kind, K, k) * inv) : 0;
             q[k] = (int8_t)v;
             sum += v;
         }
@@ -146,14 +157,15 @@ static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t m, int
     }
 }
 
-/* Quantize rows x[M, K] (bf16 or float32, row stride ldx) to xq[M, Kp] int8 (zero padded).
+/* Quantize rows x[M, K] (kind: ACT_F32, ACT_BF16, or ACT_SWIGLU_BF16 with x [M, 2K] gate | up;
+ * row stride ldx elements) to xq[M, Kp] int8 (zero padded).
  * per_token = 0: per block of 32, xd[M, Kp/32] scales and xs[M, Kp/32] = xd * sum(xq);
  * per_token = 1: xd[M] one scale per row and xs[M] = sum(xq) (an integer, as float). */
-void quantize_act(const void *x, int64_t ldx, int is_bf16, int64_t M, int64_t K, int64_t Kp,
+void quantize_act(const void *x, int64_t ldx, int kind, int64_t M, int64_t K, int64_t Kp,
                   int per_token, int8_t *xq, float *xd, float *xs) {
     /* vectorized, a row is ~0.1 us a thousand elements: threads only for prefill-sized batches */
 #pragma omp parallel for schedule(static) if (M * K > (1 << 16))
-    for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, is_bf16, m, K, Kp, per_token, xq, xd, xs);
+    for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, kind, m, K, Kp, per_token, xq, xd, xs);
 }
 
 #define NR 16 /* rows a tile */
@@ -414,16 +426,16 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
     }
 }
 
-/* quantize_act (per block) and quant_gemm in one call and one parallel region: x [M, K] (bf16 or
- * float32, row stride ldx) quantized into the caller's xq [M, Kp], xd, xs [M, Kp / 32], then
+/* quantize_act (per block) and quant_gemm in one call and one parallel region: x [M, K] (x_kind as
+ * quantize_act's: SwiGLU's gate | up rows give the down projection its input unstored) quantized into the caller's xq [M, Kp], xd, xs [M, Kp / 32], then
  * multiplied. A decode batch (< 16 tokens) quantizes on the calling thread (microseconds) and
  * splits the tiles statically; larger batches share one team for both phases, so a busy
  * machine's descheduled thread costs one barrier per linear, not two. */
 void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, const uint8_t *w,
                       const void *wd_, const void *wm_, const float *bias, const void *x, int64_t ldx,
-                      int x_bf16, int8_t *xq, float *xd, float *xs, void *out, int64_t ldo, int out_bf16) {
+                      int x_kind, int8_t *xq, float *xd, float *xs, void *out, int64_t ldo, int out_bf16) {
     if (M < 16) {
-        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
+        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_kind, m, K, Kp, 0, xq, xd, xs);
         quant_gemm(fmt, M, N, Kp, w, wd_, wm_, bias, xq, xd, xs, out, ldo, out_bf16);
         return;
     }
@@ -431,7 +443,7 @@ void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, cons
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, Kp, 0, xq, xd, xs);
+        for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_kind, m, K, Kp, 0, xq, xd, xs);
         const int64_t tasks = gemm_tasks(M, tiles);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++)

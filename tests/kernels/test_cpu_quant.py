@@ -208,3 +208,68 @@ def test_tiled_layout_round_trip(fmt):
     # padding rows and whole padding blocks are zero (x is zero past K, so a partial block's
     # offset over its padding does not count)
     assert np.all(w[N:] == 0) and np.all(w[:, -(-K // 32) * 32:] == 0)
+
+
+def _gate_up(rows: int, seed: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 gate | up rows [rows, 2K] and their SwiGLU activation silu(gate) * up in float64."""
+    gate_up = (torch.randn(rows, 2 * K, generator=torch.Generator().manual_seed(seed)) * 4).bfloat16()
+    gate, up = gate_up.double().split(K, dim=1)
+    return gate_up, gate * torch.sigmoid(gate) * up
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_swiglu_activations_quantize_silu_gate_times_up(per_token, scalar):
+    """The down projection's input silu(gate) * up is computed in float32 as it is quantized: its
+    int8 values and scales are those of the float64 activation (a value on a rounding boundary may
+    land one step over), never a stored bf16 intermediate."""
+    gate_up, act = _gate_up(21)
+    gate_up[3] = 0  # silu(0) * 0: a zero row
+    gate_up[4, :K:2] = -100.0  # silu(-100) ~ -4e-42: no overflow in exp
+    gate, up = gate_up[3:5].double().split(K, dim=1)
+    act[3:5] = gate * torch.sigmoid(gate) * up
+    kp = cpu_quant.padded(K)
+    xq, xd, _ = (t.clone() for t in cpu_quant.quantize_activations(gate_up, kp, per_token, scalar, swiglu=True))
+    rq, rd, _ = cpu_quant.quantize_activations(act.float(), kp, per_token, scalar)
+    assert torch.allclose(xd, rd, rtol=1e-5, atol=0)
+    assert (xq.int() - rq.int()).abs().max() <= 1 and (xq != rq).float().mean() < 0.01
+    scales = xd.double() if per_token else xd.double().repeat_interleave(cpu_quant.BLOCK, 1)[:, :K]
+    assert torch.all((xq[:, :K].double() * scales - act).abs() <= scales / 2 * 1.01 + 1e-12)
+    assert torch.all(xq[3] == 0) and torch.all(xq[:, K:] == 0)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
+@pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
+@pytest.mark.parametrize("rows", [1, 19, 131])
+def test_swiglu_gemm_matches_float64(fmt, scalar, rows):
+    qw, dense = _weights(fmt)
+    gate_up, act = _gate_up(rows)
+    out = cpu_quant.quant_gemm(gate_up, qw, scalar=scalar, swiglu=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, N)
+    xq, xd, _ = cpu_quant.quantize_activations(gate_up, qw.padded_in, False, scalar, swiglu=True)
+    xdq = xq.double().numpy()[:, :K] * np.repeat(xd.double().numpy(), cpu_quant.BLOCK, 1)[:, :K]
+    ref = xdq @ dense.T
+    assert np.abs(out.double().numpy() - ref).max() <= 2.0**-8 * np.abs(ref).max() * 4
+    exact = act.numpy() @ dense.T  # the quantization error, bounded as for stored activations
+    bound = (np.abs(act.numpy() - xdq) @ np.abs(dense).T) * 1.01 + 2.0**-8 * np.abs(exact) + 1e-6
+    assert np.all(np.abs(out.double().numpy() - exact) <= bound)
+    if not scalar:  # the layer's entry point takes the same path
+        assert torch.equal(cpu_quant.quant_linear(gate_up, qw, swiglu=True), out)
+
+
+def test_swiglu_without_the_kernel_path_computes_the_same_product(monkeypatch):
+    """float32 gate | up, and block formats above dense_rows() rows, apply silu(gate) * up with
+    torch first; a width other than 2K is refused."""
+    qw, dense = _weights("b4")
+    gate_up, act = _gate_up(6)
+    exact = act.numpy() @ dense.T
+    fp32 = cpu_quant.quant_linear(gate_up.float(), qw, swiglu=True)
+    assert fp32.dtype == torch.float32
+    assert np.abs(fp32.double().numpy() - exact).max() <= 0.02 * np.abs(exact).max()
+    monkeypatch.setattr(cpu_quant, "DENSE_ROWS", 4)
+    many = cpu_quant.quant_linear(gate_up, qw, swiglu=True)
+    assert np.abs(many.double().numpy() - exact).max() <= 0.02 * np.abs(exact).max()
+    with pytest.raises(ValueError, match=r"gate \| up rows \[M, 160\]"):
+        cpu_quant.quant_linear(gate_up[:, :-2], qw, swiglu=True)
+    with pytest.raises(ValueError, match=r"\[M, 2 x 80\]"):
+        cpu_quant.quant_gemm(gate_up.float(), qw, swiglu=True)
