@@ -193,10 +193,10 @@ class ConsoleApp(App[None]):
         """Flush the deques into the widgets (a few times a second, one batch_update)."""
         now = self.clock()
         view = self.telemetry.flush(now)
-        self._maybe_poll_core(now)
         try:
+            self._maybe_poll_core(now)
             self._render_tick(view, now)
-        except NoMatches:  # the app is tearing down: its widgets are gone
+        except NoMatches:  # the app is tearing down (or not composed yet): its widgets are gone
             pass
 
     def _render_tick(self, view: DashboardView, now: float) -> None:
@@ -232,8 +232,8 @@ class ConsoleApp(App[None]):
         poll = getattr(self.client, "request_blocks", None)
         if poll is None or self.engine_state != "serving" or self._core_polling or now - self._core_poll_at < CORE_POLL_S:
             return
+        block_map = self.query_one(BlockMap) if not self.chat_only else None  # NoMatches: no poll
         self._core_poll_at, self._core_polling = now, True
-        block_map = self.query_one(BlockMap) if not self.chat_only else None
         extra = [block_map.selected] if block_map is not None and block_map.selected is not None else None
 
         async def read() -> None:

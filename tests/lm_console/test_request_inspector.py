@@ -71,3 +71,18 @@ def test_table_shows_the_cores_states_and_preemptions_and_enter_inspects() -> No
             assert not isinstance(app.screen, RequestInspector)
 
     asyncio.run(scenario())
+
+
+def test_a_tick_while_the_widgets_are_gone_skips_the_core_poll() -> None:
+    """The UI timer can fire while the app tears down (its widgets unmounted): the core poll,
+    which reads the block map's selection, skips that tick instead of raising NoMatches."""
+    async def scenario() -> None:
+        app, client, clock = demo_app(num_blocks=48, token_budget=128, max_num_seqs=8)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            await app.query_one(BlockMap).remove()
+            app._core_poll_at = float("-inf")  # a poll is due
+            app.tick()
+            assert not app._core_polling  # skipped, not left half-started
+
+    asyncio.run(scenario())
