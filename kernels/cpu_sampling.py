@@ -1,4 +1,5 @@
-"""The exponential race (random sampling) for CPU float32 logits: a C kernel via ctypes.
+"""Sampling kernels for CPU float32 logits via ctypes: the exponential race (random rows) and
+the argmax (greedy rows).
 
 See kernels/cpu/sampling.c: each row's Exp(1) noise is a counter-based hash of one 64-bit key
 per row and step, so the vocabulary-sized draw is vectorised instead of coming one value at a
@@ -30,6 +31,9 @@ def load() -> ctypes.CDLL | None:
         for name in ("exponential_race_f32", "exponential_race_f32_scalar"):
             fn = getattr(library, name)
             fn.argtypes, fn.restype = _ARGTYPES, None
+        for name in ("argmax_f32", "argmax_f32_scalar"):
+            fn = getattr(library, name)
+            fn.argtypes, fn.restype = _ARGTYPES[:5], None
     return library
 
 
@@ -56,4 +60,18 @@ def exponential_race(logits: Tensor, keys: Tensor, vectorized: bool = True) -> T
     fn = library.exponential_race_f32 if vectorized else library.exponential_race_f32_scalar
     fn(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], keys.data_ptr(),
        out.data_ptr())
+    return out
+
+
+def argmax(logits: Tensor, vectorized: bool = True) -> Tensor:
+    """[B] int64: each row's argmax as torch.argmax(dim=-1) gives it (the first maximum; a row
+    holding a NaN, its first NaN). logits: [B, V] float32, V > 0, contiguous along V."""
+    library = load()
+    if library is None:
+        raise CpuKernelBuildError("the CPU sampling kernel is not available")
+    if not supports(logits) or logits.shape[1] == 0:
+        raise ValueError("logits must be a [B, V] float32 CPU tensor, V > 0, contiguous along V")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    fn = library.argmax_f32 if vectorized else library.argmax_f32_scalar
+    fn(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())
     return out

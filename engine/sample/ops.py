@@ -163,6 +163,14 @@ def _top_p_cutoff_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Te
     return values.gather(1, (num_keep - 1).unsqueeze(1)).squeeze(1)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [B] int64 (the first maximum): the C kernel on the CPU (vectorised, rows
+    over the threads; torch's argmax took ~0.4 ms for 29 rows of a 49k vocabulary), else torch."""
+    if cpu_sampling.supports(logits) and logits.shape[1] > 0:
+        return cpu_sampling.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def random_sample(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample one token per row by the exponential race: argmax(p / q), q ~ Exp(1).
 

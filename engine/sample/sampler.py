@@ -48,7 +48,7 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax (lowest index on ties); the others sample. [B] int64."""
-        greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy_sampled = None if metadata.all_random else ops.greedy_argmax(logits)
         if metadata.all_greedy:
             assert greedy_sampled is not None
             return greedy_sampled

@@ -1,4 +1,5 @@
-/* Random sampling for the CPU: the exponential race over a row of logits in one pass.
+/* Sampling for the CPU: the exponential race over a row of logits in one pass (random rows),
+ * and the argmax (greedy rows).
  *
  * token = argmax_v exp(l_v - max) / E_v with E_v ~ Exp(1) independent per token: the same law
  * as sampling from softmax(l). torch draws the V uniforms of a row from a Mersenne Twister one
@@ -141,4 +142,64 @@ void exponential_race_f32(const float *logits, int64_t row_stride, int64_t num_r
 void exponential_race_f32_scalar(const float *logits, int64_t row_stride, int64_t num_rows,
                                  int64_t vocab, const uint64_t *keys, int64_t *out) {
     for (int64_t r = 0; r < num_rows; r++) out[r] = race_scalar(logits + r * row_stride, vocab, keys[r]);
+}
+
+/* ---- greedy: each row's argmax, as torch.argmax answers it ---------------------------------
+ * The first maximum on ties; a row holding a NaN answers its first NaN (torch ranks NaN above
+ * everything). -ffast-math assumes no NaN, so NaNs are found through their bits. */
+static inline int is_nan_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
+static int64_t argmax_scalar(const float *row, int64_t vocab) {
+    int64_t best = 0;
+    for (int64_t v = 0; v < vocab; v++) {
+        if (is_nan_bits(row[v])) return v;
+        if (row[v] > row[best]) best = v;
+    }
+    return best;
+}
+
+#if defined(__AVX512F__)
+/* Two passes (the row stays in L2 between them): the maximum, then its first index. */
+static int64_t argmax_avx512(const float *row, int64_t vocab) {
+    const int64_t full = vocab & ~(int64_t)15;
+    __m512 max_v = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t v = 0; v < full; v += 16) {
+        const __m512 x = _mm512_loadu_ps(row + v);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        max_v = _mm512_max_ps(max_v, x);
+    }
+    if (nan) return argmax_scalar(row, vocab);
+    float max = _mm512_reduce_max_ps(max_v);
+    for (int64_t v = full; v < vocab; v++) {
+        if (is_nan_bits(row[v])) return argmax_scalar(row, vocab);
+        if (row[v] > max) max = row[v];
+    }
+    const __m512 max_b = _mm512_set1_ps(max);
+    for (int64_t v = 0; v < full; v += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + v), max_b, _CMP_EQ_OQ);
+        if (hit) return v + __builtin_ctz((unsigned)hit);
+    }
+    for (int64_t v = full; v < vocab; v++)
+        if (row[v] == max) return v;
+    return 0; /* not reached: the maximum is one of the values */
+}
+#define ARGMAX argmax_avx512
+#else
+#define ARGMAX argmax_scalar
+#endif
+
+/* Rows split over the threads when there are enough (a single row stays on this thread). */
+void argmax_f32(const float *logits, int64_t row_stride, int64_t num_rows, int64_t vocab, int64_t *out) {
+    _Pragma("omp parallel for schedule(static) if (num_rows > 1)")
+    for (int64_t r = 0; r < num_rows; r++) out[r] = ARGMAX(logits + r * row_stride, vocab);
+}
+
+void argmax_f32_scalar(const float *logits, int64_t row_stride, int64_t num_rows, int64_t vocab,
+                       int64_t *out) {
+    for (int64_t r = 0; r < num_rows; r++) out[r] = argmax_scalar(logits + r * row_stride, vocab);
 }

@@ -1,4 +1,5 @@
-"""The C exponential race (kernels/cpu/sampling.c) against its scalar reference and the law."""
+"""The C sampling kernels (kernels/cpu/sampling.c): the exponential race against its scalar reference
+and the law, the argmax against torch.argmax."""
 
 from __future__ import annotations
 
@@ -63,3 +64,29 @@ def test_same_key_same_token_and_bad_arguments():
         cpu_sampling.exponential_race(logits, keys[:2])
     with pytest.raises(ValueError, match="contiguous along V"):
         cpu_sampling.exponential_race(logits.t(), _keys(100))
+
+
+@pytest.mark.parametrize("vectorized", [True, False], ids=["avx512", "scalar"])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_is_torchs(vocab, vectorized):
+    """Greedy rows: the first maximum, as torch.argmax; ties, infinities and NaN included."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab + 3, generator=g)[:, :vocab]  # a row stride wider than V
+    logits[1] = float("-inf")  # all -inf: index 0
+    logits[2, vocab // 2:] = 7.0  # a tie: the first of them
+    logits[3, -1] = float("inf")
+    logits[4, vocab // 3] = float("nan")  # NaN ranks above everything: its index
+    logits[5, :] = float("nan")
+    logits[6, vocab - 1] = 50.0  # in the tail the vector loop leaves
+    logits[7] = torch.round(logits[7])  # many ties
+    got = cpu_sampling.argmax(logits, vectorized=vectorized)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+
+
+def test_argmax_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        cpu_sampling.argmax(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous along V"):
+        cpu_sampling.argmax(torch.zeros(8, 2).t())
+    with pytest.raises(ValueError, match="V > 0"):
+        cpu_sampling.argmax(torch.zeros(2, 0))
