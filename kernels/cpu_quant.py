@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.platform import cpu_flags
+from kernels import cpu_ops
 from kernels.cpu_build import CpuKernelBuildError, load_library
 
 SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
@@ -344,8 +345,12 @@ def quant_linear(x: Tensor, qw: QuantWeight, bias: Tensor | None = None,
             raise ValueError(f"swiglu needs gate | up rows [M, {2 * qw.in_features}], got {tuple(x.shape)}")
         if x.dtype == torch.bfloat16 and (qw.fmt == "c8" or x.shape[0] <= DENSE_ROWS):
             return quant_gemm(x, qw, bias, out_dtype=out_dtype, swiglu=True)
-        gate, up = x.split(qw.in_features, dim=-1)  # float32, or the dense path's many rows
-        return quant_linear(F.silu(gate) * up, qw, bias, out_dtype)
+        if x.dtype == torch.bfloat16 and x.stride(1) == 1 and cpu_ops.load() is not None:
+            act = cpu_ops.silu_and_mul(x)  # the dense path's many rows: rounded once, as SiluAndMul
+        else:
+            gate, up = x.split(qw.in_features, dim=-1)  # float32: torch's ops, as SiluAndMul
+            act = F.silu(gate) * up
+        return quant_linear(act, qw, bias, out_dtype)
     if qw.fmt != "c8" and x.shape[0] > DENSE_ROWS:
         numel = qw.out_features * qw.in_features
         w = _dense_scratch.get(numel, x.dtype)[:numel].view(qw.out_features, qw.in_features)
