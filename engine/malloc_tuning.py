@@ -18,7 +18,8 @@ with both settings below (most of it from the second).
   fewer TLB entries for the activations. glibc reads its tunables only when a process starts,
   which is why it is set for children; a user's own glibc.malloc.hugetlb setting is kept.
 
-The process that builds an in-process LLM (multiprocess=False) gets the first only. Where the
+The process that builds an in-process LLM (multiprocess=False), and Ray actors (Ray starts them),
+get the first only. Where the
 C library is not glibc, nothing changes. LMC_MALLOC_TUNING=0 turns both off.
 """
 
