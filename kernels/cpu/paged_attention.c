@@ -263,6 +263,30 @@ static inline void prefetch_all(PrefetchCursor *cursor) {
  * block's worth of compute. */
 #define PREFETCH_DISTANCE 2
 
+/* p.V for the G query heads of one kv head over n keys, G a constant: each V row is widened
+ * once into registers and feeds every head's accumulators, held in registers (the general path
+ * below stages the widened rows in memory and reloads them per head). The FMAs run in the same
+ * order per head and lane, so the results are the same bits. */
+#define PV_KEYS(G)                                                                              \
+    {                                                                                           \
+        __m512 a[G][NV];                                                                        \
+        for (int g = 0; g < G; g++) {                                                           \
+            const __m512 c = _mm512_set1_ps(correction[g]);                                     \
+            for (int j = 0; j < NV; j++) a[g][j] = _mm512_mul_ps(acc[kv_head * G + g][j], c);  \
+        }                                                                                       \
+        for (int t = 0; t < n; t++) {                                                           \
+            __m512 v[NV];                                                                       \
+            for (int j = 0; j < NV; j++) v[j] = load16_bf16(v0 + (int64_t)t * row_stride + 16 * j); \
+            prefetch_next(&cursor);                                                             \
+            for (int g = 0; g < G; g++) {                                                       \
+                const __m512 pt = _mm512_set1_ps(probs[g][t]);                                  \
+                for (int j = 0; j < NV; j++) a[g][j] = _mm512_fmadd_ps(pt, v[j], a[g][j]);      \
+            }                                                                                   \
+        }                                                                                       \
+        for (int g = 0; g < G; g++)                                                             \
+            for (int j = 0; j < NV; j++) acc[kv_head * G + g][j] = a[g][j];                     \
+    }
+
 #define DEFINE_DECODE_REQUEST_DP(NAME, NB)                                                     \
 static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t *v_cache,    \
                  int64_t block_stride, const int32_t *blocks, int seq_len, int num_heads,      \
@@ -349,6 +373,17 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
                     running_sum[h] = running_sum[h] * correction[g] + _mm512_reduce_add_ps(p);  \
                     running_max[h] = new_max;                                                   \
                     _mm512_store_ps(probs[g], p);                                               \
+                }                                                                               \
+                if (NB == 2 && group <= 6) { /* the group's accumulators fit the registers */   \
+                    switch (group) {                                                            \
+                    case 1: PV_KEYS(1) break;                                                   \
+                    case 2: PV_KEYS(2) break;                                                   \
+                    case 3: PV_KEYS(3) break;                                                   \
+                    case 4: PV_KEYS(4) break;                                                   \
+                    case 5: PV_KEYS(5) break;                                                   \
+                    default: PV_KEYS(6) break;                                                  \
+                    }                                                                           \
+                    continue;                                                                   \
                 }                                                                               \
                 for (int t = 0; t < n; t++) {                                                   \
                     for (int j = 0; j < NV; j++)                                                \
