@@ -58,6 +58,26 @@ def test_matches_float64_reference(dtype, atol, head_dim, num_heads, num_kv_head
     assert bool((out[untouched] == 7.0).all()), "rows that are not decode rows must not be written"
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_query_group_size_at_head_dim_64(group):
+    """bf16, head_dim 64: groups of 1-6 query heads per kv head keep p.V's accumulators in
+    registers (one constant per size), larger groups take the general path; all against float64."""
+    torch.manual_seed(group)
+    num_kv_heads, block_size, num_blocks = 2, 16, 40
+    num_heads = group * num_kv_heads
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, 64).bfloat16()
+    seq_lens = torch.tensor([1, 16, 33, 70], dtype=torch.int32)
+    block_table = torch.randperm(num_blocks)[:20].view(4, 5).to(torch.int32)
+    q = torch.randn(4, num_heads * 64).bfloat16()
+    out = torch.empty_like(q)
+    for window in (None, 21):
+        cpu_attention.paged_decode_attention(q, out, kv_cache, block_table, seq_lens, None, num_kv_heads,
+                                             0.125, window)
+        expected = _reference(q, kv_cache, block_table, seq_lens, None, num_kv_heads, 0.125, window, None)
+        for row, ref in expected.items():
+            torch.testing.assert_close(out[row].double(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [8, 32, 48])
 @pytest.mark.parametrize("window", [None, 21])
 def test_block_sizes_other_than_the_key_group(block_size, window):
