@@ -19,15 +19,14 @@ with both settings below (most of it from the second).
   which is why it is set for children; a user's own glibc.malloc.hugetlb setting is kept.
 
 The process that builds an in-process LLM (multiprocess=False), and Ray actors (Ray starts them),
-get the first only. Where the
-C library is not glibc, nothing changes. LMC_MALLOC_TUNING=0 turns both off.
+get the first only. Where the C library is not glibc, nothing changes. LMC_MALLOC_TUNING=0 turns
+both off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import os
 import platform
@@ -55,7 +54,7 @@ def tune_malloc() -> bool:
     """
     if not enabled():
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(None)  # this process's own symbols: glibc's mallopt among them
     settings = ((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
                 (_M_TOP_PAD, _TOP_PAD))
     # mallopt returns 1 on success; a refused value leaves glibc's default in place.
@@ -88,11 +87,3 @@ def huge_page_heap() -> Iterator[None]:
         else:
             os.environ["GLIBC_TUNABLES"] = saved
 
-
-def heap_on_huge_pages() -> bool:
-    """Whether this process started with glibc.malloc.hugetlb set to 1 or 2."""
-    for entry in os.environ.get("GLIBC_TUNABLES", "").split(":"):
-        name, _, value = entry.partition("=")
-        if name == HUGETLB_TUNABLE:
-            return value in ("1", "2")
-    return False

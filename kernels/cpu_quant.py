@@ -264,6 +264,10 @@ _act_scratch = _ActScratch()
 _ACT_F32, _ACT_BF16, _ACT_SWIGLU_BF16 = 0, 1, 2
 
 
+def _act_kind(x: Tensor, swiglu: bool) -> int:
+    return _ACT_SWIGLU_BF16 if swiglu else _ACT_BF16 if x.dtype == torch.bfloat16 else _ACT_F32
+
+
 def _check_x(x: Tensor, qw: QuantWeight, swiglu: bool = False) -> None:
     width = 2 * qw.in_features if swiglu else qw.in_features
     dtypes = (torch.bfloat16,) if swiglu else (torch.bfloat16, torch.float32)
@@ -282,7 +286,7 @@ def quantize_activations(x: Tensor, padded_in: int, per_token: bool, scalar: boo
     quant_linear or quantize_activations (clone them to keep them). swiglu: x is bf16 gate | up
     [M, 2K] and silu(gate) * up is quantized (quant_gemm's swiglu)."""
     rows, k = x.shape
-    kind = _ACT_SWIGLU_BF16 if swiglu else _ACT_BF16 if x.dtype == torch.bfloat16 else _ACT_F32
+    kind = _act_kind(x, swiglu)
     if swiglu:
         if x.dtype != torch.bfloat16 or k % 2:
             raise ValueError(f"swiglu needs bf16 gate | up rows of even width, got {x.dtype} {tuple(x.shape)}")
@@ -317,8 +321,7 @@ def quant_gemm(x: Tensor, qw: QuantWeight, bias: Tensor | None = None, scalar: b
     xq, xd, xs = _act_scratch.pointers(rows, kp)  # the activations' int8 copy, quantized in the call
     _library(scalar).quant_linear_act(fmt, rows, n, k, kp, w, wd, wm or None,
                                       bias.data_ptr() if bias is not None else None, x.data_ptr(),
-                                      x.stride(0), _ACT_SWIGLU_BF16 if swiglu else int(x.dtype == torch.bfloat16),
-                                      xq, xd, xs,
+                                      x.stride(0), _act_kind(x, swiglu), xq, xd, xs,
                                       out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16))
     return out
 

@@ -135,11 +135,18 @@ static void dense_rows(const int64_t *lin, const bf16 *x, int64_t ldx, int64_t r
     }
 }
 
-/* out[rows, N] (row stride ldo) = linear(x[rows, K], row stride ldx); a quantized linear with
- * kind ACT_SWIGLU_BF16 reads x as gate | up rows [rows, 2K] and quantizes silu(gate) * up. */
+/* out[rows, N] (row stride ldo) = linear(x[rows, K], row stride ldx). With kind ACT_SWIGLU_BF16
+ * x is gate | up rows [rows, 2K] and the input is silu(gate) * up: a quantized linear quantizes
+ * it straight from gate | up (as the layer path does), a dense one reads it from the act buffer. */
 static void linear(const void *const *kern, const int64_t *lin, const bf16 *x, int64_t ldx,
                    int64_t rows, bf16 *out, int64_t ldo, void *const *buf, int kind) {
     if (lin[L_FMT] == FMT_DENSE_BF16) {
+        if (kind == ACT_SWIGLU_BF16) {
+            bf16 *act = (bf16 *)buf[B_ACT];
+            ((silu_fn)kern[K_SILU])(x, ldx, act, lin[L_K], rows, lin[L_K]);
+            x = act;
+            ldx = lin[L_K];
+        }
         dense_rows(lin, x, ldx, rows, out, ldo);
         return;
     }
@@ -176,7 +183,7 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
 
     bf16 *res = (bf16 *)buf[B_RES_A], *x = (bf16 *)buf[B_RES_B];
     bf16 *normed = (bf16 *)buf[B_NORMED], *qkv = (bf16 *)buf[B_QKV], *attn = (bf16 *)buf[B_ATTN];
-    bf16 *gate_up = (bf16 *)buf[B_GATE_UP], *act = (bf16 *)buf[B_ACT];
+    bf16 *gate_up = (bf16 *)buf[B_GATE_UP];
     float *cos_rows = (float *)buf[B_COS], *sin_rows = (float *)buf[B_SIN];
     for (int64_t m = 0; m < rows; m++) { /* the step's rope rows (as index_select takes them) */
         memcpy(cos_rows + m * half, cos_table + positions[m] * half, (size_t)half * sizeof(float));
@@ -231,12 +238,7 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
         add_rms_norm(x, H, res, H, normed, H, PTR(const bf16 *, y[Y_POST_NORM]), rows, H, eps);
         { bf16 *t = res; res = x; x = t; }
         linear(kern, y + Y_GATE_UP, normed, H, rows, gate_up, 2 * I, buf, ACT_BF16);
-        if (y[Y_DOWN + L_FMT] == FMT_DENSE_BF16) {
-            ((silu_fn)kern[K_SILU])(gate_up, 2 * I, act, I, rows, I);
-            linear(kern, y + Y_DOWN, act, I, rows, x, H, buf, ACT_BF16);
-        } else { /* as the layer path: silu(gate) * up quantized straight from gate | up */
-            linear(kern, y + Y_DOWN, gate_up, 2 * I, rows, x, H, buf, ACT_SWIGLU_BF16);
-        }
+        linear(kern, y + Y_DOWN, gate_up, 2 * I, rows, x, H, buf, ACT_SWIGLU_BF16);
     }
     bf16 *out = PTR(bf16 *, step[S_OUT]);
     if (g[G_LAYERS] == 0) {
