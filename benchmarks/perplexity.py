@@ -9,6 +9,9 @@ Variants (all from the same model, loaded in one process):
   int8   per-channel int8 weights, int8 activations per block of 32 (quantization="int8")
   q8_0 / q4_0 / q4_1   the dense weights requantized to that GGUF block format (int8 activations);
          for a model that came from a Q4 file, q4_* quantize its weights twice (not in the default list)
+  gguf+kv-bf16 / gguf+kv-int8   the file's weights through the running engine (LLM, prompt
+         logprobs of each window), its paged KV cache in bf16 or int8 (kv_cache_dtype; int8 is the
+         default where the weights run quantized): what a served request's tokens see
   llamacpp   llama.cpp (llama-cpp-python, the optional [bench] extra) on the same GGUF file, the
          same token ids and windows: the reference the Q4 formats are held to (skipped when
          llama-cpp-python is not installed)
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -33,7 +37,8 @@ from engine.models.quant import _drop_dense
 from engine.models.quant.perplexity import perplexity, stdlib_text, window_perplexity
 from kernels import cpu_quant
 
-VARIANTS = ("fp32", "bf16", "gguf", "int8", "q8_0", "q4_0", "q4_1", "llamacpp")
+VARIANTS = ("fp32", "bf16", "gguf", "int8", "q8_0", "q4_0", "q4_1", "gguf+kv-bf16", "gguf+kv-int8", "llamacpp")
+ENGINE_VARIANTS = {"gguf+kv-bf16": "bfloat16", "gguf+kv-int8": "int8"}  # -> kv_cache_dtype
 
 
 def llamacpp_perplexity(gguf: Path, token_ids: list[int], window: int, threads: int = 2) -> float:
@@ -50,6 +55,29 @@ def llamacpp_perplexity(gguf: Path, token_ids: list[int], window: int, threads: 
         return torch.from_numpy(np.asarray(llm.scores[: ids.numel() - 1], dtype=np.float64))
 
     return window_perplexity(token_ids, window, logits_of)
+
+
+def engine_perplexity(model: str | None, token_ids: list[int], window: int, kv_cache_dtype: str) -> float:
+    """exp(mean NLL) of window_perplexity's windows, each a request to an engine (in this process,
+    the GGUF file's weights) whose prompt logprobs give every token's log-likelihood: the K/V
+    come back from its paged cache as the decode steps of a served request would read them."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, quantization="gguf", kv_cache_dtype=kv_cache_dtype, multiprocess=False,
+              enable_prefix_caching=False, max_model_len=window + 1, max_num_batched_tokens=max(window + 1, 2048))
+    try:
+        windows = [token_ids[start : start + window] for start in range(0, len(token_ids) - 1, window)]
+        windows = [ids for ids in windows if len(ids) >= 2]
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in windows],
+                               SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+        total, count = 0.0, 0
+        for ids, output in zip(windows, outputs):
+            for position, logprobs in enumerate(output.prompt_logprobs[1:], start=1):
+                total -= logprobs[ids[position]].logprob
+                count += 1
+    finally:
+        llm.shutdown()
+    return math.exp(total / count)
 
 
 def requantize_model(model: torch.nn.Module, type_name: str) -> None:
@@ -94,7 +122,7 @@ def run(model: str | None, num_tokens: int, window: int, variants: tuple[str, ..
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(stdlib_text())["input_ids"][:num_tokens]
     if gguf_source(model_dir) is None:
-        variants = tuple(v for v in variants if v not in ("gguf", "llamacpp"))
+        variants = tuple(v for v in variants if v not in ("gguf", "llamacpp", *ENGINE_VARIANTS))
     if "llamacpp" in variants:
         try:
             import llama_cpp  # noqa: F401
@@ -107,6 +135,8 @@ def run(model: str | None, num_tokens: int, window: int, variants: tuple[str, ..
         start = time.perf_counter()
         if variant == "llamacpp":
             ppl = llamacpp_perplexity(gguf_source(model_dir), ids, window)
+        elif variant in ENGINE_VARIANTS:
+            ppl = engine_perplexity(model, ids, window, ENGINE_VARIANTS[variant])
         else:
             ppl = perplexity(load_variant(model_dir, hf_config, variant), ids, window)
         results[variant] = {"perplexity": ppl, "seconds": time.perf_counter() - start}
@@ -121,7 +151,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--variants", default="fp32,bf16,gguf,int8,q8_0,llamacpp")
+    parser.add_argument("--variants", default="fp32,bf16,gguf,int8,q8_0,gguf+kv-bf16,gguf+kv-int8,llamacpp")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     report = run(args.model, args.tokens, args.window, tuple(args.variants.split(",")))
@@ -129,9 +159,9 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
     print(f"{report['tokens']} tokens of standard-library docstrings, windows of {report['window']}")
-    print(f"{'variant':8} {'perplexity':>11} {'vs fp32':>9}")
+    print(f"{'variant':13} {'perplexity':>11} {'vs fp32':>9}")
     for name, r in report["results"].items():
-        print(f"{name:8} {r['perplexity']:11.4f} {100 * r['vs_fp32']:+8.2f}%")
+        print(f"{name:13} {r['perplexity']:11.4f} {100 * r['vs_fp32']:+8.2f}%")
 
 
 if __name__ == "__main__":

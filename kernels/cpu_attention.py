@@ -8,6 +8,11 @@
   with `vdpbf16ps` (16 queries in the lanes, a GQA group per task, each chunk's K/V repacked
   once per call from the paged cache); otherwise it tiles 16 queries of one head against fp32
   copies of each block. Chunked prefill needs no gather of the cached context either way.
+- the int8 cache (`kv_cache_dtype="int8"`): each kv head's row of a token is head_dim int8
+  values and a float32 scale (`INT8_SCALE_BYTES`; `int8_cache_shape`), written by
+  `reshape_and_cache` (round to nearest, scale max|x| / 127) and read by the same kernels
+  (AVX512-BF16, head_dim 64 or 128: `supports_int8`), which convert the integers as they stream
+  them: half the bytes of a bf16 cache per decode step.
 
 Both files are compiled on first use into one library by kernels/cpu_build.py
 (`cc -O3 -march=native -fopenmp -ffast-math`, cached per sources' hash and machine; torch's
@@ -26,8 +31,10 @@ from torch import Tensor
 
 from kernels.cpu_build import CpuKernelBuildError, load_library
 
-__all__ = ["CpuKernelBuildError", "load", "paged_decode_attention", "paged_prefill_attention",
-           "reshape_and_cache", "supports", "supports_cache_write"]
+__all__ = ["INT8_SCALE_BYTES", "CpuKernelBuildError", "int8_cache_shape", "load", "paged_decode_attention",
+           "paged_prefill_attention", "reshape_and_cache", "supports", "supports_cache_write", "supports_int8"]
+
+INT8_SCALE_BYTES = 4  # the float32 scale after each kv head's head_dim int8 values
 
 SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",  # decode rows
            Path(__file__).parent / "cpu" / "paged_prefill.c",  # prefill chunks
@@ -71,18 +78,46 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # caches, num_slots, slots
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # num_tokens, row, element size
     library.reshape_and_cache_rows.restype = ctypes.c_int
+    library.paged_decode_attention_int8.argtypes, library.paged_decode_attention_int8.restype = _ARGTYPES, ctypes.c_int
+    library.paged_prefill_attention_int8.argtypes = _PREFILL_ARGTYPES
+    library.paged_prefill_attention_int8.restype = ctypes.c_int
+    library.reshape_and_cache_int8_rows.argtypes = library.reshape_and_cache_rows.argtypes
+    library.reshape_and_cache_int8_rows.restype = ctypes.c_int
+    library.paged_int8_supported.argtypes, library.paged_int8_supported.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return library
 
 
+def int8_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The int8 cache of one layer: [2, num_blocks, block_size, Hkv, head_dim + INT8_SCALE_BYTES]."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim + INT8_SCALE_BYTES)
+
+
+def cache_head_dim(kv_cache: Tensor) -> int:
+    """head_dim of a bf16/fp32 cache or of an int8 one (whose rows end in their scale)."""
+    return kv_cache.shape[-1] - (INT8_SCALE_BYTES if kv_cache.dtype == torch.int8 else 0)
+
+
+def supports_int8(head_dim: int, num_heads: int) -> bool:
+    """Whether the kernels serve an int8 cache of this shape (AVX512-BF16, head_dim 64 or 128)."""
+    library = load()
+    return library is not None and bool(library.paged_int8_supported(head_dim, num_heads))
+
+
 def supports(q: Tensor, kv_cache: Tensor) -> bool:
-    """Whether the kernel takes these tensors (CPU, bf16 or fp32, contiguous rows)."""
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and kv_cache.dtype == q.dtype
-            and q.stride(1) == 1 and kv_cache.is_contiguous() and load() is not None)
+    """Whether the kernel takes these tensors (CPU, contiguous rows; a bf16 or fp32 cache of q's
+    dtype, or an int8 cache with bf16 q of a shape supports_int8 takes)."""
+    if q.device.type != "cpu" or q.stride(1) != 1 or not kv_cache.is_contiguous() or load() is None:
+        return False
+    if kv_cache.dtype == torch.int8:
+        return q.dtype == torch.bfloat16 and supports_int8(cache_head_dim(kv_cache), q.shape[1] // cache_head_dim(kv_cache))
+    return q.dtype in _DTYPES and kv_cache.dtype == q.dtype
 
 
 def supports_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:
-    """Whether reshape_and_cache takes these tensors (CPU, the cache's dtype, contiguous rows)."""
-    return (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype
+    """Whether reshape_and_cache takes these tensors (CPU, the cache's dtype or bf16 rows into an
+    int8 cache, contiguous rows)."""
+    dtype = torch.bfloat16 if kv_cache.dtype == torch.int8 else kv_cache.dtype
+    return (key.device.type == "cpu" and key.dtype == value.dtype == dtype
             and key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
             and load() is not None)
 
@@ -100,6 +135,17 @@ def _check_int32(**tensors: Tensor) -> None:
             raise TypeError(f"{name} must be int32, got {tensor.dtype}")
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last axis")
+
+
+def _cache_kind(q: Tensor, kv_cache: Tensor) -> str:
+    """The kernels' suffix for this q and cache: bf16, f32 or int8 (an int8 cache takes bf16 q)."""
+    if kv_cache.dtype == torch.int8:
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"an int8 KV cache takes bf16 queries, got {q.dtype}")
+        return "int8"
+    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
+        raise TypeError(f"q ({q.dtype}) and the KV cache ({kv_cache.dtype}) must both be bf16 or float32")
+    return _DTYPES[q.dtype]
 
 
 def _check_rows(q: Tensor, out: Tensor) -> None:
@@ -125,12 +171,12 @@ def paged_decode_attention(
     token_idx: [num_reqs] int64 or None for rows 0..num_reqs-1.
     """
     library = _library()
-    _, _, block_size, _, head_dim = kv_cache.shape
+    block_size, head_dim = kv_cache.shape[2], cache_head_dim(kv_cache)
     _check_int32(block_table=block_table, seq_lens=seq_lens)
     _check_rows(q, out)
     if token_idx is not None and (token_idx.dtype != torch.int64 or not token_idx.is_contiguous()):
         raise TypeError("token_idx must be a contiguous int64 tensor")
-    fn = getattr(library, f"paged_decode_attention_{_DTYPES[q.dtype]}")
+    fn = getattr(library, f"paged_decode_attention_{_cache_kind(q, kv_cache)}")
     status = fn(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), token_idx.data_ptr() if token_idx is not None else None,
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.stride(1),
@@ -158,12 +204,12 @@ def paged_prefill_attention(
     kv_cache through block_table[c]. Writes the same rows of out. Index tensors are int32.
     """
     library = _library()
-    _, _, block_size, _, head_dim = kv_cache.shape
+    block_size, head_dim = kv_cache.shape[2], cache_head_dim(kv_cache)
     _check_int32(block_table=block_table, q_starts=q_starts, q_lens=q_lens, seq_lens=seq_lens)
     _check_rows(q, out)
     if not (q_starts.shape == q_lens.shape == seq_lens.shape) or block_table.shape[0] < q_lens.shape[0]:
         raise ValueError("q_starts, q_lens and seq_lens need one entry per chunk, block_table a row each")
-    fn = getattr(library, f"paged_prefill_attention_{_DTYPES[q.dtype]}")
+    fn = getattr(library, f"paged_prefill_attention_{_cache_kind(q, kv_cache)}")
     status = fn(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.stride(1),
@@ -183,25 +229,31 @@ def paged_prefill_attention(
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
-    """kv_cache[0/1] slot rows <- key/value rows: one memcpy per token (slots < 0 skipped).
+    """kv_cache[0/1] slot rows <- key/value rows (slots < 0 skipped): one memcpy per token, or
+    for an int8 cache each kv head's row quantized (see the module docstring).
 
     key, value: [num_tokens, row] (row = Hkv*D) with stride(1) == 1 and any row stride (views
     into the fused qkv output); kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] of
-    their dtype; slots: [num_tokens] int64, contiguous.
+    their dtype, or an int8 cache (int8_cache_shape) for bf16 rows; slots: [num_tokens] int64,
+    contiguous.
     """
     library = _library()
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    row = kv_cache.shape[3] * kv_cache.shape[4]
+    int8 = kv_cache.dtype == torch.int8
+    head_dim = cache_head_dim(kv_cache)
+    row = kv_cache.shape[3] * head_dim
+    dtype = torch.bfloat16 if int8 else kv_cache.dtype
     if (key.dim() != 2 or key.shape != value.shape or key.shape[1] != row or key.stride(1) != 1
-            or value.stride(1) != 1 or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype
+            or value.stride(1) != 1 or key.dtype != dtype or value.dtype != dtype
             or not kv_cache.is_contiguous()):
-        raise ValueError("reshape_and_cache needs [num_tokens, Hkv*D] key/value rows of the cache's "
-                         "dtype, contiguous along the row, and a contiguous cache")
+        raise ValueError(f"reshape_and_cache needs [num_tokens, Hkv*D] {dtype} key/value rows for a "
+                         f"{kv_cache.dtype} cache, contiguous along the row, and a contiguous cache")
     if slots.dtype != torch.int64 or slots.shape != (key.shape[0],) or slots.stride(0) != 1:
         raise ValueError("slots must be a contiguous int64 vector, one entry per key row")
-    status = library.reshape_and_cache_rows(
+    writer = library.reshape_and_cache_int8_rows if int8 else library.reshape_and_cache_rows
+    status = writer(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), num_slots, slots.data_ptr(),
-        key.shape[0], row, key.element_size())
+        key.shape[0], row, head_dim if int8 else key.element_size())
     if status != 0:
         raise IndexError(f"a slot is past the cache's {num_slots} slots")

@@ -33,7 +33,7 @@ SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
 KERNELS = ("quantize_act", "quant_gemm", "rms_norm_bf16", "add_rms_norm_bf16", "rms_norm_heads_bf16",
            "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16", "reshape_and_cache_rows")
 GLOBALS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "qk_norm",
-           "max_rows", "max_position", "num_slots")
+           "max_rows", "max_position", "num_slots", "kv_int8")
 LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias")
 LAYER_TAIL = ("in_norm", "post_norm", "q_norm", "k_norm", "k_cache", "v_cache", "block_stride", "window")
 LAYER_FIELDS = 4 * len(LINEAR) + len(LAYER_TAIL)
@@ -96,12 +96,17 @@ EXPECTED_ARGTYPES = {
                                     _I, _I, _I, _I, _I, _F, _I, _F, _I64, _I64],
     "reshape_and_cache_rows": [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64],
 }
+# The int8 cache's kernels take the same arguments (caches as bytes; the writer's last one is the
+# head size): kernel_table(int8_cache=True) puts them in the bf16 ones' places.
+INT8_CACHE_KERNELS = {"paged_decode_attention_bf16": "paged_decode_attention_int8",
+                      "reshape_and_cache_rows": "reshape_and_cache_int8_rows"}
 
 
 @functools.cache
-def kernel_table() -> ctypes.Array | None:
-    """The driver's function-pointer table (KERNELS order), or None if a library is missing
-    or declares a kernel with another signature than the driver calls it with."""
+def kernel_table(int8_cache: bool = False) -> ctypes.Array | None:
+    """The driver's function-pointer table (KERNELS order; int8_cache: the int8 cache's attention
+    and writer), or None if a library is missing or declares a kernel with another signature
+    than the driver calls it with."""
     libraries = {"quant": cpu_quant.load(), "ops": cpu_ops.load(), "attention": cpu_attention.load()}
     if any(lib is None for lib in libraries.values()):
         return None
@@ -109,9 +114,10 @@ def kernel_table() -> ctypes.Array | None:
               "reshape_and_cache_rows": "attention"}
     table = (ctypes.c_void_p * len(KERNELS))()
     for i, name in enumerate(KERNELS):
-        fn = getattr(libraries[owners.get(name, "ops")], name, None)
+        symbol = INT8_CACHE_KERNELS.get(name, name) if int8_cache else name
+        fn = getattr(libraries[owners.get(name, "ops")], symbol, None)
         if fn is None or list(fn.argtypes or ()) != EXPECTED_ARGTYPES[name]:
-            logger.warning("decode-stack driver off: %s is missing or its signature changed", name)
+            logger.warning("decode-stack driver off: %s is missing or its signature changed", symbol)
             return None
         table[i] = ctypes.cast(fn, ctypes.c_void_p).value
     return table

@@ -85,6 +85,8 @@ def generate(
     max_model_len: Optional[int] = typer.Option(None),
     quantization: Optional[str] = typer.Option(
         None, help="gguf (a .gguf model's own quantized weights) | int8 | none (default: auto, dense)."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", help="auto | int8 | the model's dtype (auto: int8 where the weights run quantized on the CPU)."),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
     global _one_shot_done
@@ -105,7 +107,7 @@ def generate(
         # One process: the engine core runs here (InprocClient), so torch and the engine import
         # once, not again in a forked core; the tokenizer loads on a thread meanwhile.
         llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
-                  multiprocess=False)
+                  kv_cache_dtype=kv_cache_dtype, multiprocess=False)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})

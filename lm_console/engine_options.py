@@ -30,6 +30,9 @@ KVCachePrefaultOpt = Annotated[bool, typer.Option(
     "--kv-cache-prefault/--no-kv-cache-prefault",
     help="Touch every page of the CPU KV cache at start-up (steady speed from the first request; "
          "off: pages are faulted in when first written).")]
+KVCacheDtypeOpt = Annotated[str, typer.Option(
+    help="auto | int8 | the model's dtype. auto: int8 (half the bytes per cached token) where the weights "
+         "run quantized on the CPU, the model's dtype elsewhere.")]
 KVCacheMetricsSampleOpt = Annotated[float, typer.Option(help="Fraction of KV blocks sampled by --kv-cache-metrics.")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
 # Scaling out (README "Scaling out: data parallelism and Ray").

@@ -34,6 +34,13 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_d64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with the embedded model's head size (64): the int8 KV cache's kernels take it."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama_d64"), "llama", seed=6, hidden_size=256,
+                               head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1)
 

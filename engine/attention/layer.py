@@ -6,22 +6,27 @@ from types import ModuleType
 
 from torch import Tensor, nn
 
+import torch
+
 from engine.attention import torch_backend
 from engine.forward_context import get_forward_context
+from kernels.cpu_attention import INT8_SCALE_BYTES
 
 
 def get_kv_cache_shape(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, int8: bool = False
 ) -> tuple[int, int, int, int, int]:
-    """Shape of one layer's cache: K and V stacked on the first axis."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    """Shape of one layer's cache: K and V stacked on the first axis (int8: each row followed by
+    its scale, engine/attention/int8_cache.py)."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim + (INT8_SCALE_BYTES if int8 else 0))
 
 
 class Attention(nn.Module):
     """Multi-head (grouped-query) attention over a paged KV cache.
 
     The model computes q/k/v (with rotary embeddings applied); this layer owns no weights.
-    `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim], model dtype) is assigned by
+    `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim], model dtype, or the int8
+    cache's layout, engine/attention/int8_cache.py) is assigned by
     `bind_kv_caches`; `backend` (torch_backend unless `set_attention_backend` picks another)
     writes the cache and attends. Without a forward context's metadata (a dummy profiling run)
     the tokens are attended as one causal sequence and nothing is cached.
@@ -105,13 +110,14 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[Tensor]) -> None:
         raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
     for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
         layer.layer_name = f"layer.{index}"
-        expected = (2, layer.num_kv_heads, layer.head_dim)
+        int8 = kv_cache.dtype == torch.int8
+        expected = (2, layer.num_kv_heads, layer.head_dim + (INT8_SCALE_BYTES if int8 else 0))
         got = (kv_cache.shape[0], kv_cache.shape[3], kv_cache.shape[4])
         if kv_cache.dim() != 5 or got != expected:
             raise ValueError(
                 f"KV cache of shape {tuple(kv_cache.shape)} does not fit a layer with "
                 f"num_kv_heads={layer.num_kv_heads}, head_dim={layer.head_dim}; expected "
                 f"get_kv_cache_shape(num_blocks, block_size, {layer.num_kv_heads}, "
-                f"{layer.head_dim})"
+                f"{layer.head_dim}, int8={int8})"
             )
         layer.kv_cache = kv_cache

@@ -11,6 +11,9 @@ One step's batch is split once into decode rows (query_len == 1) and prefill chu
   just written, and any cached context) in place. Without it, one SDPA call each; `is_causal` when the chunk has no cached context (K/V come
   straight from the input), an explicit bottom-right-aligned causal mask over the gathered
   context otherwise.
+An int8 cache (engine/attention/int8_cache.py) is read through the same kernels; on the torch
+path its rows are dequantized as they are gathered, and a chunk without cached context attends
+to its own K/V as the cache holds them (round_trip), so both paths see the same values.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.attention import int8_cache
 from engine.attention.metadata import AttentionMetadata
 from kernels import cpu_attention
 
@@ -46,7 +50,8 @@ def _write_cache(
 ) -> None:
     """kv_cache[0/1] slot rows <- key/value rows (all rows, or those at token_idx)."""
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    row = kv_cache.shape[3] * kv_cache.shape[4]
+    num_kv_heads = kv_cache.shape[3]
+    row = num_kv_heads * cpu_attention.cache_head_dim(kv_cache)
     key = key.reshape(key.shape[0], row)  # [num_tokens, num_kv_heads * head_dim]
     value = value.reshape(value.shape[0], row)
     if token_idx is None and cpu_attention.supports_cache_write(key, value, kv_cache):
@@ -54,8 +59,12 @@ def _write_cache(
         return
     if token_idx is not None:
         key, value = key[token_idx], value[token_idx]
-    kv_cache[0].view(num_slots, row).index_copy_(0, slots, key)
-    kv_cache[1].view(num_slots, row).index_copy_(0, slots, value)
+    if kv_cache.dtype == torch.int8:
+        key = int8_cache.quantize_rows(key, num_kv_heads).view(key.shape[0], -1)
+        value = int8_cache.quantize_rows(value, num_kv_heads).view(value.shape[0], -1)
+    width = kv_cache.shape[3] * kv_cache.shape[4]
+    kv_cache[0].view(num_slots, width).index_copy_(0, slots, key)
+    kv_cache[1].view(num_slots, width).index_copy_(0, slots, value)
 
 
 @dataclass(slots=True)
@@ -310,10 +319,12 @@ def _attend_decodes(q: Tensor, kv_cache: Tensor, group: _DecodeGroup, num_kv_hea
     over Hkv*B contiguous matrices, with each KV head's G query heads as the query rows.
     """
     num_decodes = q.shape[0]
-    _, _, block_size, _, head_dim = kv_cache.shape
+    block_size, head_dim = kv_cache.shape[2], cpu_attention.cache_head_dim(kv_cache)
     padded_len = group.num_blocks * block_size
     group_size = q.shape[1] // (num_kv_heads * head_dim)
     kv = kv_cache.permute(0, 3, 1, 2, 4).index_select(2, group.block_ids)  # [2, Hkv, B*n, bs, D]
+    if kv.dtype == torch.int8:
+        kv = int8_cache.dequantize(kv, q.dtype)
     kv = kv.view(2, num_kv_heads * num_decodes, padded_len, head_dim)
     qg = q.view(num_decodes, num_kv_heads, group_size, head_dim).transpose(0, 1)
     qg = qg.reshape(num_kv_heads * num_decodes, group_size, head_dim)  # [Hkv*B, G, D]
@@ -348,7 +359,7 @@ def paged_attention(
     if md.plan is None:
         md.plan = _build_plan(md)
     plan: _Plan = md.plan
-    num_tokens, head_dim = plan.num_tokens, kv_cache.shape[-1]
+    num_tokens, head_dim = plan.num_tokens, cpu_attention.cache_head_dim(kv_cache)
     num_heads = q.shape[1] // head_dim
     _write_cache(k[:num_tokens], v[:num_tokens], kv_cache, plan.write_slots, plan.write_idx)
 
@@ -394,15 +405,22 @@ def paged_attention(
         return out
 
     flat = kv_cache.view(2, kv_cache.shape[1], -1)
+    int8 = kv_cache.dtype == torch.int8
     for p in plan.prefills:
         query_len = p.q_end - p.q_start
         qp = q[p.q_start : p.q_end].view(query_len, num_heads, head_dim).transpose(0, 1)
         if p.block_ids is None:  # no cached context: this chunk's K/V are the whole sequence
-            kp = k[p.q_start : p.q_end].view(query_len, num_kv_heads, head_dim).transpose(0, 1)
-            vp = v[p.q_start : p.q_end].view(query_len, num_kv_heads, head_dim).transpose(0, 1)
+            kc, vc = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
+            if int8:
+                kc, vc = int8_cache.round_trip(kc, num_kv_heads), int8_cache.round_trip(vc, num_kv_heads)
+            kp = kc.reshape(query_len, num_kv_heads, head_dim).transpose(0, 1)
+            vp = vc.reshape(query_len, num_kv_heads, head_dim).transpose(0, 1)
         else:
             kv = flat.index_select(1, p.block_ids)  # [2, blocks, block_size*Hkv*D]
-            kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len].transpose(1, 2)
+            kv = kv.view(2, -1, num_kv_heads, kv_cache.shape[-1])[:, : p.seq_len]
+            if int8:
+                kv = int8_cache.dequantize(kv, q.dtype)
+            kv = kv.transpose(1, 2)
             kp, vp = kv[0], kv[1]  # [Hkv, seq_len, D]
         allowed = _prefill_allowed(p, sliding_window, q.device)
         o = _sdpa(qp, kp, vp, allowed, scale, logits_soft_cap)  # [H, query_len, D]

@@ -7,6 +7,7 @@ captured in a CUDA graph and replayed with other lengths and block tables.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from engine.attention.metadata import AttentionMetadata
@@ -31,6 +32,8 @@ def paged_attention(
     q: [num_tokens, H*D]; k, v: [num_tokens, Hkv*D]; kv_cache: [2, num_blocks, block_size,
     Hkv, D]. Returns [num_tokens, H*D]; rows past num_actual_tokens are zero.
     """
+    if kv_cache.dtype == torch.int8:
+        raise NotImplementedError("the Triton attention backend has no int8 KV cache: use kv_cache_dtype='auto'")
     num_tokens, head_dim = q.shape[0], kv_cache.shape[-1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
     num_slots = md.slot_mapping.shape[0]

@@ -28,3 +28,51 @@ class CacheConfig:
     # the core decides it once from their memory budget, and the config it hands on (scheduler,
     # KV connector, ready handshake, frontend) carries it.
     num_blocks: int | None = None
+    # The KV cache's element type: the model's dtype name, or "int8" (each kv head's row of a
+    # token as int8 values and a float32 scale: engine/attention/int8_cache.py). EngineArgs
+    # resolves "auto" before the config is made (resolve_kv_cache_dtype).
+    kv_cache_dtype: str = "auto"
+
+
+# kv_cache_dtype values EngineArgs accepts: auto, int8, or the model's own dtype by name.
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "bfloat16", "float16", "float32")
+# The int8 cache's C kernels (AVX512-BF16) take these head sizes; elsewhere it runs on torch.
+INT8_KERNEL_HEAD_DIMS = (64, 128)
+
+
+def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantization: str | None,
+                           head_dim: int, has_kv_connector: bool, attention_backend: str) -> str:
+    """The KV cache's element type: "int8" or the model's dtype name (InvalidEngineArgsError for
+    a combination that cannot run).
+
+    "auto" takes the int8 cache where the weights run quantized on the CPU (quantization "gguf"
+    or "int8", bf16 activations): there its kernels read half the bytes of a bf16 cache per
+    decode step (the step's attention is memory-bound), at +0.1% perplexity on the embedded
+    model (README "Quantized CPU inference"), when the CPU has AVX512-BF16 for them, the head
+    size is one they take, and no KV connector moves blocks (the connectors' transfers are
+    sized in the model's dtype). Everything else keeps the model's dtype, as vLLM's "auto" does.
+    """
+    from engine.errors import InvalidEngineArgsError
+    from engine.platform import cpu_flags
+
+    if requested == "auto":
+        if (quantization is not None and device == "cpu" and dtype == "bfloat16" and not has_kv_connector
+                and attention_backend in ("auto", "torch") and head_dim in INT8_KERNEL_HEAD_DIMS
+                and "avx512_bf16" in cpu_flags()):
+            return "int8"
+        return dtype
+    if requested == "int8":
+        if device != "cpu":
+            raise InvalidEngineArgsError(f"kv_cache_dtype='int8' runs on the CPU only (device={device!r}).")
+        if attention_backend == "triton":
+            raise InvalidEngineArgsError("kv_cache_dtype='int8' needs the torch attention backend (the CPU kernels); "
+                                         "attention_backend='triton' has no int8 cache.")
+        if has_kv_connector:
+            raise InvalidEngineArgsError("kv_cache_dtype='int8' cannot be combined with a KV connector yet (its "
+                                         "transfers are laid out in the model's dtype): drop one of the two.")
+        return "int8"
+    if requested != dtype:
+        raise InvalidEngineArgsError(
+            f"kv_cache_dtype={requested!r} differs from the model's dtype {dtype!r}: the KV cache holds the model's "
+            "dtype, or 'int8' (quantized per token and kv head); use 'auto', 'int8' or the model's dtype.")
+    return dtype

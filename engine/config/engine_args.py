@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.config.cache import CacheConfig
+from engine.config.cache import KV_CACHE_DTYPE_CHOICES, CacheConfig, resolve_kv_cache_dtype
 from engine.config.device import DeviceConfig
 from engine.config.engine_config import EngineConfig
 from engine.config.model import ModelConfig
@@ -46,6 +46,9 @@ class EngineArgs:
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core/sched/async_scheduler.py)
     kv_cache_memory: int | None = None  # bytes of KV cache on CPU
     kv_cache_prefault: bool = False  # touch the CPU KV cache's pages at start-up (CacheConfig)
+    # auto | int8 | the model's dtype: "auto" picks int8 where the weights run quantized on the
+    # CPU (resolve_kv_cache_dtype), the model's dtype elsewhere.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     device: str = "auto"  # auto | cpu | cuda
@@ -122,6 +125,10 @@ class EngineArgs:
                                               model_dir, dtype, device,
                                               self.distributed_executor_backend))
         _verify_tensor_parallel(model_config, self.tensor_parallel_size)
+        kv_cache_dtype = resolve_kv_cache_dtype(
+            self.kv_cache_dtype, dtype=dtype, device=device, quantization=model_config.quantization,
+            head_dim=model_config.head_dim, has_kv_connector=self.kv_transfer_config is not None,
+            attention_backend=self.attention_backend)
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
@@ -130,7 +137,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo, kv_cache_memory=self.kv_cache_memory,
-                kv_cache_prefault=self.kv_cache_prefault,
+                kv_cache_prefault=self.kv_cache_prefault, kv_cache_dtype=kv_cache_dtype,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_kv_cache_events=self.enable_kv_cache_events,
@@ -228,6 +235,10 @@ class EngineArgs:
             fail("seed", "it must be an integer in the signed 64-bit range")
         if self.quantization not in QUANTIZATION_CHOICES:
             fail("quantization", f"it must be one of {', '.join(map(str, QUANTIZATION_CHOICES))}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            fp8 = isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.startswith("fp8")
+            fail("kv_cache_dtype", f"it must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}"
+                 + ("; there is no fp8 KV cache here: 'int8' is the quantized one" if fp8 else ""))
         if not is_int(self.max_logprobs) or self.max_logprobs < -1:
             fail("max_logprobs", "it must be an integer >= 0, or -1 for no limit")
         if self.liveness_timeout_s is not None and (not is_number(self.liveness_timeout_s)

@@ -193,8 +193,11 @@ class FakeExecutor(Executor):
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one block would take on a real device: K and V of every layer."""
         model = self.model
-        return (2 * model.num_hidden_layers * self.config.cache_config.block_size * model.num_key_value_heads * model.head_dim
-                * model.kv_cache_dtype_bytes)
+        if self.config.cache_config.kv_cache_dtype == "int8":  # int8 values and a float32 scale per row
+            row_bytes = model.head_dim + 4
+        else:
+            row_bytes = model.head_dim * model.kv_cache_dtype_bytes
+        return 2 * model.num_hidden_layers * self.config.cache_config.block_size * model.num_key_value_heads * row_bytes
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One full-attention layer spec per layer: a single KV cache group."""

@@ -14,7 +14,8 @@ It serves a step only when everything it does is what the layer-by-layer forward
   less CPU time per batch-1 forward on the embedded model);
 - the step: decode rows only (query_len 1 each, rows in request order, no padding), at most
   `max_rows` of them, every K/V slot valid, no KV connector, no per-group metadata, no image
-  spans, no inputs_embeds, and the C attention kernel serving the cache.
+  spans, no inputs_embeds, and the C attention kernel serving the cache (bf16, or int8 with
+  the int8 cache's kernels in the table).
 Any other step returns None and the caller runs the usual forward. LMC_DECODE_STACK=0 turns it
 off, =quant keeps it to quantized models. float32 models never use it (the HF-exactness tests
 compare their torch path op for op).
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from engine.attention import torch_backend
 from engine.forward_context import get_forward_context
-from kernels import cpu_decode, cpu_quant
+from kernels import cpu_attention, cpu_decode, cpu_quant
 
 # Rows above which a step takes the usual forward. Quantized: up to cpu_quant.dense_rows()
 # (16 with AMX), where the layer path's linears switch to dequantize + oneDNN (the driver would
@@ -160,8 +161,14 @@ class DecodeStack:
         first = model.layers[0].self_attn
         attn0 = first.attn
         caches = self._caches
-        if any(c is None or c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches):
+        if any(c is None or c.dtype not in (torch.bfloat16, torch.int8) or not c.is_contiguous()
+               or c.dtype != caches[0].dtype for c in caches):
             return False
+        int8 = caches[0].dtype == torch.int8
+        kernels = cpu_decode.kernel_table(int8_cache=int8)
+        if kernels is None or (int8 and not cpu_attention.supports_int8(first.head_dim, first.num_heads)):
+            return False
+        self.kernels = kernels
         # one scale and soft-cap for every layer: the driver takes them once
         if any(attn.kv_cache_group_id or attn.backend is not torch_backend or attn.scale != attn0.scale
                or attn.logits_soft_cap != attn0.logits_soft_cap for attn in self._attns):
@@ -192,7 +199,8 @@ class DecodeStack:
         g = {"layers": len(model.layers), "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "inter": inter, "block_size": block_size, "qk_norm": int(first.use_qk_norm),
              "max_rows": self.max_rows, "max_position": cos.shape[0],
-             "num_slots": min(c.shape[1] for c in caches) * block_size}  # the K/V writes' bound
+             "num_slots": min(c.shape[1] for c in caches) * block_size,  # the K/V writes' bound
+             "kv_int8": int(int8)}
         self._globals = torch.tensor([g[name] for name in cpu_decode.GLOBALS], dtype=torch.int64)
         m = self.max_rows
         kp = max(cpu_quant.padded(hidden), cpu_quant.padded(inter))

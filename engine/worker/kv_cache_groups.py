@@ -43,7 +43,8 @@ def allocate_kv_caches(
     prefault: bool = False,
 ) -> list[Tensor]:
     """Allocate one tensor per KVCacheTensor and bind it to the layers that share it (prefault:
-    CacheConfig.kv_cache_prefault, see zeros_huge_pages).
+    CacheConfig.kv_cache_prefault, see zeros_huge_pages). dtype is the cache's: the model's, or
+    torch.int8 for the int8 cache (engine/attention/int8_cache.py).
 
     Each layer also learns its KV cache group, which picks its block table and slot mapping.
     Returns the tensors in kv_cache_tensors order (one per layer for a single group).
@@ -66,7 +67,8 @@ def allocate_kv_caches(
                 f"(num_kv_heads, head_dim) {sorted(shapes)}"
             )
         ((num_kv_heads, head_dim),) = shapes
-        shape = get_kv_cache_shape(kv_cache_config.num_blocks, block_size, num_kv_heads, head_dim)
+        shape = get_kv_cache_shape(kv_cache_config.num_blocks, block_size, num_kv_heads, head_dim,
+                                   int8=dtype == torch.int8)
         kv_cache = zeros_huge_pages(shape, dtype, device, prefault)
         for name, layer in zip(tensor_spec.shared_by, sharing):
             layer.kv_cache = kv_cache

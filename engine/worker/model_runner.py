@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention.layer import get_attention_layers, set_attention_backend
+from engine.attention.layer import get_attention_layers, get_kv_cache_shape, set_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import load_attention_backend, resolve_attention_backend
 from engine.config import EngineConfig
@@ -64,6 +65,13 @@ class ModelRunner:
         model, sched = config.model_config, config.scheduler_config
         self.device = torch_device(config.device_config.device)
         self.dtype = torch_dtype(model.dtype)
+        # The KV cache's element type: the model's, or int8 (engine/attention/int8_cache.py).
+        # EngineArgs resolves "auto"; a config built by hand may leave it (the model's dtype).
+        cache_dtype = config.cache_config.kv_cache_dtype
+        if cache_dtype not in ("auto", "int8", model.dtype):
+            raise ValueError(f"kv_cache_dtype {cache_dtype!r} is neither 'int8' nor the model's dtype "
+                             f"{model.dtype!r} (EngineArgs resolves it: resolve_kv_cache_dtype)")
+        self.kv_cache_dtype = torch.int8 if cache_dtype == "int8" else self.dtype
         self.block_size = config.cache_config.block_size
         self.max_model_len = model.max_model_len
         self.num_layers = model.num_layers  # a VLM's facts are its language model's
@@ -147,9 +155,10 @@ class ModelRunner:
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one block takes across the layers it spans (K and V): all layers for a single
         KV cache group, one layer per group for hybrid models (see engine/kv_cache_interface.py)."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
         num_layers = get_kv_cache_config(self.get_kv_cache_spec(), 0).num_layers_per_block
-        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        shape = get_kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_dim,
+                                   int8=self.kv_cache_dtype == torch.int8)
+        return num_layers * math.prod(shape) * self.kv_cache_dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model is not None
@@ -162,7 +171,7 @@ class ModelRunner:
             self.group_metadata_builder = GroupAttentionMetadataBuilder(
                 self.input_batch.block_table, self.buffers.input_ids.cpu.shape[0], self.device)
         self.kv_caches = allocate_kv_caches(self.model, self.kv_cache_config, self.block_size,
-                                            self.dtype, self.device,
+                                            self.kv_cache_dtype, self.device,
                                             prefault=self.config.cache_config.kv_cache_prefault)
         self.kv_transfer.register_kv_caches(
             {layer.layer_name: layer.kv_cache for layer in get_attention_layers(self.model)}, num_groups)

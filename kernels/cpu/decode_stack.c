@@ -9,7 +9,7 @@
  *
  *   per layer   h = rms_norm(x)                  (layer 0; later layers: add_rms_norm(x, res))
  *               qkv = quant_gemm(quantize_act(h))   [+ per-head q/k rms_norm (Qwen3)]
- *               rope(q, k) in place; k, v -> paged cache slots
+ *               rope(q, k) in place; k, v -> paged cache slots (bf16, or the int8 cache's rows)
  *               a = paged_decode_attention(q)
  *               x = quant_gemm(a)  (o_proj); h = add_rms_norm(x, res)
  *               g = quant_gemm(h)  (gate|up); x = quant_gemm(quantize_act(silu(g_gate) * g_up))
@@ -67,7 +67,7 @@ enum { K_QUANTIZE_ACT, K_QUANT_GEMM, K_RMS_NORM, K_ADD_RMS_NORM, K_RMS_NORM_HEAD
 
 /* Model-wide integers (int64 each), in this order. */
 enum { G_LAYERS, G_HIDDEN, G_HEADS, G_KV_HEADS, G_HEAD_DIM, G_INTER, G_BLOCK_SIZE, G_QK_NORM,
-       G_MAX_ROWS, G_MAX_POSITION, G_NUM_SLOTS, G_COUNT };
+       G_MAX_ROWS, G_MAX_POSITION, G_NUM_SLOTS, G_KV_INT8, G_COUNT };
 
 /* One linear: 8 int64, in this order. fmt: quant_gemm's (0 b8, 1 b4, 2 c8) or FMT_DENSE_BF16. */
 enum { L_FMT, L_N, L_K, L_KP, L_W, L_SCALES, L_OFFSETS, L_BIAS, L_COUNT };
@@ -213,12 +213,13 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
         }
         ((rotary_fn)kern[K_ROTARY])(qkv, qkv_n, cos_rows, sin_rows, rows, heads + kv_heads, D);
         bf16 *k_cache = PTR(bf16 *, y[Y_K_CACHE]), *v_cache = PTR(bf16 *, y[Y_V_CACHE]);
-        const int64_t block_stride = y[Y_BLOCK_STRIDE]; /* elements per block */
-        /* k, v -> their slots (the caches are contiguous: slot * kv_size; slots checked above) */
+        const int64_t block_stride = y[Y_BLOCK_STRIDE]; /* cache elements per block (int8: bytes) */
+        /* k, v -> their slots (slots checked above). The bf16 writer's last argument is the
+         * element size, the int8 one's the head size (the table holds the cache's writer). */
         ((cache_write_fn)kern[K_CACHE_WRITE])((const char *)(qkv + q_size), qkv_n,
                                               (const char *)(qkv + q_size + kv_size), qkv_n, (char *)k_cache,
                                               (char *)v_cache, g[G_NUM_SLOTS], slots, rows, kv_size,
-                                              (int64_t)sizeof(bf16));
+                                              g[G_KV_INT8] ? D : (int64_t)sizeof(bf16));
 #ifdef _OPENMP
         /* The kernel gives each request to one thread: with one row, a parallel region would
          * only add a fork and a join (and a wait for a descheduled thread on a busy machine). */

@@ -263,6 +263,14 @@ static inline void prefetch_all(PrefetchCursor *cursor) {
  * block's worth of compute. */
 #define PREFETCH_DISTANCE 2
 
+/* One V row's 16 elements j*16.. as floats: bf16 widened, or int8 converted (its row's scale is
+ * folded into the weights, see below). IS_I8 is a constant of the expanding function. */
+static inline __m512 load16_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#define LOAD_V16(row, j) (IS_I8 ? load16_i8((const int8_t *)(row) + 16 * (j)) \
+                                : load16_bf16((const uint16_t *)(row) + 16 * (j)))
+
 /* p.V for the G query heads of one kv head over n keys, G a constant: each V row is widened
  * once into registers and feeds every head's accumulators, held in registers (the general path
  * below stages the widened rows in memory and reloads them per head). The FMAs run in the same
@@ -276,7 +284,7 @@ static inline void prefetch_all(PrefetchCursor *cursor) {
         }                                                                                       \
         for (int t = 0; t < n; t++) {                                                           \
             __m512 v[NV];                                                                       \
-            for (int j = 0; j < NV; j++) v[j] = load16_bf16(v0 + (int64_t)t * row_stride + 16 * j); \
+            for (int j = 0; j < NV; j++) v[j] = LOAD_V16(v0 + t * row_bytes, j);                \
             prefetch_next(&cursor);                                                             \
             for (int g = 0; g < G; g++) {                                                       \
                 const __m512 pt = _mm512_set1_ps(probs[g][t]);                                  \
@@ -287,19 +295,28 @@ static inline void prefetch_all(PrefetchCursor *cursor) {
             for (int j = 0; j < NV; j++) acc[kv_head * G + g][j] = a[g][j];                     \
     }
 
-#define DEFINE_DECODE_REQUEST_DP(NAME, NB)                                                     \
-static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t *v_cache,    \
+/* I8: the int8 cache (kernels/cpu/cache_write.c's layout: each kv head's row is head_dim int8
+ * and its float32 scale, row bytes head_dim + 4). A chunk's 16 K rows are converted to bf16
+ * once (exact: |q| <= 127) for every head of the group, and each key's score is scaled by its
+ * row's scale after the dot product; the V scales are folded into the softmax weights, so p.V
+ * runs on the converted integers. The running sums take the weights before that folding. */
+#define DEFINE_DECODE_REQUEST_DP(NAME, NB, I8)                                                 \
+static void NAME(const uint16_t *q_row, const void *k_cache, const void *v_cache,            \
                  int64_t block_stride, const int32_t *blocks, int seq_len, int num_heads,      \
                  int num_kv_heads, int block_size, float scale, int window, float soft_cap,    \
                  uint16_t *out_row) {                                                           \
-    enum { D = 32 * NB, NV = 2 * NB };                                                          \
+    enum { D = 32 * NB, NV = 2 * NB, IS_I8 = I8, HEAD_BYTES = I8 ? D + 4 : 2 * D };            \
     const int group = num_heads / num_kv_heads;                                                 \
-    const int64_t row_stride = (int64_t)num_kv_heads * D;                                       \
-    const int64_t block_bytes = (int64_t)block_size * row_stride * 2;                           \
+    const int64_t row_bytes = (int64_t)num_kv_heads * HEAD_BYTES;                               \
+    const int64_t block_bytes = (int64_t)block_size * row_bytes;                                \
+    const int64_t stride_bytes = block_stride * (I8 ? 1 : 2);                                   \
+    const char *k_base = (const char *)k_cache, *v_base = (const char *)v_cache;                \
     __m512 acc[MAX_HEADS][NV]; /* [head] */                                                     \
     float running_max[MAX_HEADS], running_sum[MAX_HEADS];                                       \
     float probs[MAX_GROUP][KEYS] __attribute__((aligned(64)));                                  \
     float values[KEYS][D] __attribute__((aligned(64)));                                         \
+    __m512bh k_bf16[I8 ? KEYS : 1][NB]; /* I8: the chunk's K rows, converted */                 \
+    float k_scales[KEYS] __attribute__((aligned(64))), v_scales[KEYS] __attribute__((aligned(64))); \
     for (int h = 0; h < num_heads; h++) {                                                       \
         for (int j = 0; j < NV; j++) acc[h][j] = _mm512_setzero_ps();                           \
         running_max[h] = -FLT_MAX;                                                              \
@@ -309,28 +326,44 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
     const int first_block = start / block_size, last_block = (seq_len - 1) / block_size;       \
     PrefetchCursor cursor = {0};                                                                \
     for (int b = first_block; b <= last_block && b < first_block + PREFETCH_DISTANCE; b++) {    \
-        cursor = (PrefetchCursor){(const char *)(k_cache + blocks[b] * block_stride),           \
-                                  (const char *)(v_cache + blocks[b] * block_stride), 0, block_bytes}; \
+        cursor = (PrefetchCursor){k_base + blocks[b] * stride_bytes,                            \
+                                  v_base + blocks[b] * stride_bytes, 0, block_bytes};           \
         prefetch_all(&cursor);                                                                  \
     }                                                                                           \
     for (int b = first_block; b <= last_block; b++) {                                           \
         if (b + PREFETCH_DISTANCE <= last_block) {                                              \
             prefetch_all(&cursor); /* whatever the last block left */                          \
-            const int64_t ahead = blocks[b + PREFETCH_DISTANCE] * block_stride;                 \
-            cursor = (PrefetchCursor){(const char *)(k_cache + ahead),                          \
-                                      (const char *)(v_cache + ahead), 0, block_bytes};         \
+            const int64_t ahead = blocks[b + PREFETCH_DISTANCE] * stride_bytes;                 \
+            cursor = (PrefetchCursor){k_base + ahead, v_base + ahead, 0, block_bytes};          \
         }                                                                                       \
         const int first = b * block_size;                                                       \
         const int lo = first < start ? start - first : 0;                                       \
         const int hi = seq_len - first < block_size ? seq_len - first : block_size;             \
-        const uint16_t *k_block = k_cache + blocks[b] * block_stride;                           \
-        const uint16_t *v_block = v_cache + blocks[b] * block_stride;                           \
+        const char *k_block = k_base + blocks[b] * stride_bytes;                                \
+        const char *v_block = v_base + blocks[b] * stride_bytes;                                \
         for (int key0 = lo; key0 < hi; key0 += KEYS) {                                          \
             const int n = hi - key0 < KEYS ? hi - key0 : KEYS;                                  \
             const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                \
             for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) {                          \
-                const uint16_t *k0 = k_block + (int64_t)key0 * row_stride + (int64_t)kv_head * D; \
-                const uint16_t *v0 = v_block + (int64_t)key0 * row_stride + (int64_t)kv_head * D; \
+                const char *k0 = k_block + key0 * row_bytes + kv_head * HEAD_BYTES;             \
+                const char *v0 = v_block + key0 * row_bytes + kv_head * HEAD_BYTES;             \
+                __m512 key_scale = _mm512_set1_ps(scale), v_scale = _mm512_set1_ps(1.f);        \
+                if (I8) {                                                                       \
+                    for (int t = 0; t < KEYS; t++) {                                            \
+                        if (t < n) {                                                            \
+                            const int8_t *k = (const int8_t *)(k0 + t * row_bytes);             \
+                            for (int j = 0; j < NB; j++)                                        \
+                                k_bf16[t][j] = _mm512_cvtne2ps_pbh(load16_i8(k + 32 * j + 16),  \
+                                                                   load16_i8(k + 32 * j));      \
+                            memcpy(&k_scales[t], k + D, sizeof(float));                         \
+                            memcpy(&v_scales[t], v0 + t * row_bytes + D, sizeof(float));        \
+                        } else {                                                                \
+                            k_scales[t] = v_scales[t] = 0.f;                                    \
+                        }                                                                       \
+                    }                                                                           \
+                    key_scale = _mm512_mul_ps(_mm512_load_ps(k_scales), key_scale);             \
+                    v_scale = _mm512_load_ps(v_scales);                                         \
+                }                                                                               \
                 float correction[MAX_GROUP];                                                    \
                 for (int g = 0; g < group; g++) {                                               \
                     const int h = kv_head * group + g;                                          \
@@ -338,27 +371,18 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
                     for (int j = 0; j < NB; j++)                                                \
                         qb[j] = (__m512bh)_mm512_loadu_si512(q_row + (int64_t)h * D + 32 * j); \
                     __m512 partial[KEYS];                                                       \
-                    if (n == KEYS) {                                                            \
-                        for (int t = 0; t < KEYS; t++) {                                        \
-                            const uint16_t *k = k0 + (int64_t)t * row_stride;                   \
-                            __m512 s = _mm512_setzero_ps();                                     \
+                    for (int t = 0; t < KEYS; t++) {                                            \
+                        __m512 s = _mm512_setzero_ps();                                         \
+                        if (n == KEYS || t < n) {                                               \
+                            const uint16_t *k = (const uint16_t *)(k0 + t * row_bytes);         \
                             for (int j = 0; j < NB; j++)                                        \
-                                s = _mm512_dpbf16_ps(s, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j)); \
-                            partial[t] = s;                                                     \
-                            prefetch_next(&cursor);                                             \
+                                s = _mm512_dpbf16_ps(s, qb[j], I8 ? k_bf16[t][j]                \
+                                                     : (__m512bh)_mm512_loadu_si512(k + 32 * j)); \
+                            if (!I8 && n == KEYS) prefetch_next(&cursor);                       \
                         }                                                                       \
-                    } else {                                                                    \
-                        for (int t = 0; t < KEYS; t++) {                                        \
-                            __m512 s = _mm512_setzero_ps();                                     \
-                            if (t < n) {                                                        \
-                                const uint16_t *k = k0 + (int64_t)t * row_stride;               \
-                                for (int j = 0; j < NB; j++)                                    \
-                                    s = _mm512_dpbf16_ps(s, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j)); \
-                            }                                                                   \
-                            partial[t] = s;                                                     \
-                        }                                                                       \
+                        partial[t] = s;                                                         \
                     }                                                                           \
-                    __m512 scores = _mm512_mul_ps(sum16(partial), _mm512_set1_ps(scale));       \
+                    __m512 scores = _mm512_mul_ps(sum16(partial), key_scale);                   \
                     if (soft_cap > 0.f) {                                                       \
                         float tmp[KEYS];                                                        \
                         _mm512_storeu_ps(tmp, scores);                                          \
@@ -372,8 +396,9 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
                     correction[g] = expf(running_max[h] - new_max);                             \
                     running_sum[h] = running_sum[h] * correction[g] + _mm512_reduce_add_ps(p);  \
                     running_max[h] = new_max;                                                   \
-                    _mm512_store_ps(probs[g], p);                                               \
+                    _mm512_store_ps(probs[g], I8 ? _mm512_mul_ps(p, v_scale) : p);              \
                 }                                                                               \
+                if (I8) for (int t = 0; t < n; t++) prefetch_next(&cursor);                     \
                 if (NB == 2 && group <= 6) { /* the group's accumulators fit the registers */   \
                     switch (group) {                                                            \
                     case 1: PV_KEYS(1) break;                                                   \
@@ -387,7 +412,7 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
                 }                                                                               \
                 for (int t = 0; t < n; t++) {                                                   \
                     for (int j = 0; j < NV; j++)                                                \
-                        _mm512_store_ps(values[t] + 16 * j, load16_bf16(v0 + (int64_t)t * row_stride + 16 * j)); \
+                        _mm512_store_ps(values[t] + 16 * j, LOAD_V16(v0 + t * row_bytes, j));   \
                     prefetch_next(&cursor);                                                     \
                 }                                                                               \
                 for (int g = 0; g < group; g++) {                                               \
@@ -415,8 +440,10 @@ static void NAME(const uint16_t *q_row, const uint16_t *k_cache, const uint16_t 
     }                                                                                           \
 }
 
-DEFINE_DECODE_REQUEST_DP(decode_request_bf16_d64, 2)
-DEFINE_DECODE_REQUEST_DP(decode_request_bf16_d128, 4)
+DEFINE_DECODE_REQUEST_DP(decode_request_bf16_d64, 2, 0)
+DEFINE_DECODE_REQUEST_DP(decode_request_bf16_d128, 4, 0)
+DEFINE_DECODE_REQUEST_DP(decode_request_int8_d64, 2, 1)
+DEFINE_DECODE_REQUEST_DP(decode_request_int8_d128, 4, 1)
 #endif
 
 typedef void (*task_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t,
@@ -426,13 +453,16 @@ typedef void (*task_f32_fn)(const float *, const float *, const float *, int64_t
                             const int32_t *, int, int, int, int, int, int, float, int, float,
                             float *);
 
-typedef void (*request_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t,
+typedef void (*request_bf16_fn)(const uint16_t *, const void *, const void *, int64_t,
                                 const int32_t *, int, int, int, int, float, int, float, uint16_t *);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PICK_REQUEST_BF16(head_dim, num_heads) ((num_heads) > MAX_HEADS ? NULL \
     : (head_dim) == 64 ? decode_request_bf16_d64 : (head_dim) == 128 ? decode_request_bf16_d128 : NULL)
+#define PICK_REQUEST_INT8(head_dim, num_heads) ((num_heads) > MAX_HEADS ? NULL \
+    : (head_dim) == 64 ? decode_request_int8_d64 : (head_dim) == 128 ? decode_request_int8_d128 : NULL)
 #else
 #define PICK_REQUEST_BF16(head_dim, num_heads) NULL
+#define PICK_REQUEST_INT8(head_dim, num_heads) NULL
 #endif
 #define PICK_REQUEST_NONE(head_dim, num_heads) NULL
 
@@ -478,5 +508,36 @@ DEFINE_ENTRY(paged_decode_attention_bf16, task_bf16, uint16_t, task_bf16_fn, tas
              PICK_REQUEST_BF16)
 DEFINE_ENTRY(paged_decode_attention_f32, task_f32, float, task_f32_fn, task_f32_d64, task_f32_d128,
              PICK_REQUEST_NONE)
+
+/* The int8 cache (bf16 q and out): the whole-request kernels only; -1 where none takes the
+ * shape (head_dim 64 or 128 with AVX512-BF16: paged_int8_supported), and the caller keeps the
+ * torch path. block_stride counts bytes. */
+int paged_decode_attention_int8(const uint16_t *q, int64_t q_row_stride, uint16_t *out, int64_t out_row_stride,
+                                const int64_t *token_idx, const void *k_cache, const void *v_cache,
+                                int64_t block_stride, const int32_t *block_table, int64_t block_table_stride,
+                                const int32_t *seq_lens, int num_reqs, int num_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, int window, float soft_cap,
+                                int64_t num_blocks, int64_t blocks_per_row) {
+    if (block_size > MAX_BLOCK || num_kv_heads <= 0 || num_heads % num_kv_heads != 0
+        || num_heads / num_kv_heads > MAX_GROUP) return -1;
+    const request_bf16_fn request_fn = PICK_REQUEST_INT8(head_dim, num_heads);
+    if (request_fn == NULL) return -1;
+    for (int req = 0; req < num_reqs; req++)
+        if (!block_row_in_cache(block_table + (int64_t)req * block_table_stride, blocks_per_row,
+                                seq_lens[req], block_size, num_blocks)) return -3;
+    _Pragma("omp parallel for schedule(dynamic, 1)")
+    for (int req = 0; req < num_reqs; req++) {
+        const int64_t row = token_idx ? token_idx[req] : req;
+        request_fn(q + row * q_row_stride, k_cache, v_cache, block_stride,
+                   block_table + (int64_t)req * block_table_stride, seq_lens[req], num_heads,
+                   num_kv_heads, block_size, scale, window, soft_cap, out + row * out_row_stride);
+    }
+    return 0;
+}
+
+/* Whether the int8 cache's kernels (decode here, prefill in paged_prefill.c) take head_dim. */
+int paged_int8_supported(int head_dim, int num_heads) {
+    return PICK_REQUEST_INT8(head_dim, num_heads) != NULL;
+}
 
 /* Prefill chunks (query_len > 1): paged_prefill.c, compiled into the same library. */

@@ -182,7 +182,8 @@ static inline __attribute__((always_inline)) void prefill_task(
 
 typedef struct {
     const uint16_t *q; int64_t q_row_stride; uint16_t *out; int64_t out_row_stride;
-    const uint16_t *k_cache, *v_cache; int64_t block_stride;
+    const char *k_cache, *v_cache; int64_t block_stride; /* block stride in bytes */
+    int i8; /* the int8 cache (cache_write.c): rows of head_dim int8 and a float32 scale */
     const int32_t *block_table; int64_t block_table_stride;
     const int32_t *q_starts, *q_lens, *seq_lens;
     int num_kv_heads, group, head_dim, block_size, window;
@@ -246,22 +247,35 @@ static inline __m512 pf_soft_cap(__m512 x, float cap) {
     return _mm512_mul_ps(tanh, _mm512_set1_ps(cap * PF_LOG2E));
 }
 
+/* 32 elements d.. of a cached K or V row as bf16 (masked by m): as they are, or the int8
+ * cache's integers times the row's scale, rounded to bf16. */
+static inline __m512i pf_load32(const char *row, int d, __mmask32 m, int i8, int D) {
+    if (!i8) return _mm512_maskz_loadu_epi16(m, (const uint16_t *)row + d);
+    float scale;
+    memcpy(&scale, row + D, sizeof scale);
+    const __m512 s = _mm512_set1_ps(scale);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)m, row + d)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)(m >> 16), row + d + 16)));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s));
+}
+
 /* Keys [k0, k1) (k0 even) of chunk c, kv head h, from the paged cache into the call's slabs:
  * K rows as they are, V as key pairs (vp[kp][d] = v[2kp][d], v[2kp+1][d]); zeros past seq_len. */
 static void pf_repack(const pf_args *a, int c, int h, int k0, int k1) {
     const int D = a->head_dim, seq_len = a->seq_lens[c], bs = a->block_size;
-    const int64_t row_stride = (int64_t)a->num_kv_heads * D;
+    const int64_t head_bytes = a->i8 ? D + 4 : 2 * D;
+    const int64_t row_bytes = (int64_t)a->num_kv_heads * head_bytes;
     const int64_t slab = a->kv_first[c] * a->num_kv_heads + (int64_t)h * pf_padded(seq_len);
     const int32_t *blocks = a->block_table + (int64_t)c * a->block_table_stride;
     const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
     for (int k = k0; k < k1; k += 2) {
-        const uint16_t *krow[2] = {NULL, NULL}, *vrow[2] = {NULL, NULL};
+        const char *krow[2] = {NULL, NULL}, *vrow[2] = {NULL, NULL};
         for (int t = 0; t < 2; t++)
             if (k + t < seq_len) {
                 const int64_t base = (int64_t)blocks[(k + t) / bs] * a->block_stride
-                                   + (int64_t)((k + t) % bs) * row_stride + (int64_t)h * D;
+                                   + (int64_t)((k + t) % bs) * row_bytes + (int64_t)h * head_bytes;
                 krow[t] = a->k_cache + base;
                 vrow[t] = a->v_cache + base;
             }
@@ -269,12 +283,12 @@ static void pf_repack(const pf_args *a, int c, int h, int k0, int k1) {
         uint32_t *vd = a->v_all + (slab + k) / 2 * D;
         for (int d = 0; d < D; d += 32) {
             const __mmask32 m = D - d >= 32 ? 0xffffffffu : (1u << (D - d)) - 1;
-            const __m512i k0v = krow[0] ? _mm512_maskz_loadu_epi16(m, krow[0] + d) : _mm512_setzero_si512();
-            const __m512i k1v = krow[1] ? _mm512_maskz_loadu_epi16(m, krow[1] + d) : _mm512_setzero_si512();
+            const __m512i k0v = krow[0] ? pf_load32(krow[0], d, m, a->i8, D) : _mm512_setzero_si512();
+            const __m512i k1v = krow[1] ? pf_load32(krow[1], d, m, a->i8, D) : _mm512_setzero_si512();
             _mm512_mask_storeu_epi16(kd + d, m, k0v);
             _mm512_mask_storeu_epi16(kd + D + d, m, k1v);
-            const __m512i v0 = vrow[0] ? _mm512_maskz_loadu_epi16(m, vrow[0] + d) : _mm512_setzero_si512();
-            const __m512i v1 = vrow[1] ? _mm512_maskz_loadu_epi16(m, vrow[1] + d) : _mm512_setzero_si512();
+            const __m512i v0 = vrow[0] ? pf_load32(vrow[0], d, m, a->i8, D) : _mm512_setzero_si512();
+            const __m512i v1 = vrow[1] ? pf_load32(vrow[1], d, m, a->i8, D) : _mm512_setzero_si512();
             const int left = D - d; /* pairs to store: 16 from lo, then the rest from hi */
             const __mmask16 mlo = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
             const __mmask16 mhi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
@@ -555,10 +569,10 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
 #ifdef PF_HAVE_BF16_PATH
 #define PF_BF16_FAST                                                                            \
     if (head_dim % 2 == 0) {                                                                    \
-        pf_args args = {q, q_row_stride, out, out_row_stride, k_cache, v_cache,          \
-                              block_stride, block_table, block_table_stride, q_starts, q_lens,  \
-                              seq_lens, num_kv_heads, group, head_dim, block_size, window,      \
-                              scale, soft_cap, NULL, NULL, NULL};                                                 \
+        pf_args args = {q, q_row_stride, out, out_row_stride, (const char *)k_cache,            \
+                        (const char *)v_cache, block_stride * 2, 0, block_table,                \
+                        block_table_stride, q_starts, q_lens, seq_lens, num_kv_heads, group,    \
+                        head_dim, block_size, window, scale, soft_cap, NULL, NULL, NULL};       \
         return pf_run_bf16(&args, num_chunks);                                                  \
     }
 #else
@@ -567,3 +581,32 @@ int NAME(const T *q, int64_t q_row_stride, T *out, int64_t out_row_stride,      
 
 DEFINE_PREFILL_ENTRY(paged_prefill_attention_bf16, 1, uint16_t, PF_BF16_FAST)
 DEFINE_PREFILL_ENTRY(paged_prefill_attention_f32, 0, float, )
+
+/* The int8 cache (bf16 q and out; block_stride in bytes): the AVX512-BF16 path only, its K/V
+ * dequantized to bf16 as they are repacked. -1 without it or for an odd head_dim. */
+int paged_prefill_attention_int8(const uint16_t *q, int64_t q_row_stride, uint16_t *out, int64_t out_row_stride,
+                                 const void *k_cache, const void *v_cache, int64_t block_stride,
+                                 const int32_t *block_table, int64_t block_table_stride, const int32_t *q_starts,
+                                 const int32_t *q_lens, const int32_t *seq_lens, int num_chunks, int num_heads,
+                                 int num_kv_heads, int head_dim, int block_size, float scale, int window,
+                                 float soft_cap, int64_t num_blocks, int64_t blocks_per_row) {
+    if (head_dim > PF_MAX_HEAD_DIM || head_dim % 2 != 0 || block_size > PF_MAX_BLOCK || num_kv_heads <= 0
+        || num_heads % num_kv_heads != 0) return -1;
+#ifdef PF_HAVE_BF16_PATH
+    if (num_chunks <= 0) return 0;
+    for (int c = 0; c < num_chunks; c++)
+        if (!block_row_in_cache(block_table + (int64_t)c * block_table_stride, blocks_per_row,
+                                seq_lens[c], block_size, num_blocks)) return -3;
+    pf_args args = {q, q_row_stride, out, out_row_stride, (const char *)k_cache, (const char *)v_cache,
+                    block_stride, 1, block_table, block_table_stride, q_starts, q_lens, seq_lens,
+                    num_kv_heads, num_heads / num_kv_heads, head_dim, block_size, window, scale,
+                    soft_cap, NULL, NULL, NULL};
+    return pf_run_bf16(&args, num_chunks);
+#else
+    (void)q; (void)q_row_stride; (void)out; (void)out_row_stride; (void)k_cache; (void)v_cache;
+    (void)block_stride; (void)block_table; (void)block_table_stride; (void)q_starts; (void)q_lens;
+    (void)seq_lens; (void)num_chunks; (void)scale; (void)window; (void)soft_cap; (void)num_blocks;
+    (void)blocks_per_row;
+    return -1;
+#endif
+}

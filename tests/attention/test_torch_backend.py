@@ -159,6 +159,30 @@ def test_bf16_close_to_reference():
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("requests", [MIXED, MANY_DECODES, [(31, 33), (100, 20)]], ids=["mixed", "bucketed", "chunks"])
+def test_int8_cache_matches_reference_over_what_it_holds(requests):
+    """kv_cache_dtype="int8": both paths attend over the cache's dequantized values, the new
+    tokens' K/V too (as the cache gives them back), and write the same bytes."""
+    from engine.attention import int8_cache
+
+    head_dim, num_kv_heads = 64, 3
+    q, k, v, dense, md, tables = _make_batch(requests, 9, num_kv_heads, head_dim, torch.bfloat16, seed=2)
+    rows = dense.view(2, -1, num_kv_heads * head_dim)
+    kv_cache = torch.stack([int8_cache.quantize_rows(rows[0], num_kv_heads),
+                            int8_cache.quantize_rows(rows[1], num_kv_heads)])
+    kv_cache = kv_cache.view(get_kv_cache_shape(dense.shape[1], BLOCK_SIZE, num_kv_heads, head_dim, int8=True))
+    before = int8_cache.dequantize(kv_cache, torch.float32)
+    out = paged_attention(q, k, v, kv_cache, md, num_kv_heads, head_dim**-0.5)
+    ref = _reference(q, int8_cache.round_trip(k, num_kv_heads), int8_cache.round_trip(v, num_kv_heads), before,
+                     md, tables, num_kv_heads, head_dim, head_dim**-0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+    slots = md.slot_mapping[: md.num_actual_tokens]
+    written = kv_cache.view(2, -1, num_kv_heads, head_dim + 4)[:, slots]
+    assert torch.equal(written[0], int8_cache.quantize_rows(k[: md.num_actual_tokens], num_kv_heads))
+    assert torch.equal(written[1], int8_cache.quantize_rows(v[: md.num_actual_tokens], num_kv_heads))
+
+
 def test_padding_tokens_are_not_written_and_output_zero():
     q, k, v, kv_cache, md, tables = _make_batch(MIXED, 4, 2, 16, torch.float32,
                                                 num_pad_tokens=3)

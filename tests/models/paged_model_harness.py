@@ -22,13 +22,13 @@ class PagedHarness:
     """Owns the KV caches of `model` and runs steps of (request id, new token ids) chunks."""
 
     def __init__(self, model: nn.Module, num_blocks: int = 64, block_size: int = 16,
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model, self.block_size = model, block_size
         layers = get_attention_layers(model)
-        dtype = next(model.parameters()).dtype
+        dtype = kv_cache_dtype or next(model.parameters()).dtype  # torch.int8: the int8 cache
         self.kv_caches = [
-            torch.zeros(get_kv_cache_shape(num_blocks, block_size, a.num_kv_heads, a.head_dim),
-                        dtype=dtype) for a in layers
+            torch.zeros(get_kv_cache_shape(num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                           int8=dtype == torch.int8), dtype=dtype) for a in layers
         ]
         bind_kv_caches(model, self.kv_caches)
         # Hand out blocks in a shuffled order (never block 0) so tables are not contiguous.

@@ -19,7 +19,7 @@ from engine.models import decode_stack
 from engine.models.layers import Linear, bump_weights_version
 from engine.models.loader import load_model
 from engine.models.quant import quantize_model
-from kernels import cpu_decode, cpu_quant
+from kernels import cpu_attention, cpu_decode, cpu_quant
 from paged_model_harness import PagedHarness
 
 pytestmark = pytest.mark.skipif(cpu_quant.load() is None or cpu_decode.load() is None,
@@ -67,10 +67,11 @@ def _model(model_dir, quant: str) -> torch.nn.Module:
     return model
 
 
-def _run(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+def _run(model: torch.nn.Module, prompt: list[int],
+         kv_cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[int]]:
     """Prefill, chunked prefill beside a decode, decodes of 1, 3 and 9 rows: all logits, and
     the greedy tokens of the decode-only steps."""
-    harness = PagedHarness(model, num_blocks=96, block_size=16)
+    harness = PagedHarness(model, num_blocks=96, block_size=16, kv_cache_dtype=kv_cache_dtype)
     got = [harness.step([("a", prompt[:21])])]
     for token in prompt[21:24]:  # one row
         got.append(harness.step([("a", [token])]))
@@ -95,14 +96,14 @@ def _quantized_driver_steps() -> list[int]:
     return [1, 1, 1, 3, 3] + ([17] if bound >= 17 else []) + [12]
 
 
-def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
+def _both(model_dir, quant: str, monkeypatch, mode: str = "1", kv_cache_dtype: torch.dtype | None = None):
     prompt = torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     monkeypatch.setenv("LMC_DECODE_STACK", "0")
-    reference = _run(_model(model_dir, quant), prompt)
+    reference = _run(_model(model_dir, quant), prompt, kv_cache_dtype)
     model = _model(model_dir, quant)  # the same weights (loaded and quantized alike)
     monkeypatch.setenv("LMC_DECODE_STACK", mode)
     bump_weights_version()
-    return reference, _run(model, prompt)
+    return reference, _run(model, prompt, kv_cache_dtype)
 
 
 @pytest.mark.parametrize("quant", ["int8", "b4"])
@@ -110,6 +111,17 @@ def _both(model_dir, quant: str, monkeypatch, mode: str = "1"):
 def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monkeypatch, driver_steps):
     (ref_logits, ref_greedy), (logits, greedy) = _both(request.getfixturevalue(fixture), quant, monkeypatch)
     assert driver_steps == _quantized_driver_steps(), "the driver serves exactly the pure-decode steps"
+    assert torch.equal(logits, ref_logits)
+    assert greedy == ref_greedy
+
+
+@pytest.mark.skipif(not cpu_attention.supports_int8(64, 4), reason="no AVX512-BF16: the int8 cache runs on torch")
+def test_int8_kv_cache_decode_steps_are_bit_identical(tiny_llama_d64_dir, monkeypatch, driver_steps):
+    """The int8 cache (head_dim 64): the driver writes and reads it with the kernels the layer
+    path calls (its table holds the int8 writer and attention), so the logits are the same bits."""
+    (ref_logits, ref_greedy), (logits, greedy) = _both(tiny_llama_d64_dir, "b4", monkeypatch,
+                                                       kv_cache_dtype=torch.int8)
+    assert driver_steps == _quantized_driver_steps()
     assert torch.equal(logits, ref_logits)
     assert greedy == ref_greedy
 

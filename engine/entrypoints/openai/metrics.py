@@ -258,11 +258,16 @@ def _tier_families(stats: SchedulerStats, names: list[str], values: list[str]) -
             yield family
 
 
+def _cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The KV cache's element type as resolved ("int8", or the model's dtype for "auto")."""
+    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
 def cache_config_info(engine: AsyncLLM) -> dict[str, str]:
     """The labels of vllm:cache_config_info, from the engine's arguments and ready info."""
     cache, model = engine.config.cache_config, engine.config.model_config
     return {
-        "block_size": str(cache.block_size), "cache_dtype": str(model.dtype),
+        "block_size": str(cache.block_size), "cache_dtype": _cache_dtype(cache.kv_cache_dtype, model.dtype),
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_gpu_blocks": str(cache.num_blocks),
         "num_gpu_blocks_override": str(cache.num_gpu_blocks_override), "num_cpu_blocks": "None",

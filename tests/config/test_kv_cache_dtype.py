@@ -1,0 +1,87 @@
+"""kv_cache_dtype: what "auto" resolves to, what is refused, and engines running the int8 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineArgs
+from engine.config.cache import resolve_kv_cache_dtype
+from engine.errors import InvalidEngineArgsError
+from kernels import cpu_attention
+
+QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_dim=64, has_kv_connector=False,
+                     attention_backend="auto")
+
+
+@pytest.fixture
+def avx512_bf16(monkeypatch):
+    """Pretend the CPU has (True) or lacks (False) AVX512-BF16."""
+    import engine.platform
+
+    def set_flag(present: bool) -> None:
+        monkeypatch.setattr(engine.platform, "cpu_flags", lambda: frozenset({"avx512_bf16"} if present else set()))
+
+    return set_flag
+
+
+def test_auto_takes_int8_only_where_the_weights_run_quantized_on_the_cpu(avx512_bf16):
+    avx512_bf16(True)
+    assert resolve_kv_cache_dtype("auto", **QUANTIZED_CPU) == "int8"
+    assert resolve_kv_cache_dtype("auto", **{**QUANTIZED_CPU, "quantization": "int8"}) == "int8"
+    for change in ({"quantization": None}, {"dtype": "float32"}, {"device": "cuda"}, {"has_kv_connector": True},
+                   {"head_dim": 80}, {"attention_backend": "triton"}):
+        expected = change.get("dtype", "bfloat16")
+        assert resolve_kv_cache_dtype("auto", **{**QUANTIZED_CPU, **change}) == expected, change
+    avx512_bf16(False)  # no kernels for it: the model's dtype
+    assert resolve_kv_cache_dtype("auto", **QUANTIZED_CPU) == "bfloat16"
+
+
+def test_explicit_values_are_checked_never_ignored(avx512_bf16):
+    avx512_bf16(False)
+    assert resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "quantization": None, "head_dim": 16}) == "int8"
+    assert resolve_kv_cache_dtype("bfloat16", **QUANTIZED_CPU) == "bfloat16"
+    with pytest.raises(InvalidEngineArgsError, match="CPU only"):
+        resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "device": "cuda"})
+    with pytest.raises(InvalidEngineArgsError, match="KV connector"):
+        resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "has_kv_connector": True})
+    with pytest.raises(InvalidEngineArgsError, match="triton"):
+        resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "attention_backend": "triton"})
+    with pytest.raises(InvalidEngineArgsError, match="differs from the model's dtype 'bfloat16'"):
+        resolve_kv_cache_dtype("float16", **QUANTIZED_CPU)
+    with pytest.raises(InvalidEngineArgsError, match="no fp8 KV cache here"):
+        EngineArgs(kv_cache_dtype="fp8_e4m3")._verify()
+    with pytest.raises(InvalidEngineArgsError, match="kv_cache_dtype="):
+        EngineArgs(kv_cache_dtype=8)._verify()  # type: ignore[arg-type]
+
+
+def _prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
+    from engine import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([lp[token].logprob for token, lp in zip(prompt[1:], out.prompt_logprobs[1:])])
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_d64_dir", "tiny_llama_dir"], ids=["kernels", "torch-path"])
+def test_an_engine_on_the_int8_cache_holds_more_blocks_and_scores_as_the_bf16_one(model_fixture, request, make_llm):
+    """head_dim 64 runs the int8 cache's kernels where the CPU has AVX512-BF16; head_dim 16 the
+    torch path. The cache is int8, the same memory budget holds ~2x the blocks, and the prompt's
+    log-likelihoods stay within 2% of the bf16 cache's (the random model's are -20 to -60 nats:
+    a misread cache moves them by whole units)."""
+    model = str(request.getfixturevalue(model_fixture))
+    prompt = torch.randint(3, 400, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    engines = {kv: make_llm(model, dtype="bfloat16", quantization="int8", kv_cache_dtype=kv, multiprocess=False,
+                            kv_cache_memory=8 << 20)
+               for kv in ("bfloat16", "int8")}
+    runners = {kv: llm.engine_core.engine_core.model_executor.worker.model_runner for kv, llm in engines.items()}
+    assert all(cache.dtype == torch.int8 for cache in runners["int8"].kv_caches)
+    assert engines["int8"].config.cache_config.kv_cache_dtype == "int8"
+    head_dim = runners["int8"].head_dim
+    blocks = {kv: llm.config.cache_config.num_blocks for kv, llm in engines.items()}
+    assert blocks["int8"] / blocks["bfloat16"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.02)
+    if model_fixture == "tiny_llama_d64_dir" and cpu_attention.supports_int8(64, 4):
+        q = torch.zeros(1, 4 * 64, dtype=torch.bfloat16)
+        assert cpu_attention.supports(q, runners["int8"].kv_caches[0])  # the kernels serve it
+    reference, quantized = (_prompt_logprobs(engines[kv], prompt) for kv in ("bfloat16", "int8"))
+    assert ((quantized - reference).abs() / reference.abs()).max().item() < 0.02
