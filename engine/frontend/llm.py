@@ -77,6 +77,7 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self._marked_first_token = False
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -226,7 +227,8 @@ class LLM:
         try:
             while self.output_processor.has_unfinished_requests():
                 engine_outputs = self.engine_core.get_output()
-                if engine_outputs.outputs:
+                if engine_outputs.outputs and not self._marked_first_token:
+                    self._marked_first_token = True  # not an environment lookup per step
                     mark("first_token")  # a cold start's end (once per process)
                 request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
                 self.engine_core.abort_requests(to_abort)
