@@ -68,11 +68,14 @@ class AsyncLLM:
     # -- properties -------------------------------------------------------------------------
     @property
     def model_config_summary(self) -> dict[str, Any]:
-        """What the console header shows: model, device, dtype and the cache/batch geometry."""
+        """What the console header shows: model, device, dtype, the KV cache's type and the
+        cache/batch geometry."""
         model, cache, sched = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         return {
             "model": model.model_name, "model_dir": model.model_dir, "device": self.config.device_config.device,
             "dtype": model.dtype, "block_size": cache.block_size, "num_blocks": cache.num_blocks,
+            # the KV cache's element type as resolved ("auto" in a hand-made config: the model's)
+            "kv_cache_dtype": model.dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype,
             "max_model_len": model.max_model_len, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "max_num_seqs": sched.max_num_seqs, "enable_prefix_caching": cache.enable_prefix_caching,
             "vocab_size": model.vocab_size, "kv_events_endpoint": self.kv_events_endpoint,

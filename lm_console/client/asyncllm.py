@@ -56,6 +56,7 @@ class AsyncLLMConsoleClient:
                                     during_start=True) from error
         self.info = EngineInfo(
             model=summary["model"], device=summary["device"], dtype=summary["dtype"],
+            kv_cache_dtype=summary.get("kv_cache_dtype"),
             block_size=summary["block_size"], num_blocks=summary["num_blocks"],
             max_model_len=summary["max_model_len"], max_num_batched_tokens=summary["max_num_batched_tokens"],
             max_num_seqs=summary["max_num_seqs"], vocab_size=min(summary["vocab_size"], len(self.tokenizer)),

@@ -109,6 +109,7 @@ class RemoteConsoleClient:
             unavailable[UNAVAILABLE_KV_EVENTS] = NO_KV_EVENTS_LMC
         self.info = EngineInfo(
             model=self.served_model, device=str(info.get("device", "?")), dtype=str(info.get("dtype", "?")),
+            kv_cache_dtype=info.get("kv_cache_dtype"),
             block_size=int(info.get("block_size") or 16), num_blocks=int(info.get("num_blocks") or 0),
             max_model_len=int(info.get("max_model_len") or 0),
             max_num_batched_tokens=int(info.get("max_num_batched_tokens") or 0),

@@ -31,6 +31,7 @@ class EngineInfo:
     model: str = "?"
     device: str = "cpu"
     dtype: str = "?"
+    kv_cache_dtype: str | None = None  # the KV cache's element type; None: unknown (or the model's)
     block_size: int = 16
     num_blocks: int = 0
     max_model_len: int = 0

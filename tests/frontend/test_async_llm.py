@@ -229,6 +229,7 @@ def test_stats_stream_and_utility_calls(llm) -> None:
     assert stats.num_total_blocks == 511 and stats.num_steps >= 8 and stats.token_budget == 2048
     summary = llm.model_config_summary
     assert summary["num_blocks"] == 512 and summary["dtype"] == "float32" and summary["device"] == "cpu"
+    assert summary["kv_cache_dtype"] == "float32"  # resolved: float32 weights keep a float32 cache
     assert summary["max_model_len"] == 256 and llm.kv_events_endpoint is None
 
 

@@ -23,16 +23,24 @@ class EngineStatus(Static):
             left = f"[b]lm-console[/]  {model} · loading"
         else:
             notice = f" [#e5c07b]({info.notice})[/]" if info.notice else ""
-            left = (f"[b]lm-console[/]  {info.model}{notice} · {info.device} · {info.dtype} · "
+            left = (f"[b]lm-console[/]  {info.model}{notice} · {info.device} · {info.dtype}{_kv_dtype(info)} · "
                     f"block {info.block_size} · {fmt_count(info.num_blocks)} blocks · "
                     f"budget {fmt_count(info.max_num_batched_tokens)} tok · {info.max_num_seqs} seqs")
         self.update(f"{left}    engine {STATES.get(state, state)}")
+
+
+def _kv_dtype(info: EngineInfo) -> str:
+    """The header's ' · kv int8' where the KV cache's type is not the model's (empty otherwise)."""
+    kv = info.kv_cache_dtype
+    return f" · kv {kv}" if kv and kv not in ("?", info.dtype) else ""
 
 
 def _remote_header(info: EngineInfo) -> str:
     """An attached server: its URL, and only the facts it published (a vLLM server publishes few)."""
     facts = [f"{info.model} @ {info.url}"]
     facts += [fact for fact in (info.device, info.dtype) if fact and fact != "?"]
+    if _kv_dtype(info):
+        facts.append(f"kv {info.kv_cache_dtype}")
     facts.append(f"block {info.block_size}")
     if info.num_blocks:
         facts.append(f"{fmt_count(info.num_blocks)} blocks")
