@@ -83,7 +83,8 @@ def load() -> ctypes.CDLL | None:
     library.paged_prefill_attention_int8.restype = ctypes.c_int
     library.reshape_and_cache_int8_rows.argtypes = library.reshape_and_cache_rows.argtypes
     library.reshape_and_cache_int8_rows.restype = ctypes.c_int
-    library.paged_int8_supported.argtypes, library.paged_int8_supported.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    library.paged_int8_supported.argtypes = [ctypes.c_int] * 4
+    library.paged_int8_supported.restype = ctypes.c_int
     return library
 
 
@@ -97,20 +98,29 @@ def cache_head_dim(kv_cache: Tensor) -> int:
     return kv_cache.shape[-1] - (INT8_SCALE_BYTES if kv_cache.dtype == torch.int8 else 0)
 
 
-def supports_int8(head_dim: int, num_heads: int) -> bool:
-    """Whether the kernels serve an int8 cache of this shape (AVX512-BF16, head_dim 64 or 128)."""
+def supports_int8(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int = 16) -> bool:
+    """Whether the kernels serve an int8 cache of this shape (AVX512-BF16, head_dim 64 or 128, at
+    most 64 query heads, 16 a kv head, blocks of at most 64 tokens)."""
     library = load()
-    return library is not None and bool(library.paged_int8_supported(head_dim, num_heads))
+    return library is not None and bool(library.paged_int8_supported(head_dim, num_heads, num_kv_heads, block_size))
+
+
+# paged_attention.c's bounds (the prefill kernel's are wider): a shape past them takes the torch path.
+_MAX_HEAD_DIM, _MAX_BLOCK, _MAX_GROUP = 256, 64, 16
 
 
 def supports(q: Tensor, kv_cache: Tensor) -> bool:
-    """Whether the kernel takes these tensors (CPU, contiguous rows; a bf16 or fp32 cache of q's
-    dtype, or an int8 cache with bf16 q of a shape supports_int8 takes)."""
+    """Whether the kernels take these tensors (CPU, contiguous rows, a shape within their bounds;
+    a bf16 or fp32 cache of q's dtype, or an int8 cache with bf16 q of a shape supports_int8 takes)."""
     if q.device.type != "cpu" or q.stride(1) != 1 or not kv_cache.is_contiguous() or load() is None:
         return False
+    head_dim, block_size, num_kv_heads = cache_head_dim(kv_cache), kv_cache.shape[2], kv_cache.shape[3]
+    num_heads = q.shape[1] // head_dim
     if kv_cache.dtype == torch.int8:
-        return q.dtype == torch.bfloat16 and supports_int8(cache_head_dim(kv_cache), q.shape[1] // cache_head_dim(kv_cache))
-    return q.dtype in _DTYPES and kv_cache.dtype == q.dtype
+        return q.dtype == torch.bfloat16 and supports_int8(head_dim, num_heads, num_kv_heads, block_size)
+    return (q.dtype in _DTYPES and kv_cache.dtype == q.dtype and head_dim <= _MAX_HEAD_DIM
+            and block_size <= _MAX_BLOCK and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= _MAX_GROUP)
 
 
 def supports_cache_write(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:

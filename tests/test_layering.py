@@ -64,6 +64,10 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "EngineArgs.create_engine_config resolves a model name to its directory, converting the "
         "embedded GGUF or building demo-vlm on first use; it runs in the engine core's process "
         "(the frontend builds its config from the ready handshake instead)"),
+    ("engine.config.cache", "kernels.cpu_attention"): (
+        "resolve_kv_cache_dtype asks the attention kernels whether they take the model's shape on this "
+        "machine (auto picks the int8 KV cache only then); it runs in the engine core's process, which "
+        "loads those kernels anyway"),
 }
 
 # Modules that are allowed in `shared` although they import torch lazily inside a function.

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,29 +40,40 @@ class CacheConfig:
 
 # kv_cache_dtype values EngineArgs accepts: auto, int8, or the model's own dtype by name.
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "bfloat16", "float16", "float32")
-# The int8 cache's C kernels (AVX512-BF16) take these head sizes; elsewhere it runs on torch.
-INT8_KERNEL_HEAD_DIMS = (64, 128)
+
+
+def int8_kernels_serve(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> bool:
+    """Whether the C kernels take an int8 cache of this shape on this machine (AVX512-BF16,
+    head_dim 64 or 128, ...; kernels/cpu_attention.py supports_int8). Loads (or builds) the
+    attention kernels: it runs where the engine core runs, which loads them anyway."""
+    if os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+        return False
+    from kernels.cpu_attention import supports_int8
+
+    return supports_int8(head_dim, num_heads, num_kv_heads, block_size)
 
 
 def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantization: str | None,
-                           head_dim: int, has_kv_connector: bool, attention_backend: str) -> str:
+                           head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
+                           has_kv_connector: bool, attention_backend: str) -> str:
     """The KV cache's element type: "int8" or the model's dtype name (InvalidEngineArgsError for
     a combination that cannot run).
 
     "auto" takes the int8 cache where the weights run quantized on the CPU (quantization "gguf"
     or "int8", bf16 activations): there its kernels read half the bytes of a bf16 cache per
     decode step (the step's attention is memory-bound), at +0.1% perplexity on the embedded
-    model (README "Quantized CPU inference"), when the CPU has AVX512-BF16 for them, the head
-    size is one they take, and no KV connector moves blocks (the connectors' transfers are
-    sized in the model's dtype). Everything else keeps the model's dtype, as vLLM's "auto" does.
+    model (README "Quantized CPU inference"), when the C kernels take the model's shape on this
+    machine (int8_kernels_serve; elsewhere the torch path would dequantize every step) and no
+    KV connector moves blocks (the connectors' transfers are sized in the model's dtype).
+    Everything else keeps the model's dtype, as vLLM's "auto" does. An explicit "int8" the
+    kernels cannot serve runs on the torch path, with a warning.
     """
     from engine.errors import InvalidEngineArgsError
-    from engine.platform import cpu_flags
 
+    shape = (head_dim, num_heads, num_kv_heads, block_size)
     if requested == "auto":
         if (quantization is not None and device == "cpu" and dtype == "bfloat16" and not has_kv_connector
-                and attention_backend in ("auto", "torch") and head_dim in INT8_KERNEL_HEAD_DIMS
-                and "avx512_bf16" in cpu_flags()):
+                and attention_backend in ("auto", "torch") and int8_kernels_serve(*shape)):
             return "int8"
         return dtype
     if requested == "int8":
@@ -70,6 +85,12 @@ def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantizat
         if has_kv_connector:
             raise InvalidEngineArgsError("kv_cache_dtype='int8' cannot be combined with a KV connector yet (its "
                                          "transfers are laid out in the model's dtype): drop one of the two.")
+        if dtype != "bfloat16" or not int8_kernels_serve(*shape):
+            logger.warning(
+                "kv_cache_dtype='int8': the C kernels do not take this model here (%s, head_dim %d, %d heads over "
+                "%d kv heads, block_size %d; they need bf16 on AVX512-BF16, head_dim 64 or 128, at most 64 heads "
+                "and 16 per kv head): attention runs on the torch path, dequantizing the cache every step, "
+                "slower than kv_cache_dtype='auto'.", dtype, *shape)
         return "int8"
     if requested != dtype:
         raise InvalidEngineArgsError(

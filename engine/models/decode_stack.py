@@ -164,11 +164,6 @@ class DecodeStack:
         if any(c is None or c.dtype not in (torch.bfloat16, torch.int8) or not c.is_contiguous()
                or c.dtype != caches[0].dtype for c in caches):
             return False
-        int8 = caches[0].dtype == torch.int8
-        kernels = cpu_decode.kernel_table(int8_cache=int8)
-        if kernels is None or (int8 and not cpu_attention.supports_int8(first.head_dim, first.num_heads)):
-            return False
-        self.kernels = kernels
         # one scale and soft-cap for every layer: the driver takes them once
         if any(attn.kv_cache_group_id or attn.backend is not torch_backend or attn.scale != attn0.scale
                or attn.logits_soft_cap != attn0.logits_soft_cap for attn in self._attns):
@@ -176,6 +171,14 @@ class DecodeStack:
         block_size = caches[0].shape[2]
         if any(c.shape[2] != block_size for c in caches):
             return False
+        # the attention kernel must take the cache's shape (else the layer path's torch fallback)
+        q_like = torch.empty(1, first.num_heads * first.head_dim, dtype=torch.bfloat16)
+        if not cpu_attention.supports(q_like, caches[0]):
+            return False
+        kernels = cpu_decode.kernel_table(int8_cache=caches[0].dtype == torch.int8)
+        if kernels is None:
+            return False
+        self.kernels = kernels
         keep: list[Tensor] = []
         self._dense = [(linear, linear.weight) for layer in model.layers for linear in _linears(layer)
                        if linear.quant is None]
@@ -200,7 +203,7 @@ class DecodeStack:
              "head_dim": head_dim, "inter": inter, "block_size": block_size, "qk_norm": int(first.use_qk_norm),
              "max_rows": self.max_rows, "max_position": cos.shape[0],
              "num_slots": min(c.shape[1] for c in caches) * block_size,  # the K/V writes' bound
-             "kv_int8": int(int8)}
+             "kv_int8": int(caches[0].dtype == torch.int8)}
         self._globals = torch.tensor([g[name] for name in cpu_decode.GLOBALS], dtype=torch.int64)
         m = self.max_rows
         kp = max(cpu_quant.padded(hidden), cpu_quant.padded(inter))

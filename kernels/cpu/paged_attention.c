@@ -535,9 +535,10 @@ int paged_decode_attention_int8(const uint16_t *q, int64_t q_row_stride, uint16_
     return 0;
 }
 
-/* Whether the int8 cache's kernels (decode here, prefill in paged_prefill.c) take head_dim. */
-int paged_int8_supported(int head_dim, int num_heads) {
-    return PICK_REQUEST_INT8(head_dim, num_heads) != NULL;
+/* Whether the int8 cache's kernels (decode here, prefill in paged_prefill.c) take this shape. */
+int paged_int8_supported(int head_dim, int num_heads, int num_kv_heads, int block_size) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP
+        && block_size <= MAX_BLOCK && PICK_REQUEST_INT8(head_dim, num_heads) != NULL;
 }
 
 /* Prefill chunks (query_len > 1): paged_prefill.c, compiled into the same library. */

@@ -10,36 +10,57 @@ from engine.config.cache import resolve_kv_cache_dtype
 from engine.errors import InvalidEngineArgsError
 from kernels import cpu_attention
 
-QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_dim=64, has_kv_connector=False,
-                     attention_backend="auto")
+QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_dim=64, num_heads=9, num_kv_heads=3,
+                     block_size=16, has_kv_connector=False, attention_backend="auto")
 
 
 @pytest.fixture
-def avx512_bf16(monkeypatch):
-    """Pretend the CPU has (True) or lacks (False) AVX512-BF16."""
-    import engine.platform
+def kernels_serve(monkeypatch):
+    """Pretend the int8 cache's C kernels do (True) or do not (False) take the model here;
+    records the shapes asked about."""
+    import engine.config.cache
 
-    def set_flag(present: bool) -> None:
-        monkeypatch.setattr(engine.platform, "cpu_flags", lambda: frozenset({"avx512_bf16"} if present else set()))
+    asked: list[tuple[int, ...]] = []
 
-    return set_flag
+    def set_answer(answer: bool) -> list[tuple[int, ...]]:
+        def serve(*shape: int) -> bool:
+            asked.append(shape)
+            return answer
+
+        monkeypatch.setattr(engine.config.cache, "int8_kernels_serve", serve)
+        return asked
+
+    return set_answer
 
 
-def test_auto_takes_int8_only_where_the_weights_run_quantized_on_the_cpu(avx512_bf16):
-    avx512_bf16(True)
+def test_auto_takes_int8_only_where_the_weights_run_quantized_on_the_cpu(kernels_serve):
+    asked = kernels_serve(True)
     assert resolve_kv_cache_dtype("auto", **QUANTIZED_CPU) == "int8"
+    assert asked == [(64, 9, 3, 16)]  # the kernels are asked about the model's own shape
     assert resolve_kv_cache_dtype("auto", **{**QUANTIZED_CPU, "quantization": "int8"}) == "int8"
     for change in ({"quantization": None}, {"dtype": "float32"}, {"device": "cuda"}, {"has_kv_connector": True},
-                   {"head_dim": 80}, {"attention_backend": "triton"}):
+                   {"attention_backend": "triton"}):
         expected = change.get("dtype", "bfloat16")
         assert resolve_kv_cache_dtype("auto", **{**QUANTIZED_CPU, **change}) == expected, change
-    avx512_bf16(False)  # no kernels for it: the model's dtype
+    kernels_serve(False)  # no kernel takes the shape here (no AVX512-BF16, 96 heads, head_dim 80, ...)
     assert resolve_kv_cache_dtype("auto", **QUANTIZED_CPU) == "bfloat16"
 
 
-def test_explicit_values_are_checked_never_ignored(avx512_bf16):
-    avx512_bf16(False)
-    assert resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "quantization": None, "head_dim": 16}) == "int8"
+def test_auto_asks_the_real_kernels_about_the_shape(monkeypatch):
+    from engine.config.cache import int8_kernels_serve
+
+    for shape in ((80, 9, 3, 16), (64, 96, 8, 16), (64, 34, 2, 16), (64, 4, 2, 128)):
+        assert not int8_kernels_serve(*shape), shape
+    assert int8_kernels_serve(64, 9, 3, 16) == cpu_attention.supports_int8(64, 9, 3)
+    monkeypatch.setenv("LMC_CPU_KERNELS", "0")
+    assert not int8_kernels_serve(64, 9, 3, 16)
+
+
+def test_explicit_values_are_checked_never_ignored(kernels_serve, caplog):
+    kernels_serve(False)
+    with caplog.at_level("WARNING", logger="engine.config.cache"):
+        assert resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "quantization": None, "head_dim": 16}) == "int8"
+    assert "attention runs on the torch path" in caplog.text
     assert resolve_kv_cache_dtype("bfloat16", **QUANTIZED_CPU) == "bfloat16"
     with pytest.raises(InvalidEngineArgsError, match="CPU only"):
         resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "device": "cuda"})
@@ -80,7 +101,7 @@ def test_an_engine_on_the_int8_cache_holds_more_blocks_and_scores_as_the_bf16_on
     head_dim = runners["int8"].head_dim
     blocks = {kv: llm.config.cache_config.num_blocks for kv, llm in engines.items()}
     assert blocks["int8"] / blocks["bfloat16"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.02)
-    if model_fixture == "tiny_llama_d64_dir" and cpu_attention.supports_int8(64, 4):
+    if model_fixture == "tiny_llama_d64_dir" and cpu_attention.supports_int8(64, 4, 2):
         q = torch.zeros(1, 4 * 64, dtype=torch.bfloat16)
         assert cpu_attention.supports(q, runners["int8"].kv_caches[0])  # the kernels serve it
     reference, quantized = (_prompt_logprobs(engines[kv], prompt) for kv in ("bfloat16", "int8"))

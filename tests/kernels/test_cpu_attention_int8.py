@@ -13,7 +13,7 @@ from test_cpu_attention import _prefill_reference, _reference
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None,
                                 reason="no C compiler: the CPU attention kernels are unavailable")
-needs_int8_kernels = pytest.mark.skipif(not cpu_attention.supports_int8(64, 9),
+needs_int8_kernels = pytest.mark.skipif(not cpu_attention.supports_int8(64, 9, 3),
                                         reason="no AVX512-BF16: the int8 cache takes the torch path")
 
 
@@ -121,7 +121,10 @@ def test_prefill_matches_float64_over_the_dequantized_cache(head_dim, window, so
 def test_unsupported_shapes_are_refused_and_left_to_the_torch_path():
     cache = torch.zeros(cpu_attention.int8_cache_shape(4, 16, 2, 48), dtype=torch.int8)
     q = torch.randn(1, 4 * 48).bfloat16()
-    assert not cpu_attention.supports_int8(48, 4)
+    assert not cpu_attention.supports_int8(48, 4, 2)
+    assert not cpu_attention.supports_int8(64, 34, 2)  # a group of 17 (at most 16)
+    assert not cpu_attention.supports_int8(64, 65, 65)  # more than 64 query heads
+    assert not cpu_attention.supports_int8(64, 4, 2, block_size=128)
     assert not cpu_attention.supports(q, cache)
     with pytest.raises(ValueError, match="unsupported shape"):
         cpu_attention.paged_decode_attention(q, torch.empty_like(q), cache, torch.zeros(1, 1, dtype=torch.int32),

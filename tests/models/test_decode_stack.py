@@ -115,7 +115,7 @@ def test_quantized_decode_steps_are_bit_identical(fixture, quant, request, monke
     assert greedy == ref_greedy
 
 
-@pytest.mark.skipif(not cpu_attention.supports_int8(64, 4), reason="no AVX512-BF16: the int8 cache runs on torch")
+@pytest.mark.skipif(not cpu_attention.supports_int8(64, 4, 2), reason="no AVX512-BF16: the int8 cache runs on torch")
 def test_int8_kv_cache_decode_steps_are_bit_identical(tiny_llama_d64_dir, monkeypatch, driver_steps):
     """The int8 cache (head_dim 64): the driver writes and reads it with the kernels the layer
     path calls (its table holds the int8 writer and attention), so the logits are the same bits."""
