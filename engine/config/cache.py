@@ -55,7 +55,7 @@ def int8_kernels_serve(head_dim: int, num_heads: int, num_kv_heads: int, block_s
 
 def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantization: str | None,
                            head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
-                           has_kv_connector: bool, attention_backend: str) -> str:
+                           attention_backend: str) -> str:
     """The KV cache's element type: "int8" or the model's dtype name (InvalidEngineArgsError for
     a combination that cannot run).
 
@@ -63,16 +63,17 @@ def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantizat
     or "int8", bf16 activations): there its kernels read half the bytes of a bf16 cache per
     decode step (the step's attention is memory-bound), at +0.1% perplexity on the embedded
     model (README "Quantized CPU inference"), when the C kernels take the model's shape on this
-    machine (int8_kernels_serve; elsewhere the torch path would dequantize every step) and no
-    KV connector moves blocks (the connectors' transfers are sized in the model's dtype).
+    machine (int8_kernels_serve; elsewhere the torch path would dequantize every step).
     Everything else keeps the model's dtype, as vLLM's "auto" does. An explicit "int8" the
-    kernels cannot serve runs on the torch path, with a warning.
+    kernels cannot serve runs on the torch path, with a warning. KV connectors move the cache's
+    own bytes (the OffloadConnector's chunks and fingerprint name the cache's type, so chunks of
+    an int8 and a bf16 engine never mix).
     """
     from engine.errors import InvalidEngineArgsError
 
     shape = (head_dim, num_heads, num_kv_heads, block_size)
     if requested == "auto":
-        if (quantization is not None and device == "cpu" and dtype == "bfloat16" and not has_kv_connector
+        if (quantization is not None and device == "cpu" and dtype == "bfloat16"
                 and attention_backend in ("auto", "torch") and int8_kernels_serve(*shape)):
             return "int8"
         return dtype
@@ -82,9 +83,6 @@ def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantizat
         if attention_backend == "triton":
             raise InvalidEngineArgsError("kv_cache_dtype='int8' needs the torch attention backend (the CPU kernels); "
                                          "attention_backend='triton' has no int8 cache.")
-        if has_kv_connector:
-            raise InvalidEngineArgsError("kv_cache_dtype='int8' cannot be combined with a KV connector yet (its "
-                                         "transfers are laid out in the model's dtype): drop one of the two.")
         if dtype != "bfloat16" or not int8_kernels_serve(*shape):
             logger.warning(
                 "kv_cache_dtype='int8': the C kernels do not take this model here (%s, head_dim %d, %d heads over "

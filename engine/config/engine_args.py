@@ -129,7 +129,7 @@ class EngineArgs:
             self.kv_cache_dtype, dtype=dtype, device=device, quantization=model_config.quantization,
             head_dim=model_config.head_dim, num_heads=model_config.num_attention_heads // self.tensor_parallel_size,
             num_kv_heads=model_config.num_kv_heads // self.tensor_parallel_size, block_size=self.block_size,
-            has_kv_connector=self.kv_transfer_config is not None, attention_backend=self.attention_backend)
+            attention_backend=self.attention_backend)
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)

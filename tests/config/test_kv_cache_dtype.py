@@ -11,7 +11,7 @@ from engine.errors import InvalidEngineArgsError
 from kernels import cpu_attention
 
 QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_dim=64, num_heads=9, num_kv_heads=3,
-                     block_size=16, has_kv_connector=False, attention_backend="auto")
+                     block_size=16, attention_backend="auto")
 
 
 @pytest.fixture
@@ -38,8 +38,7 @@ def test_auto_takes_int8_only_where_the_weights_run_quantized_on_the_cpu(kernels
     assert resolve_kv_cache_dtype("auto", **QUANTIZED_CPU) == "int8"
     assert asked == [(64, 9, 3, 16)]  # the kernels are asked about the model's own shape
     assert resolve_kv_cache_dtype("auto", **{**QUANTIZED_CPU, "quantization": "int8"}) == "int8"
-    for change in ({"quantization": None}, {"dtype": "float32"}, {"device": "cuda"}, {"has_kv_connector": True},
-                   {"attention_backend": "triton"}):
+    for change in ({"quantization": None}, {"dtype": "float32"}, {"device": "cuda"}, {"attention_backend": "triton"}):
         expected = change.get("dtype", "bfloat16")
         assert resolve_kv_cache_dtype("auto", **{**QUANTIZED_CPU, **change}) == expected, change
     kernels_serve(False)  # no kernel takes the shape here (no AVX512-BF16, 96 heads, head_dim 80, ...)
@@ -64,8 +63,6 @@ def test_explicit_values_are_checked_never_ignored(kernels_serve, caplog):
     assert resolve_kv_cache_dtype("bfloat16", **QUANTIZED_CPU) == "bfloat16"
     with pytest.raises(InvalidEngineArgsError, match="CPU only"):
         resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "device": "cuda"})
-    with pytest.raises(InvalidEngineArgsError, match="KV connector"):
-        resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "has_kv_connector": True})
     with pytest.raises(InvalidEngineArgsError, match="triton"):
         resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "attention_backend": "triton"})
     with pytest.raises(InvalidEngineArgsError, match="differs from the model's dtype 'bfloat16'"):

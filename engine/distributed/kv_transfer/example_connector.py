@@ -151,6 +151,9 @@ class ExampleConnector(KVConnectorBase):
             transfer, folder = load
             try:
                 kv = load_file(str(folder / f"{layer_name}.safetensors"))["kv"]
+                if (kv.dtype == torch.int8) != (kv_cache.dtype == torch.int8):
+                    # the int8 cache's bytes are no float values: never convert between the two
+                    raise ValueError(f"the files hold a {kv.dtype} KV cache, this engine's is {kv_cache.dtype}")
                 num_blocks = len(transfer.block_ids)
                 kv = kv.to(kv_cache.device, kv_cache.dtype).view(2, num_blocks, block_size, num_heads, head_dim)
                 kv_cache[:, torch.tensor(transfer.block_ids, device=kv_cache.device)] = kv

@@ -55,3 +55,23 @@ def test_unreadable_file_is_recomputed(make_llm, tiny_qwen3_dir, tmp_path, expec
     outputs = consumer.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert list(tmp_path.iterdir()) == []  # the bad entries were dropped
+
+
+def test_an_int8_cache_hands_off_to_int8_and_never_to_a_float_cache(make_llm, tiny_qwen3_dir, tmp_path) -> None:
+    """The files hold the cache's own bytes: an int8 consumer loads an int8 producer's blocks (same
+    outputs as without the connector); a float32 consumer refuses them and recomputes."""
+
+    def engine(kv_config, kv_cache_dtype):
+        return make_llm(str(tiny_qwen3_dir), dtype="float32", kv_cache_dtype=kv_cache_dtype, max_model_len=256,
+                        multiprocess=False, kv_transfer_config=kv_config)
+
+    int8_expected = [o.outputs[0].token_ids for o in engine(None, "int8").generate(prompts(), GREEDY, use_tqdm=False)]
+    engine(config(tmp_path / "a", "kv_producer"), "int8").generate(prompts(), GREEDY, use_tqdm=False)
+    outputs = engine(config(tmp_path / "a", "kv_consumer"), "int8").generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == int8_expected
+    assert [o.num_cached_tokens for o in outputs] == [96, 64, 32]
+    float_expected = [o.outputs[0].token_ids for o in engine(None, "auto").generate(prompts(), GREEDY, use_tqdm=False)]
+    engine(config(tmp_path / "b", "kv_producer"), "int8").generate(prompts(), GREEDY, use_tqdm=False)
+    outputs = engine(config(tmp_path / "b", "kv_consumer"), "auto").generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == float_expected
+    assert list((tmp_path / "b").iterdir()) == []  # refused and dropped, then recomputed

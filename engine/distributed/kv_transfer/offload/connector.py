@@ -43,7 +43,7 @@ class OffloadConnector(KVConnectorBase):
         self._store_key = (settings, kv_transfer_config.engine_id, id(kv_transfer_config))
         self.store: TieredKVStore = get_shared_store(self._store_key, lambda: TieredKVStore(
             settings.cpu_bytes, settings.disk_path, settings.disk_bytes, settings.chunk_shape,
-            torch_dtype(settings.dtype_name), settings.chunk_size))
+            _chunk_dtype(settings.dtype_name), settings.chunk_size))
         self._closed = False
         self._scheduler: OffloadScheduler | None = None
         self._worker: Any = None
@@ -127,3 +127,10 @@ class OffloadConnector(KVConnectorBase):
         if self._worker is not None:
             self._worker.shutdown()
         release_shared_store(self._store_key)
+
+
+def _chunk_dtype(name: str) -> Any:
+    """The torch dtype of the chunks: the KV cache's (int8 for the int8 cache, engine/attention/int8_cache.py)."""
+    import torch
+
+    return torch.int8 if name == "int8" else torch_dtype(name)

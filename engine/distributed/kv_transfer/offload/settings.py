@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 _KEYS = {"cpu_bytes", "disk_path", "disk_bytes", "chunk_size", "save_decode", "load_timeout_s",
          "remote_wait_s", "load_mode"}
 LOAD_MODES = ("async", "layerwise")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class OffloadSettings:
     load_mode: str
     num_layers: int
     num_kv_heads: int
-    head_dim: int
-    dtype_name: str
+    head_dim: int  # the cache rows' last dimension (the int8 cache's rows end in their scale)
+    dtype_name: str  # the KV cache's element type: the model's, or "int8"
 
     @property
     def chunk_shape(self) -> tuple[int, int, int, int, int]:
@@ -55,6 +55,10 @@ class OffloadSettings:
             raise InvalidEngineArgsError(
                 f"OffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; allowed: {sorted(_KEYS)}.")
         model = config.model_config
+        # Chunks hold the cache's own bytes: the int8 cache's rows (values and scale) as they are.
+        from kernels.cpu_attention import INT8_SCALE_BYTES
+
+        int8 = config.cache_config.kv_cache_dtype == "int8"
         settings = cls(
             chunk_size=_int(extra, "chunk_size", 256),
             cpu_bytes=_int(extra, "cpu_bytes", 1 << 30),
@@ -64,8 +68,8 @@ class OffloadSettings:
             load_timeout_s=float(extra.get("load_timeout_s", 30.0)),
             remote_wait_s=float(extra.get("remote_wait_s", 10.0)),
             load_mode=str(extra.get("load_mode", "async")),
-            num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-            dtype_name=model.dtype,
+            num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim + (INT8_SCALE_BYTES if int8 else 0), dtype_name="int8" if int8 else model.dtype,
         )
         block_size = config.cache_config.block_size
         if settings.chunk_size % block_size:

@@ -333,3 +333,36 @@ def test_kv_events_carry_the_cpu_and_disk_medium(make_llm, tiny_llama_dir, tmp_p
     assert {"GPU", "CPU", "DISK"} <= set(stored)
     assert stored["CPU"] == {bytes.fromhex(p.name.removesuffix(".kvchunk")) for p in tmp_path.glob("*.kvchunk")}
     assert stored["DISK"] <= stored["CPU"] and len(stored["DISK"]) >= 6
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_d64_dir", "tiny_llama_dir"], ids=["int8-kernels", "int8-torch"])
+def test_the_int8_cache_offloads_its_own_bytes_and_never_mixes_with_bf16(make_llm, model_fixture, request,
+                                                                          tmp_path) -> None:
+    """kv_cache_dtype="int8": chunks hold the int8 rows with their scales; outputs equal the same
+    engine's without offload, after the prefix cache forgot and after a restart from disk; a
+    bf16 engine on the same disk tier finds none of them (the chunk hashes name the cache's type)."""
+    import torch
+
+    model_dir = request.getfixturevalue(model_fixture)
+
+    def build(config, kv_cache_dtype="int8"):
+        return make_llm(str(model_dir), dtype="bfloat16", quantization="int8", kv_cache_dtype=kv_cache_dtype,
+                        max_model_len=256, multiprocess=False, kv_transfer_config=config)
+
+    expected = tokens(build(None).generate(make_prompts(), GREEDY, use_tqdm=False))
+    first = build(offload_config(tmp_path))
+    assert tokens(first.generate(make_prompts(), GREEDY, use_tqdm=False)) == expected
+    chunk = next(iter(connector_of(first).store.cpu._chunks.values()))
+    head_dim = first.engine_core.engine_core.model_executor.worker.model_runner.head_dim
+    assert chunk.dtype == torch.int8 and chunk.shape[-1] == head_dim + 4
+    first.reset_prefix_cache()
+    outputs = first.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected and [o.num_cached_tokens for o in outputs] == EXPECTED_HITS
+    first.shutdown()  # joins the disk writer
+    restarted = build(offload_config(tmp_path))
+    outputs = restarted.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected and [o.num_cached_tokens for o in outputs] == EXPECTED_HITS
+    assert tiers(restarted)["DISK"].hits == 6
+    other = build(offload_config(tmp_path), kv_cache_dtype="bfloat16")
+    outputs = other.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0] and tiers(other)["DISK"].errors == 0
