@@ -33,6 +33,11 @@ def make_app(model: str, **kwargs) -> tuple[ConsoleApp, AsyncLLMConsoleClient]: 
     return ConsoleApp(client, shape=shape, tick_hz=0, seed=3), client
 
 
+async def engine_holds(llm, *, running: int, waiting: int) -> bool:  # noqa: ANN001
+    state = await llm.get_block_pool_state()
+    return (state.num_running_reqs, state.num_waiting_reqs) == (running, waiting)
+
+
 def test_dashboard_table_inspector_and_block_details_equal_the_engines_state(tiny_llama_dir) -> None:  # noqa: ANN001
     async def scenario() -> dict:
         app, client = make_app(str(tiny_llama_dir))
@@ -41,10 +46,16 @@ def test_dashboard_table_inspector_and_block_details_equal_the_engines_state(tin
             await until(pilot, app, lambda: app.engine_state == "serving")
             for _ in range(4):
                 app.load.submit_one()
+            llm = client.llm
+            # Freeze the engine the moment it holds 2 running and 2 waiting (asked of the engine
+            # itself: the tiny model runs the first two out in well under a second, a window the
+            # console's 0.4 s polls can miss on a loaded machine), then let the console catch up.
+            while not await engine_holds(llm, running=2, waiting=2):
+                await pilot.pause(0.002)
+            await llm.sleep(1)  # no more steps: the engine's state holds still
+            assert await engine_holds(llm, running=2, waiting=2), "the engine moved on before it was frozen"
             await until(pilot, app, lambda: app.telemetry.view.num_running == 2 and app.telemetry.view.num_waiting == 2
                         and app.core_requests is not None and len(app.core_requests.requests) == 4, "2 running, 2 waiting")
-            await client.llm.sleep(1)  # no more steps: the engine's state holds still
-            llm = client.llm
             state, core = await llm.get_block_pool_state(), await llm.get_request_blocks()
             asleep = app.clock()
             received = app.telemetry.view.num_stats
