@@ -64,6 +64,16 @@ def cpu_has_fast_bf16() -> bool:
     return not _FAST_BF16_FLAGS.isdisjoint(cpu_flags())
 
 
+# The flags the quantized CPU kernels' vector path is built for (kernels/cpu/quant_gemm.c: vpdpbusd).
+_INT8_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+
+
+def cpu_has_int8_dot() -> bool:
+    """True when the CPU has AVX512-VNNI (with AVX512F/BW): the int8 kernels' vector path. Without
+    it they run a portable C path, slower than dense linears, so auto never picks them there."""
+    return _INT8_DOT_FLAGS <= cpu_flags()
+
+
 def cpuinfo_has_fast_bf16(cpuinfo: str) -> bool:
     """Whether the first `flags` line of /proc/cpuinfo text names a fast-bf16 feature."""
     return not _FAST_BF16_FLAGS.isdisjoint(flags_of(cpuinfo))

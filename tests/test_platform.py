@@ -32,3 +32,18 @@ def test_the_engine_and_the_kernels_read_the_same_flags(monkeypatch, tmp_path) -
         assert platform.cpu_has_fast_bf16() and cpu_quant._cpu_has_amx()
     finally:
         platform.cpu_flags.cache_clear()
+
+
+def test_int8_dot_needs_avx512_vnni_with_f_and_bw(monkeypatch, tmp_path) -> None:
+    fake = tmp_path / "cpuinfo"
+    monkeypatch.setattr(platform, "CPUINFO", fake)
+    for flags, expected in (("fpu avx2 fma f16c", False),  # an AVX2-only EPYC (Zen 2)
+                            ("avx512f avx512bw avx512_vnni avx512_bf16", True),  # Zen 4/5
+                            ("avx512f avx512bw avx512_vnni amx_bf16 amx_int8", True),  # Sapphire Rapids
+                            ("avx512f avx512_vnni", False)):
+        fake.write_text(f"processor : 0\nflags : {flags}\n")
+        platform.cpu_flags.cache_clear()
+        try:
+            assert platform.cpu_has_int8_dot() is expected, flags
+        finally:
+            platform.cpu_flags.cache_clear()

@@ -21,6 +21,7 @@ from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.distributed.kv_transfer.config import KVTransferConfig
 from engine.errors import InvalidEngineArgsError
+from engine.platform import cpu_has_int8_dot
 
 if TYPE_CHECKING:
     from engine.distributed.ec_transfer.config import ECTransferConfig
@@ -345,7 +346,8 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
     kernels measured faster than dense bf16 at every batch size, within 1% of the file's
     perplexity (README "Quantized CPU inference"). Everything else stays dense, float32 too (the
     exactness tests compare HF op for op), as does auto where the C kernels are off
-    (LMC_CPU_KERNELS=0) or no C compiler is found; LMC_QUANT_AUTO=0 makes auto dense. Explicit
+    (LMC_CPU_KERNELS=0), no C compiler is found or the CPU lacks AVX512-VNNI (the kernels' portable
+    path is slower than dense bf16 there); LMC_QUANT_AUTO=0 makes auto dense. Explicit
     values are checked, never ignored.
     """
     from engine.models.embedded import gguf_source
@@ -358,7 +360,8 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
             return None
         if (os.environ.get("LMC_QUANT_AUTO", "1").lower() in ("0", "false", "off", "none", "dense")
                 or os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off")
-                or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))):
+                or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+                or not cpu_has_int8_dot()):
             return None
         return "gguf"  # the loader refuses it clearly if the kernels cannot be built
     if device != "cpu":

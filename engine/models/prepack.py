@@ -13,6 +13,7 @@ W), so the linear weights take twice their size in host memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -27,12 +28,27 @@ logger = logging.getLogger(__name__)
 _PACK_FOR_ROWS = 2048
 
 
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether this torch's oneDNN packs bf16 linear weights on this CPU (asked once, on a small
+    weight): its bf16 reorder needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, so an AVX2-only CPU
+    keeps F.linear."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _PACK_FOR_ROWS)
+    except RuntimeError as exc:
+        logger.info("oneDNN bf16 weight prepacking is unavailable on this CPU (%s): bf16 linears use F.linear",
+                    str(exc).splitlines()[0])
+        return False
+    return True
+
+
 def prepack_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linears of this dtype on this device get packed weights."""
     if os.environ.get("LMC_ONEDNN_PREPACK", "1").lower() in ("0", "false", "off"):
         return False
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_packs_bf16()
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -85,8 +85,9 @@ def _prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
 def test_an_engine_on_the_int8_cache_holds_more_blocks_and_scores_as_the_bf16_one(model_fixture, request, make_llm):
     """head_dim 64 runs the int8 cache's kernels where the CPU has AVX512-BF16; head_dim 16 the
     torch path. The cache is int8, the same memory budget holds ~2x the blocks, and the prompt's
-    log-likelihoods stay within 2% of the bf16 cache's (the random model's are -20 to -60 nats:
-    a misread cache moves them by whole units)."""
+    log-likelihoods are as close to a float32 engine's (same int8 weights, float32 cache) as the
+    bf16 cache's are: the random model's are -20 to -60 nats, bf16 rounding alone moves single
+    ones by up to ~2% (more on a CPU without AVX512-BF16), a misread cache moves them all by units."""
     model = str(request.getfixturevalue(model_fixture))
     prompt = torch.randint(3, 400, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     engines = {kv: make_llm(model, dtype="bfloat16", quantization="int8", kv_cache_dtype=kv, multiprocess=False,
@@ -101,5 +102,9 @@ def test_an_engine_on_the_int8_cache_holds_more_blocks_and_scores_as_the_bf16_on
     if model_fixture == "tiny_llama_d64_dir" and cpu_attention.supports_int8(64, 4, 2):
         q = torch.zeros(1, 4 * 64, dtype=torch.bfloat16)
         assert cpu_attention.supports(q, runners["int8"].kv_caches[0])  # the kernels serve it
-    reference, quantized = (_prompt_logprobs(engines[kv], prompt) for kv in ("bfloat16", "int8"))
-    assert ((quantized - reference).abs() / reference.abs()).max().item() < 0.02
+    exact = make_llm(model, dtype="float32", quantization="int8", kv_cache_dtype="float32", multiprocess=False,
+                     kv_cache_memory=8 << 20)
+    reference = _prompt_logprobs(exact, prompt)
+    error = {kv: (_prompt_logprobs(engines[kv], prompt) - reference).abs() / reference.abs() for kv in engines}
+    assert error["int8"].mean().item() <= 1.25 * error["bfloat16"].mean().item() + 0.002, error
+    assert error["int8"].max().item() < 0.05, error

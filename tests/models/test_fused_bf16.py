@@ -91,9 +91,11 @@ def _logprob(entry) -> float:
 @pytest.mark.slow
 def test_engine_bf16_greedy_agrees_with_and_without_kernels(embedded_model_dir, make_llm,
                                                             kernel_calls, monkeypatch):
-    """SmolLM2 bf16, greedy, 12 tokens on 6 prompts: most prompts match token for token; where
-    the paths part, the two tokens are a near tie on both sides: each in the other's top 5
-    (vLLM's check_logprobs_close rule) and within 0.3 nats of each other. bf16 logits come in
+    """SmolLM2 bf16, greedy, 12 tokens on 6 prompts: up to where the two paths part, every token
+    has the same log-probability on both (within 0.3 nats); where they part, the two tokens are a
+    near tie on both sides: each in the other's top 5 (vLLM's check_logprobs_close rule) and
+    within 0.3 nats of each other. How many prompts part depends on the CPU (4 of 6 on an AVX2-only
+    one, whose oneDNN has no bf16 prepacking; 0-2 with AVX512-BF16). bf16 logits come in
     steps of ~0.06-0.125 at this model's scale, so exact ties between candidates are common
     (even the float32 model has a 0.03-nat first-token tie on one of these prompts)."""
     from engine import SamplingParams
@@ -112,16 +114,17 @@ def test_engine_bf16_greedy_agrees_with_and_without_kernels(embedded_model_dir, 
     assert kernel_calls.get("add_rms_norm_", 0) > 0
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
     plain = generate()
-    exact = 0
     for i, (a, b) in enumerate(zip(fused, plain)):
-        if a.token_ids == b.token_ids:
-            exact += 1
+        pos = next((p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        for p in range(pos):  # the shared tokens: the same log-probability on both paths
+            token = a.token_ids[p]
+            gap = _logprob(a.logprobs[p][token]) - _logprob(b.logprobs[p][token])
+            assert abs(gap) <= 0.3, f"prompt {i}: token {p} ({token}) is {gap:.3f} nats apart on the two paths"
+        if pos == len(a.token_ids):
             continue
-        pos = next(p for p, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
         ta, tb = a.token_ids[pos], b.token_ids[pos]
         assert ta in b.logprobs[pos] and tb in a.logprobs[pos], (
             f"prompt {i}: token {pos} differs ({ta} vs {tb}), not in each other's top 5")
         for out in (a, b):
             gap = _logprob(out.logprobs[pos][ta]) - _logprob(out.logprobs[pos][tb])
             assert abs(gap) <= 0.3, f"prompt {i}: token {pos}: {ta} vs {tb} are {gap:.3f} nats apart"
-    assert exact >= len(prompts) // 2, f"only {exact} of {len(prompts)} prompts match exactly"

@@ -11,12 +11,14 @@ from transformers import AutoConfig
 
 from engine.models.layers import Linear
 from engine.models.loader import load_model
+from engine.models import prepack
 from engine.models.prepack import prepack_available, prepack_linears
 
-pytestmark = pytest.mark.skipif(not prepack_available(torch.bfloat16, torch.device("cpu")),
-                                reason="this torch has no oneDNN weight prepacking")
+needs_prepack = pytest.mark.skipif(not prepack_available(torch.bfloat16, torch.device("cpu")),
+                                   reason="this torch or CPU has no oneDNN bf16 weight prepacking (AVX2 only)")
 
 
+@needs_prepack
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(bias):
     torch.manual_seed(0)
@@ -40,6 +42,7 @@ def test_only_bf16_cpu_weights_are_packed(monkeypatch):
     assert prepack_linears(bf16) == 0 and bf16.packed_weight is None
 
 
+@needs_prepack
 def test_a_loaded_bf16_model_is_packed_and_unchanged(tiny_llama_dir: Path, monkeypatch):
     config = AutoConfig.from_pretrained(tiny_llama_dir)
     packed = load_model(tiny_llama_dir, config, torch.bfloat16, "cpu")
@@ -53,3 +56,21 @@ def test_a_loaded_bf16_model_is_packed_and_unchanged(tiny_llama_dir: Path, monke
     for a, b in zip(linears, plain_linears):
         x = torch.randn(11, a.weight.shape[1], generator=generator).to(torch.bfloat16)
         assert torch.equal(a(x), b(x))
+
+
+def test_a_cpu_whose_onednn_cannot_pack_bf16_keeps_f_linear(monkeypatch):
+    # An AVX2-only CPU: oneDNN's bf16 reorder raises; the probe says so once and nothing is packed.
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    prepack.onednn_packs_bf16.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    try:
+        assert not prepack_available(torch.bfloat16, torch.device("cpu"))
+        linear = Linear(8, 8, False, torch.bfloat16)
+        linear.weight.copy_(torch.randn(8, 8))
+        assert prepack_linears(linear) == 0 and linear.packed_weight is None
+        x = torch.randn(3, 8).to(torch.bfloat16)
+        assert torch.equal(linear(x), F.linear(x, linear.weight))
+    finally:
+        prepack.onednn_packs_bf16.cache_clear()

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.config import EngineArgs, resolve_quantization
+from engine.config import EngineArgs, engine_args, resolve_quantization
 from engine.errors import InvalidEngineArgsError
 from kernels import cpu_quant
 
@@ -95,6 +95,7 @@ def test_auto_keeps_gguf_weights_in_bf16_on_cpu_only(tmp_path, monkeypatch):
     (tmp_path / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(fake_gguf)}))
     monkeypatch.delenv("LMC_QUANT_AUTO", raising=False)
     monkeypatch.delenv("LMC_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(engine_args, "cpu_has_int8_dot", lambda: True)
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") == "gguf"  # faster
     assert resolve_quantization("auto", str(tmp_path), "float32", "cpu") is None  # exactness tests
     assert resolve_quantization("gguf", str(tmp_path), "float32", "cpu") == "gguf"
@@ -105,6 +106,9 @@ def test_auto_keeps_gguf_weights_in_bf16_on_cpu_only(tmp_path, monkeypatch):
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None
     monkeypatch.delenv("LMC_QUANT_AUTO")
     assert resolve_quantization(None, str(tmp_path), "bfloat16", "cuda") is None
+    monkeypatch.setattr(engine_args, "cpu_has_int8_dot", lambda: False)  # AVX2 only: the portable path is slower
+    assert resolve_quantization(None, str(tmp_path), "bfloat16", "cpu") is None
+    assert resolve_quantization("gguf", str(tmp_path), "bfloat16", "cpu") == "gguf"  # asked for: kept
 
 
 @pytest.mark.skipif(cpu_quant.load() is None, reason="no quantized CPU kernels")
