@@ -77,6 +77,25 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     return references
 
 
+def hf_teacher_forced(model_dir, prompts: list[list[int]], completions: list[list[int]]) -> list[Reference]:
+    """HF's greedy choices along our completions, one forward a prompt (prompt + completion):
+    position p's argmax and top 5 given the prompt and our first p tokens. Up to the first
+    difference that is exactly what HF's own greedy generate sees, and compare_greedy looks no
+    further, so this checks the same thing as hf_greedy in one forward instead of one a token
+    (HF's eager generate takes ~80 ms a token on an AVX2-only CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    references = []
+    with torch.inference_mode():
+        for prompt, completion in zip(prompts, completions):
+            logits = model(torch.tensor([prompt + completion[:-1]])).logits[0, len(prompt) - 1:].float()
+            references.append(Reference(logits.argmax(-1).tolist(),
+                                        [set(torch.topk(row, 5).indices.tolist()) for row in logits]))
+    return references
+
+
 def compare_greedy(outputs, references: list[Reference]) -> tuple[int, list[str]]:
     """vLLM's check_logprobs_close rule: exact match, or at the first difference each side's
     token is in the other's top-5 (a near tie), after which the prompt is not checked further.

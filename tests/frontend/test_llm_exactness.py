@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from llm_helpers import compare_greedy, greedy_token_ids, hf_greedy, prefix_sharing_prompts, random_prompts, text_prompts
+from llm_helpers import (compare_greedy, greedy_token_ids, hf_greedy, hf_teacher_forced, prefix_sharing_prompts,
+                         random_prompts, text_prompts)
 
 MAX_TOKENS = 64
-EMBEDDED_TOKENS = 32
 
 
 def _greedy(n: int = MAX_TOKENS) -> SamplingParams:
@@ -32,12 +32,13 @@ def test_greedy_matches_hf_on_tiny_models(request, make_llm, model_fixture) -> N
 
 @pytest.mark.slow
 def test_greedy_matches_hf_on_embedded_model(make_llm, embedded_model_dir) -> None:
-    # 32 tokens each: HF's eager generate takes ~80 ms a token on an AVX2-only CPU (the tiny
-    # models above keep 64).
+    # HF scores our completions in one forward each (hf_teacher_forced: the same check as its
+    # greedy generate up to the first difference, which is all compare_greedy reads).
     llm = make_llm(None, dtype="float32")
     prompts = text_prompts(llm.get_tokenizer(), 20, 5, 500)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(EMBEDDED_TOKENS), use_tqdm=False)
-    exact, failures = compare_greedy(outputs, hf_greedy(embedded_model_dir, prompts, EMBEDDED_TOKENS))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    references = hf_teacher_forced(embedded_model_dir, prompts, [o.outputs[0].token_ids for o in outputs])
+    exact, failures = compare_greedy(outputs, references)
     print(f"embedded model: {exact}/{len(prompts)} prompts match HF exactly")
     assert not failures, failures
     assert exact >= len(prompts) - 2
