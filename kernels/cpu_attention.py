@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.cpu_build import CpuKernelBuildError, load_library
+from kernels.cpu_build import CpuKernelBuildError, kernels_disabled, load_library
 
 __all__ = ["INT8_SCALE_BYTES", "CpuKernelBuildError", "int8_cache_shape", "load", "paged_decode_attention",
            "paged_prefill_attention", "reshape_and_cache", "supports", "supports_cache_write", "supports_int8"]
@@ -100,7 +100,14 @@ def cache_head_dim(kv_cache: Tensor) -> int:
 
 def supports_int8(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int = 16) -> bool:
     """Whether the kernels serve an int8 cache of this shape (AVX512-BF16, head_dim 64 or 128, at
-    most 64 query heads, 16 a kv head, blocks of at most 64 tokens)."""
+    most 64 query heads, 16 a kv head, blocks of at most 64 tokens); never under LMC_CPU_KERNELS=0,
+    asked now (load() keeps its first answer)."""
+    return not kernels_disabled() and _int8_shape_supported(head_dim, num_heads, num_kv_heads, block_size)
+
+
+@functools.cache
+def _int8_shape_supported(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> bool:
+    # cached as load() is: the torch backend asks supports() on every layer of every step
     library = load()
     return library is not None and bool(library.paged_int8_supported(head_dim, num_heads, num_kv_heads, block_size))
 

@@ -58,12 +58,16 @@ class Reference:
     top5: list[set[int]]  # per generated position
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
-    """HF transformers greedy generation, one prompt at a time (no padding), EOS ignored."""
+def _hf_model(model_dir):  # noqa: ANN001, ANN202
+    """The HF reference: float32, eager attention (op for op what our float32 path computes)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+    """HF transformers greedy generation, one prompt at a time (no padding), EOS ignored."""
+    model = _hf_model(model_dir)
     model.generation_config.eos_token_id = None
     references = []
     with torch.inference_mode():
@@ -83,10 +87,7 @@ def hf_teacher_forced(model_dir, prompts: list[list[int]], completions: list[lis
     difference that is exactly what HF's own greedy generate sees, and compare_greedy looks no
     further, so this checks the same thing as hf_greedy in one forward instead of one a token
     (HF's eager generate takes ~80 ms a token on an AVX2-only CPU)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = _hf_model(model_dir)
     references = []
     with torch.inference_mode():
         for prompt, completion in zip(prompts, completions):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -46,8 +45,6 @@ def int8_kernels_serve(head_dim: int, num_heads: int, num_kv_heads: int, block_s
     """Whether the C kernels take an int8 cache of this shape on this machine (AVX512-BF16,
     head_dim 64 or 128, ...; kernels/cpu_attention.py supports_int8). Loads (or builds) the
     attention kernels: it runs where the engine core runs, which loads them anyway."""
-    if os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
-        return False
     from kernels.cpu_attention import supports_int8
 
     return supports_int8(head_dim, num_heads, num_kv_heads, block_size)

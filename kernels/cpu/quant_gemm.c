@@ -326,12 +326,8 @@ static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64
     }
 }
 #else
-/* Portable: a tile's 16 rows against every token, the same int32 block sums and float steps as
- * the VNNI path. Written over the tile's own layout (16 lanes x 4 bytes a chunk), so the compiler
- * vectorizes the 16 lanes (AVX2: 8 int32 a vector); indexing element by element measured ~5x
- * slower than dense bf16 on an AVX2-only CPU. */
-/* The 16 lanes' int32 dots of one block (8 chunks of 16 lanes x 4 bytes); shift and mask are
- * constants at each call, so every format gets its own vectorized loop. */
+/* Portable: the 16 lanes' int32 dots of one block (8 chunks of 16 lanes x 4 bytes); shift and
+ * mask are constants at each call, so every format gets its own vectorized loop. */
 static inline __attribute__((always_inline)) void block_dots_portable(const uint8_t *blk, const int8_t *x, int shift,
                                                                      int mask, int32_t *dot) {
     for (int lane = 0; lane < NR; lane++) dot[lane] = 0;
@@ -344,6 +340,10 @@ static inline __attribute__((always_inline)) void block_dots_portable(const uint
     }
 }
 
+/* Portable: a tile's 16 rows against every token, the same int32 block sums and float steps as
+ * the VNNI path. Written over the tile's own layout, so the compiler vectorizes the 16 lanes
+ * (AVX2: 8 int32 a vector); indexing element by element measured ~5x slower than dense bf16 on
+ * an AVX2-only CPU. */
 static void tile_gemm_portable(int fmt, int64_t M, int64_t tile, int nr, int64_t Kp, const uint8_t *w,
                                const void *wd_, const void *wm_, const float *bias, const int8_t *xq,
                                const float *xd, const float *xs, void *out, int64_t ldo, int out_bf16) {
@@ -354,14 +354,11 @@ static void tile_gemm_portable(int fmt, int64_t M, int64_t tile, int nr, int64_t
         const int8_t *x = xq + t * Kp;
         float total[NR] = {0.f};
         for (int64_t b = 0; b < nb; b++) {
-            /* FMT_B4: blocks 2i and 2i + 1 share bytes, low and high nibbles */
-            const uint8_t *blk = tw + (fmt == FMT_B4 ? (b / 2) : b) * 8 * 64;
-            const int shift = fmt == FMT_B4 && (b % 2) ? 4 : 0;
-            const int mask = fmt == FMT_B4 ? 0xf : 0xff;
             int32_t dot[NR];
-            if (shift) block_dots_portable(blk, x + b * QBLOCK, 4, 0xf, dot);
-            else if (mask == 0xf) block_dots_portable(blk, x + b * QBLOCK, 0, 0xf, dot);
-            else block_dots_portable(blk, x + b * QBLOCK, 0, 0xff, dot);
+            if (fmt != FMT_B4) block_dots_portable(tw + b * 8 * 64, x + b * QBLOCK, 0, 0xff, dot);
+            /* FMT_B4: blocks 2i and 2i + 1 share bytes, low and high nibbles */
+            else if (b % 2) block_dots_portable(tw + (b / 2) * 8 * 64, x + b * QBLOCK, 4, 0xf, dot);
+            else block_dots_portable(tw + (b / 2) * 8 * 64, x + b * QBLOCK, 0, 0xf, dot);
             for (int lane = 0; lane < nr; lane++) block_scale(fmt, wd_, wm_, tile, lane, nb, b, &d[lane], &m[lane]);
             const float dx = xd[t * nb + b], sx = xs[t * nb + b];
             for (int lane = 0; lane < nr; lane++) total[lane] += (float)dot[lane] * (d[lane] * dx) + m[lane] * sx;
