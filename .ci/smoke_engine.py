@@ -1,9 +1,10 @@
 """Packaging smoke test of an installed lm-console[engine] (run by .ci/package_check.sh).
 
-`lmc generate` on the embedded model with a fresh kernel cache: the engine process must compile
-the C attention kernels from the sources installed with the package (a wheel without them falls
+`lmc generate` on the embedded model with an empty cache (it converts the model from its GGUF, the
+first-use path a filled cache skips): the engine process must compile the C attention kernels
+from the sources installed with the package (a wheel without them falls
 back to torch, with a warning, and compiles nothing). Then each C kernel library loads here too.
-Run it from outside the checkout so that `import kernels` finds the installed copy.
+Run it from outside the checkout so that `import lm_console.kernels` finds the installed copy.
 """
 
 from __future__ import annotations
@@ -14,17 +15,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import kernels
-from kernels import cpu_attention, cpu_ops, cpu_sampling
+from lm_console import kernels
+from lm_console.kernels import cpu_attention, cpu_ops, cpu_sampling
 
 PROMPT = "The capital of France is"
 
 
 def fresh_cache(root: Path) -> dict[str, str]:
-    """LMC_CACHE_DIR at `root` (no compiled kernels), reusing the converted models if any."""
-    models = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lm-console" / "models"
-    if models.is_dir():
-        (root / "models").symlink_to(models, target_is_directory=True)  # skips a GGUF conversion
+    """LMC_CACHE_DIR at `root`: no compiled kernels, no converted model (a user's first run)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LMC_CPU_KERNELS", "PYTHONPATH")}
     env["LMC_CACHE_DIR"] = str(root)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path (and its C kernels) on a GPU machine too
@@ -34,6 +32,12 @@ def fresh_cache(root: Path) -> dict[str, str]:
 def main() -> None:
     prefix = Path(sys.prefix).resolve()
     assert prefix in Path(kernels.__file__).resolve().parents, f"kernels imported from {kernels.__file__}"
+    # Hugging Face's `kernels` (a dependency of transformers >= 5.25) installs beside our wheel, and
+    # transformers' integration imports it, not a package of ours.
+    hub = subprocess.run([sys.executable, "-c", "import transformers.integrations.hub_kernels, kernels; "
+                          "print(kernels.__file__)"], capture_output=True, text=True, timeout=300)
+    assert hub.returncode == 0, hub.stderr[-4000:]
+    print(f"transformers' hub kernels import {hub.stdout.strip()}")
     lmc = Path(sys.executable).parent / "lmc"
     with tempfile.TemporaryDirectory() as tmp:
         env = fresh_cache(Path(tmp))

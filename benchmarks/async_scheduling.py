@@ -17,7 +17,7 @@ from mp_throughput import make_workload, timed_generate  # type: ignore[import-n
 
 
 def run(model: str | None, workload, async_scheduling: bool, args) -> dict:  # noqa: ANN001
-    from engine import LLM
+    from lm_console.engine import LLM
 
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, async_scheduling=async_scheduling,
               max_num_batched_tokens=args.max_num_batched_tokens, multiprocess=not args.in_process)
@@ -44,7 +44,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.embedded import resolve_model_path
 
     vocab = AutoConfig.from_pretrained(resolve_model_path(args.model)).vocab_size
     workload = make_workload(args.num_requests, vocab, tuple(map(int, args.prompt_range.split(","))),

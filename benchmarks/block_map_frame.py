@@ -18,7 +18,7 @@ import time
 
 from textual.app import App, ComposeResult
 
-from engine.metrics.stats import SchedulerStats
+from lm_console.engine.metrics.stats import SchedulerStats
 from lm_console.request_book import RequestBook
 from lm_console.tui.telemetry import Telemetry
 from lm_console.tui.widgets.block_map import BlockMap

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention import torch_backend
-from engine.attention.metadata import AttentionMetadata
-from kernels.huge_pages import zeros_huge_pages
-from kernels import cpu_attention
+from lm_console.engine.attention import torch_backend
+from lm_console.engine.attention.metadata import AttentionMetadata
+from lm_console.kernels.huge_pages import zeros_huge_pages
+from lm_console.kernels import cpu_attention
 
 BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM, NUM_BLOCKS = 16, 3, 3, 64, 4000
 

@@ -1,4 +1,4 @@
-"""Fused bf16 elementwise CPU kernels (kernels/cpu_ops.py) against the torch op chains they replace.
+"""Fused bf16 elementwise CPU kernels (lm_console/kernels/cpu_ops.py) against the torch op chains they replace.
 
 Per op, at a prefill chunk (2048 tokens) and a decode batch (32 tokens) of the embedded model's
 shapes (hidden 576, intermediate 1536, 9 + 3 heads of 64): silu(gate) * up, residual add +
@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import apply_rotary
-from kernels import cpu_ops
+from lm_console.engine.models.layers import apply_rotary
+from lm_console.kernels import cpu_ops
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 
@@ -70,9 +70,9 @@ def op_cases(tokens: int) -> list[tuple[str, Callable[[], object], Callable[[], 
 def model_forward_ms(tokens: int, iters: int) -> tuple[float, float]:
     from transformers import AutoConfig
 
-    from engine.forward_context import set_forward_context
-    from engine.models.embedded import resolve_model_path
-    from engine.models.loader import load_model
+    from lm_console.engine.forward_context import set_forward_context
+    from lm_console.engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.loader import load_model
 
     model_dir = resolve_model_path(None)
     ids = torch.randint(0, 40000, (tokens,))

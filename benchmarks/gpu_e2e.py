@@ -89,11 +89,11 @@ def _import_engine() -> tuple[Any, Any]:
     modules in a thread while an in-process engine imports AutoConfig, which can race."""
     from transformers import AutoConfig, PreTrainedTokenizerFast  # noqa: F401
 
-    from engine.frontend.tokenizer import preload_tokenizer_modules
+    from lm_console.engine.frontend.tokenizer import preload_tokenizer_modules
 
     preload_tokenizer_modules()
 
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     return LLM, SamplingParams
 

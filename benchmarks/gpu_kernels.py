@@ -83,8 +83,8 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 def bench_decode(cases, heads, kv_heads, head_dim, dtype, device) -> list[dict]:
     """Unified vs split-KV decode kernels; bandwidth over the K/V bytes each must read."""
-    from kernels.paged_attention import paged_attention
-    from kernels.split_kv_decode import default_num_splits, split_kv_decode
+    from lm_console.kernels.paged_attention import paged_attention
+    from lm_console.kernels.split_kv_decode import default_num_splits, split_kv_decode
 
     rows = []
     for num_seqs, context in cases:
@@ -109,7 +109,7 @@ def bench_decode(cases, heads, kv_heads, head_dim, dtype, device) -> list[dict]:
 
 def bench_prefill(cases, heads, kv_heads, head_dim, dtype, device) -> list[dict]:
     """Causal prompts without cached context: our paged kernel vs SDPA on contiguous q/k/v."""
-    from kernels.paged_attention import paged_attention
+    from lm_console.kernels.paged_attention import paged_attention
 
     rows = []
     for num_seqs, length in cases:
@@ -139,8 +139,8 @@ def bench_prefill(cases, heads, kv_heads, head_dim, dtype, device) -> list[dict]
 
 def bench_rms_norm(num_tokens, hidden, dtype, device) -> dict:
     """Fused residual-add + RMSNorm vs the eager torch composition it replaces."""
-    from engine.models.layers import RMSNorm
-    from kernels.rms_norm import fused_add_rms_norm
+    from lm_console.engine.models.layers import RMSNorm
+    from lm_console.kernels.rms_norm import fused_add_rms_norm
 
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
     r = torch.randn_like(x)
@@ -185,7 +185,7 @@ def main() -> None:
         result["prefill"] += bench_prefill(prefill_cases, heads, kv_heads, head_dim, dtype, device)
     result["rms_norm"] = bench_rms_norm(*rms, dtype, device)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
+    (args.out / "lm_console.kernels.json").write_text(json.dumps(result, indent=1))
 
     print(f"copy bandwidth (read+write): {result['copy_tb_s']:.2f} TB/s; H200 ~4.3 TB/s")
     print("decode  B x ctx      H/Hkv  unified_ms split_ms choice  TB/s  %4.3TB/s  err")

@@ -45,7 +45,7 @@ def make_dirs(work: Path, window: int, num_layers: int) -> tuple[Path, Path]:
 
 
 def run(model_dir: Path, prompts: list[list[int]], output_len: int, kv_cache_memory: int) -> dict[str, float]:
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", multiprocess=False, kv_cache_memory=kv_cache_memory,
               max_model_len=len(prompts[0]) + output_len + 16, num_threads=1)

@@ -11,8 +11,8 @@ import random
 import sys
 import time
 
-from engine import LLM, SamplingParams
-from engine.models import layers
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.models import layers
 
 ORIGINAL = layers.LogitsProjection.__call__
 

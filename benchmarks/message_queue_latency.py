@@ -21,10 +21,10 @@ from typing import Any
 
 import zmq
 
-from engine.distributed.message_queue import Handle, MessageQueue
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.worker.rpc_protocol import ExecuteModelCall, WorkerCodec
+from lm_console.engine.distributed.message_queue import Handle, MessageQueue
+from lm_console.engine.sampling_params import SamplingParams
+from lm_console.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from lm_console.engine.worker.rpc_protocol import ExecuteModelCall, WorkerCodec
 
 
 def decode_step(num_reqs: int = 64) -> SchedulerOutput:

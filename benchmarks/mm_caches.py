@@ -23,8 +23,8 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    from engine import LLM, SamplingParams
-    from engine.ipc import MsgpackEncoder
+    from lm_console.engine import LLM, SamplingParams
+    from lm_console.engine.ipc import MsgpackEncoder
     from mm_factory import make_image, make_tiny_idefics3_dir
 
     model = args.model or str(make_tiny_idefics3_dir(Path(tempfile.mkdtemp()) / "tiny-vlm"))

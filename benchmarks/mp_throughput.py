@@ -34,7 +34,7 @@ def make_workload(num_requests: int, vocab_size: int, prompt_range: tuple[int, i
 
 
 def run_offline(model: str | None, workload, multiprocess: bool, args) -> dict:
-    from engine import LLM
+    from lm_console.engine import LLM
 
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, multiprocess=multiprocess)
@@ -47,7 +47,7 @@ def run_offline(model: str | None, workload, multiprocess: bool, args) -> dict:
 def timed_generate(llm, workload) -> dict:  # noqa: ANN001
     """Warm up, then time `workload` (greedy, exactly n tokens each) on `llm`: elapsed, output
     tokens and tok/s, and the token ids (for comparing systems)."""
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
@@ -63,7 +63,7 @@ def timed_generate(llm, workload) -> dict:  # noqa: ANN001
 
 
 async def run_serving(model: str | None, workload, args) -> dict:
-    from engine import AsyncLLM, RequestOutputKind, SamplingParams
+    from lm_console.engine import AsyncLLM, RequestOutputKind, SamplingParams
 
     rng = random.Random(args.seed)
     semaphore = asyncio.Semaphore(args.max_concurrency)
@@ -134,7 +134,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.embedded import resolve_model_path
 
     vocab_size = AutoConfig.from_pretrained(resolve_model_path(args.model)).vocab_size
     prompt_range = tuple(map(int, args.prompt_range.split(",")))

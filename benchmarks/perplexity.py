@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from engine.models.embedded import gguf_source, resolve_model_path
-from engine.models.layers import Embedding, Linear
-from engine.models.loader import load_model
-from engine.models.quant import _drop_dense
-from engine.models.quant.perplexity import perplexity, stdlib_text, window_perplexity
-from kernels import cpu_quant
+from lm_console.engine.models.embedded import gguf_source, resolve_model_path
+from lm_console.engine.models.layers import Embedding, Linear
+from lm_console.engine.models.loader import load_model
+from lm_console.engine.models.quant import _drop_dense
+from lm_console.engine.models.quant.perplexity import perplexity, stdlib_text, window_perplexity
+from lm_console.kernels import cpu_quant
 
 VARIANTS = ("fp32", "bf16", "gguf", "int8", "q8_0", "q4_0", "q4_1", "gguf+kv-bf16", "gguf+kv-int8", "llamacpp")
 ENGINE_VARIANTS = {"gguf+kv-bf16": "bfloat16", "gguf+kv-int8": "int8"}  # -> kv_cache_dtype
@@ -61,7 +61,7 @@ def engine_perplexity(model: str | None, token_ids: list[int], window: int, kv_c
     """exp(mean NLL) of window_perplexity's windows, each a request to an engine (in this process,
     the GGUF file's weights) whose prompt logprobs give every token's log-likelihood: the K/V
     come back from its paged cache as the decode steps of a served request would read them."""
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     llm = LLM(model, quantization="gguf", kv_cache_dtype=kv_cache_dtype, multiprocess=False,
               enable_prefix_caching=False, max_model_len=window + 1, max_num_batched_tokens=max(window + 1, 2048))
@@ -85,7 +85,7 @@ def requantize_model(model: torch.nn.Module, type_name: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from engine.models.quant.gguf_repack import pack_rows, unpack_tensor
+    from lm_console.engine.models.quant.gguf_repack import pack_rows, unpack_tensor
 
     packed: dict[int, cpu_quant.QuantWeight] = {}
     for module in model.modules():

@@ -30,9 +30,9 @@ def _best(fn, repeats: int) -> tuple[float, float]:
 def main() -> None:
     from transformers import AutoConfig
 
-    from engine.forward_context import set_forward_context
-    from engine.models.embedded import resolve_model_path
-    from engine.models.loader import load_model
+    from lm_console.engine.forward_context import set_forward_context
+    from lm_console.engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.loader import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")

@@ -1,4 +1,4 @@
-"""The quantized GEMM (kernels/cpu_quant.py) against dense bf16 matmuls, one linear at a time.
+"""The quantized GEMM (lm_console/kernels/cpu_quant.py) against dense bf16 matmuls, one linear at a time.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/quant_gemm.py [--rows 1,4,8,16,32,128]
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant
+from lm_console.kernels import cpu_quant
 
 SHAPES = (("qkv", 960, 576, "b4"), ("o", 576, 576, "b4"), ("gate_up", 3072, 576, "b4"),
           ("down", 576, 1536, "b4"), ("head", 49152, 576, "b8"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from lm_console.engine import LLM, SamplingParams, StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

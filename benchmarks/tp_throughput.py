@@ -20,7 +20,7 @@ from mp_throughput import make_workload
 
 
 def run(model: str | None, tp: int, backend: str, workload, args) -> float:
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=args.dtype, tensor_parallel_size=tp, distributed_executor_backend=backend,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=1 << 28, num_threads=args.num_threads)

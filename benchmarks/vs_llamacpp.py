@@ -48,7 +48,7 @@ def workload(seed: int, vocab: int, n: int = 32) -> list[tuple[list[int], int]]:
 
 
 def lmc_batched(variant: str, requests, threads: int, single: bool = True) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     # The KV cache's pages are touched at start-up, as llama.cpp's (cleared when its context is
     # made) and vLLM's (torch.zeros) are: the timed run measures the steady state, not the
@@ -69,7 +69,7 @@ def lmc_batched(variant: str, requests, threads: int, single: bool = True) -> di
 
 
 def _lmc_single_stream(llm, prompt: list[int], n: int = 128) -> dict[str, float]:
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     def run(max_tokens: int) -> float:
         start = time.perf_counter()
@@ -87,11 +87,11 @@ def lmc_step_breakdown(variant: str, threads: int, steps: int = 64) -> dict[str,
 
     Each phase's wall time, and "cpu ms" entries: the process CPU time spent in it (all
     threads; on a shared machine the wall times include waiting for a core, CPU time does not).
-    "decode stack (C driver)" is the part of the model forward that engine/models/decode_stack.py
+    "decode stack (C driver)" is the part of the model forward that lm_console/engine/models/decode_stack.py
     ran in one C call (the whole decoder stack of a pure-decode step; absent when it is off).
     """
-    from engine import LLM, SamplingParams
-    from engine.models import decode_stack
+    from lm_console.engine import LLM, SamplingParams
+    from lm_console.engine.models import decode_stack
 
     llm = LLM(None, quantization=variant, num_threads=threads, multiprocess=False)
     core = llm.engine_core.engine_core
@@ -189,7 +189,7 @@ def hf_best(requests, threads: int, batch_sizes: tuple[int, ...] = (16, 32),
     the issue's baseline: fp32 / bf16 x 16 / 32), on the embedded model's dense checkpoint."""
     import torch
 
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.embedded import resolve_model_path
     from lm_console.bench.datasets import BenchRequest
     from lm_console.bench.hf_baseline import best_hf
 
@@ -277,14 +277,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-# Start-up phases in the order they end (engine/startup_trace.py marks them under LMC_STARTUP_TRACE=1).
+# Start-up phases in the order they end (lm_console/engine/startup_trace.py marks them under LMC_STARTUP_TRACE=1).
 COLD_PHASES = ("cli", "engine_import", "engine_args", "config", "device", "weights", "kv_cache",
                "engine_core", "tokenizer", "first_token", "done")
 
 
 def _cold_run(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     """One `lmc generate` process: wall and CPU seconds, and each phase's (wall, CPU) from the marks."""
-    from engine.startup_trace import parse_marks
+    from lm_console.engine.startup_trace import parse_marks
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launch = time.time()
@@ -401,7 +401,7 @@ def main() -> None:
 
     import torch
 
-    from engine.models.embedded import DEFAULT_MODEL, _EMBEDDED, _embedded_gguf_path
+    from lm_console.engine.models.embedded import DEFAULT_MODEL, _EMBEDDED, _embedded_gguf_path
 
     torch.set_num_threads(args.threads)
     gguf = Path(args.gguf) if args.gguf else _embedded_gguf_path(_EMBEDDED[DEFAULT_MODEL])

@@ -1,0 +1,36 @@
+"""lm-console: a small vLLM-v1-style inference engine with a terminal operator console.
+
+One import root holds everything: the engine (`lm_console.engine`), its C and Triton kernels
+(`lm_console.kernels`) and the console (`lm_console.tui`, the `lmc` CLI). The engine's public API
+is re-exported here, lazily, so that `import lm_console` stays cheap for the console, which must
+not pay for torch::
+
+    from lm_console import LLM, SamplingParams
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lm_console.engine import (
+        LLM,
+        AsyncLLM,
+        CompletionOutput,
+        EngineArgs,
+        RequestOutput,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs",
+           "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from lm_console import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'lm_console' has no attribute {name!r}")

@@ -267,7 +267,7 @@ async def write_in_order(lines: InputLines, run_line: LineRunner, write: Callabl
 
 async def _run_line(llm: Any, line_no: int, text: str, model: str, default_max_tokens: int, tokenizer: Any,
                     max_model_len: int, check_text: Callable[[str], Any] | None) -> dict[str, Any]:
-    from engine.sampling_params import RequestOutputKind, SamplingParams
+    from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
     item = parse_line(text)
     params = SamplingParams(**sampling_kwargs(item.body, default_max_tokens), output_kind=RequestOutputKind.FINAL_ONLY)

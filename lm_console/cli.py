@@ -21,7 +21,7 @@ _one_shot_done = False
 
 def _print_version(value: bool) -> None:
     if value:
-        from engine.version import __version__
+        from lm_console.engine.version import __version__
 
         typer.echo(f"lm-console {__version__}")
         raise typer.Exit()
@@ -45,7 +45,7 @@ def models_list(ctx: typer.Context) -> None:
     """List the known models (the embedded default first)."""
     if ctx.invoked_subcommand is not None:
         return
-    from engine.models.embedded import list_known_models
+    from lm_console.engine.models.embedded import list_known_models
 
     for model in list_known_models():
         state = "converted" if model.converted else "not converted yet"
@@ -55,8 +55,8 @@ def models_list(ctx: typer.Context) -> None:
 @models_app.command("path")
 def models_path(name: Optional[str] = typer.Argument(None, help="Model name, directory or .gguf file.")) -> None:
     """Print the HF-format directory of a model (converting it first if needed) as the last line."""
-    from engine.errors import EngineError
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.errors import EngineError
+    from lm_console.engine.models.embedded import resolve_model_path
 
     try:
         path = resolve_model_path(name)
@@ -90,12 +90,12 @@ def generate(
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
     global _one_shot_done
-    from engine.startup_trace import mark
+    from lm_console.engine.startup_trace import mark
 
     mark("cli")
     require("lmc generate", "engine")
-    from engine import LLM, SamplingParams
-    from engine.errors import EngineError
+    from lm_console.engine import LLM, SamplingParams
+    from lm_console.engine.errors import EngineError
 
     mark("engine_import")
 

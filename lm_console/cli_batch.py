@@ -60,7 +60,7 @@ def batch(
 
             return await stream_batch_remote(url, lines, write, api_key, max_tokens,
                                              concurrency or DEFAULT_CONCURRENCY, progress)
-        from engine.frontend.async_llm import AsyncLLM
+        from lm_console.engine.frontend.async_llm import AsyncLLM
 
         llm = AsyncLLM(model, **args)
         try:

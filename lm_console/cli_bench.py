@@ -32,7 +32,7 @@ ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Pro
 
 def _finish(run: Callable[[], int]) -> None:
     """Run a benchmark; exit 1 when requests failed, 2 when the engine could not run it."""
-    from engine.errors import EngineError
+    from lm_console.engine.errors import EngineError
 
     from lm_console.bench.launcher import ServeLaunchError
     from lm_console.client.types import EngineUnavailable

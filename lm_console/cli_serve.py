@@ -65,7 +65,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (completions, chat, tokenizer) and Prometheus /metrics over HTTP."""
     require("lmc serve", "engine", "serve")
-    from engine.errors import EngineError
+    from lm_console.engine.errors import EngineError
 
     if model_arg and model and model_arg != model:
         raise typer.BadParameter(f"MODEL {model_arg!r} and --model {model!r} disagree; give one of them.")
@@ -76,7 +76,7 @@ def serve(
     if allowed_local_media_path is not None and not allowed_local_media_path.is_dir():
         raise typer.BadParameter(f"--allowed-local-media-path {str(allowed_local_media_path)!r} is not a directory.")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     try:
         settings = ServerSettings(host=host, port=port, api_key=api_key or None,
@@ -97,8 +97,8 @@ def serve(
     args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
                 kv_cache_metrics_sample=kv_cache_metrics_sample, kv_cache_prefault=kv_cache_prefault,
                 kv_cache_dtype=kv_cache_dtype)
-    from engine.entrypoints.openai.api_server import run_server
-    from engine import AsyncLLM
+    from lm_console.engine.entrypoints.openai.api_server import run_server
+    from lm_console.engine import AsyncLLM
 
     try:
         engine = AsyncLLM(model, **args)

@@ -104,7 +104,7 @@ async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None
 
 def records_of_message(frames: list[bytes]) -> list[KVEventRecord]:
     """The rows of one PUB message, decoded with the engine's typed decoder (vLLM's wire shape)."""
-    from engine.metrics.kv_events import decode_kv_event_message
+    from lm_console.engine.metrics.kv_events import decode_kv_event_message
 
     _, seq, batch = decode_kv_event_message(frames)
     return kv_records_of(batch, seq)

@@ -33,7 +33,7 @@ def half_block_preview(image: Any, max_width: int = 32, max_height: int = 12) ->
 def describe_image(path: str) -> tuple[str, Any]:
     """(one-line description, decoded PIL image) of an image file; raises the engine's
     ImageNotFoundError / InvalidImageError (torch-free) on bad input."""
-    from engine.multimodal.image import load_image
+    from lm_console.engine.multimodal.image import load_image
 
     item = load_image(path)
     return f"{path} ({item.image.width}x{item.image.height})", item.image

@@ -43,8 +43,8 @@ IMAGE_QUESTION = "Describe the picture."
 
 def make_picture(path: Path) -> None:
     """The image chat's picture: two red squares on the left, drawn as demo-vlm's training
-    pictures are (engine/models/demo_vlm_pictures.py), so the reply shows what it sees."""
-    from engine.models.demo_vlm_pictures import Scene, draw_scene
+    pictures are (lm_console/engine/models/demo_vlm_pictures.py), so the reply shows what it sees."""
+    from lm_console.engine.models.demo_vlm_pictures import Scene, draw_scene
 
     path.parent.mkdir(parents=True, exist_ok=True)
     draw_scene(Scene(shape="square", colour="red", count=2, position="left"), seed=0).save(path)

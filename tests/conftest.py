@@ -12,7 +12,7 @@ from model_factory import LLAMA3_ROPE, make_tiny_model_dir
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """The converted embedded default model (converted once, then cached on disk)."""
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.embedded import resolve_model_path
 
     return resolve_model_path(None)
 
@@ -80,7 +80,7 @@ def local_ray():
     # Set before Ray loads: a single-machine instance on 127.0.0.1 (Ray otherwise uses the machine's address).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
-    from engine.executor.ray_utils import RAY_NAMESPACE
+    from lm_console.engine.executor.ray_utils import RAY_NAMESPACE
 
     ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
@@ -91,7 +91,7 @@ def local_ray():
 @pytest.fixture
 def make_llm():
     """Build LLMs for one test; afterwards assert that none of them leaked a KV block."""
-    from engine import LLM
+    from lm_console.engine import LLM
     from llm_helpers import assert_no_leaked_blocks
 
     built = []

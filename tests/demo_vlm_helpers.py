@@ -1,4 +1,4 @@
-"""Scoring demo-vlm's answers about held-out synthetic pictures (engine/models/demo_vlm_pictures.py).
+"""Scoring demo-vlm's answers about held-out synthetic pictures (lm_console/engine/models/demo_vlm_pictures.py).
 
 Held-out seeds start at HELD_OUT_SEED: tools/train_demo_vlm.py trains on seeds below 10_000
 and checks itself on 10_000_000 onwards, so these pictures were never seen.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.models.demo_vlm_pictures import COLOURS, COUNT_WORDS, SHAPES, Scene, make_picture
+from lm_console.engine.models.demo_vlm_pictures import COLOURS, COUNT_WORDS, SHAPES, Scene, make_picture
 
 HELD_OUT_SEED = 1_000_000
 QUESTION = "Describe the picture."

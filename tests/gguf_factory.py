@@ -50,7 +50,7 @@ def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
 def small_vocabulary(num_tokens: int) -> dict[str, Any]:
     """SmolLM2's byte-level BPE cut to its first num_tokens tokens (and the merges among them),
     as GGUF tokenizer metadata: a real tokenizer that converts in well under a second."""
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.embedded import resolve_model_path
 
     model_dir = resolve_model_path(None)
     spec = json.loads((model_dir / "tokenizer.json").read_text())

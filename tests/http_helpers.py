@@ -86,8 +86,8 @@ def lmc_app(engine: Any, api_key: str | None = API_KEY, **hub_options: Any) -> F
     hub_options set ConsoleHub attributes (idle_snapshot_s, requests_interval_s, queue_size, max_lag)
     that lmc serve leaves at their defaults, so tests need not wait a second for an idle snapshot.
     """
-    from engine.entrypoints.openai.api_server import build_app
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.api_server import build_app
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     app = build_app(engine, ServerSettings(api_key=api_key))
     hub = app.state.console_hub

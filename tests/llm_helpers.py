@@ -128,7 +128,7 @@ def assert_no_leaked_blocks(llm) -> None:
     A utility call, so it works with the core in-process and in its own process (LLM or
     AsyncLLM: pass `await llm.get_block_pool_state()` for the latter).
     """
-    from engine.metrics.stats import BlockPoolState
+    from lm_console.engine.metrics.stats import BlockPoolState
 
     state = llm if isinstance(llm, BlockPoolState) else llm.get_block_pool_state()
     assert state.num_running_reqs == 0 and state.num_waiting_reqs == 0, "requests left in the engine"
@@ -137,7 +137,7 @@ def assert_no_leaked_blocks(llm) -> None:
 
 def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
     """Each token-id prompt's greedy continuation (ignore_eos, max_tokens tokens), in order."""
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -161,7 +161,7 @@ def sigkill_during_generate(llm, started, pid, num_requests: int = 4, max_tokens
     import threading
     import time
 
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     errors: list[BaseException] = []
     caught_at: list[float] = []

@@ -19,8 +19,8 @@ TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, nu
 
 
 def make_tiny_idefics3_dir(path: Path, seed: int = 0, **processor: Any) -> Path:
-    from engine.models.demo_vlm import build_idefics3_dir
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.demo_vlm import build_idefics3_dir
+    from lm_console.engine.models.embedded import resolve_model_path
 
     return build_idefics3_dir(Path(path), resolve_model_path(None), TINY_TEXT, TINY_VISION, seed=seed,
                               longest_edge=processor.get("longest_edge", 64),
@@ -93,7 +93,7 @@ def make_tiny_gemma3_vlm_dir(path: Path, seed: int = 0) -> Path:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    from engine.models.demo_vlm import _randomize
+    from lm_console.engine.models.demo_vlm import _randomize
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

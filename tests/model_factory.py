@@ -94,7 +94,7 @@ def make_tiny_model_dir(path: Path, arch: str, seed: int = 0, **overrides: Any) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.embedded import resolve_model_path
 
     tokenizer_dir = resolve_model_path(None)
     vocab_size = overrides.pop("vocab_size", None)

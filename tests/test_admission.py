@@ -11,12 +11,12 @@ import math
 import msgspec
 import pytest
 
-from engine.admission import check_decodable, check_request_id, error_for_path, read_request_ids
-from engine.errors import (
+from lm_console.engine.admission import check_decodable, check_request_id, error_for_path, read_request_ids
+from lm_console.engine.errors import (
     InvalidPromptError, InvalidRequestIdError, InvalidSamplingParamsError, error_type_named,
 )
-from engine.protocol import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from lm_console.engine.protocol import EngineCoreRequest
+from lm_console.engine.sampling_params import SamplingParams
 
 
 def _request(**fields) -> EngineCoreRequest:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, AsyncLLM
-from engine.config import CacheConfig, DeviceConfig, EngineArgs, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.errors import InvalidEngineArgsError
-from engine.ipc import MsgpackEncoder
-from engine.protocol import EngineCoreReadyInfo
+from lm_console.engine import LLM, AsyncLLM
+from lm_console.engine.config import CacheConfig, DeviceConfig, EngineArgs, ModelConfig, ParallelConfig, SchedulerConfig
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.ipc import MsgpackEncoder
+from lm_console.engine.protocol import EngineCoreReadyInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_llama_dir: Path) -> None
 
 
 def test_the_core_decides_num_blocks_once_without_mutating_the_config(tiny_llama_dir: Path) -> None:
-    from engine.core.engine_core import EngineCore
+    from lm_console.engine.core.engine_core import EngineCore
 
     config = EngineArgs(model=str(tiny_llama_dir), device="cpu", num_gpu_blocks_override=40,
                         max_model_len=128).create_engine_config()
@@ -76,9 +76,9 @@ def test_the_core_decides_num_blocks_once_without_mutating_the_config(tiny_llama
 
 _FRONTEND = """
 import sys
-from engine.config import EngineArgs
-from engine.ipc import MsgpackDecoder
-from engine.protocol import EngineCoreReadyInfo
+from lm_console.engine.config import EngineArgs
+from lm_console.engine.ipc import MsgpackDecoder
+from lm_console.engine.protocol import EngineCoreReadyInfo
 
 info = MsgpackDecoder(EngineCoreReadyInfo).decode([sys.stdin.buffer.read()])
 config = EngineArgs(model="ignored").create_frontend_config(info)

@@ -1,4 +1,4 @@
-"""engine/ipc.py: addresses and the msgpack codec with out-of-band tensor frames."""
+"""lm_console/engine/ipc.py: addresses and the msgpack codec with out-of-band tensor frames."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.ipc import MsgpackDecoder, MsgpackEncoder, make_engine_addresses
-from engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from engine.request import MultiModalFeatureSpec
-from engine.sampling_params import SamplingParams
+from lm_console.engine.ipc import MsgpackDecoder, MsgpackEncoder, make_engine_addresses
+from lm_console.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from lm_console.engine.request import MultiModalFeatureSpec
+from lm_console.engine.sampling_params import SamplingParams
 
 
 def test_tensors_travel_as_extra_frames() -> None:

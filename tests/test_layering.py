@@ -1,6 +1,7 @@
 """Imports run one way, and no module imports itself back (issue 12; STYLE rule 11).
 
-Every import under engine/, kernels/ and lm_console/ is parsed (ast), function-level lazy
+Every import under lm_console/ (the engine in lm_console/engine, the kernels in
+lm_console/kernels) is parsed (ast), function-level lazy
 imports included: a lazy import is still a dependency, it only runs later. Imports under
 `if TYPE_CHECKING:` are left out: they never run, so they load nothing and cannot form a cycle
 (mypy checks them). Each module maps to a layer by the longest matching prefix in LAYERS; an
@@ -22,49 +23,52 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kernels", "lm_console")
+PACKAGES = ("lm_console",)
 
 # Top to bottom. An import may point to its own layer or any layer after it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("console", ("lm_console",)),
-    # The public API: engine/__init__.py re-exports LLM and AsyncLLM (lazily).
-    ("frontend", ("engine", "engine.frontend", "engine.entrypoints")),
+    # The public API: lm_console/engine/__init__.py re-exports LLM and AsyncLLM (lazily).
+    ("frontend", ("lm_console.engine", "lm_console.engine.frontend", "lm_console.engine.entrypoints")),
     # The structured-output manager runs in the engine core (its scheduler consults it).
-    ("core", ("engine.core", "engine.structured_output")),
-    ("executor", ("engine.executor",)),
+    ("core", ("lm_console.engine.core", "lm_console.engine.structured_output")),
+    ("executor", ("lm_console.engine.executor",)),
     # The sampler runs inside the worker's step (vLLM: v1/sample beside v1/worker).
-    ("worker", ("engine.worker", "engine.sample")),
+    ("worker", ("lm_console.engine.worker", "lm_console.engine.sample")),
     # KV and encoder-cache connectors: the core creates their scheduler role, the worker their
     # worker role, so they sit below both and see the core only through the shared types. (A
     # tensor-parallel group module that the models use belongs lower: map it there.)
-    ("connectors", ("engine.distributed",)),
-    ("models", ("engine.models",)),
+    ("connectors", ("lm_console.engine.distributed",)),
+    ("models", ("lm_console.engine.models",)),
     # The tensor-parallel group: the models' parallel layers call its collectives.
-    ("attention", ("engine.attention", "engine.forward_context", "engine.distributed.parallel_state")),
-    ("kernels", ("kernels",)),
+    ("attention", ("lm_console.engine.attention", "lm_console.engine.forward_context",
+                   "lm_console.engine.distributed.parallel_state")),
+    ("kernels", ("lm_console.kernels",)),
     # Torch-free types and helpers shared by every layer and process.
     ("shared", (
-        "engine.config", "engine.errors", "engine.protocol", "engine.admission", "engine.request", "engine.sampling_params",
-        "engine.outputs", "engine.ipc", "engine.platform", "engine.kv_cache_interface",
-        "engine.kv_cache_hashing", "engine.scheduler_output", "engine.model_runner_output",
-        "engine.startup_trace", "engine.malloc_tuning",
-        "engine.metrics", "engine.multimodal",
+        "lm_console.engine.config", "lm_console.engine.errors", "lm_console.engine.protocol",
+        "lm_console.engine.admission", "lm_console.engine.request", "lm_console.engine.sampling_params",
+        "lm_console.engine.outputs", "lm_console.engine.ipc", "lm_console.engine.platform",
+        "lm_console.engine.kv_cache_interface", "lm_console.engine.kv_cache_hashing",
+        "lm_console.engine.scheduler_output", "lm_console.engine.model_runner_output",
+        "lm_console.engine.startup_trace", "lm_console.engine.malloc_tuning", "lm_console.engine.cache_dirs",
+        "lm_console.engine.metrics", "lm_console.engine.multimodal",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
-        "engine.admission",
+        "lm_console.engine.admission",
         # Connector configs are parsed by EngineArgs in the frontend, before any process starts.
-        "engine.distributed.kv_transfer.config", "engine.distributed.ec_transfer.config",
+        "lm_console.engine.distributed.kv_transfer.config", "lm_console.engine.distributed.ec_transfer.config",
         # What the worker-side connector reports back inside ModelRunnerOutput.
-        "engine.distributed.kv_transfer.output",
+        "lm_console.engine.distributed.kv_transfer.output",
     )),
 ]
 
 # Deliberate imports against the order: (importer, imported) -> why. Keep this short.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("engine.config.engine_args", "engine.models.embedded"): (
+    ("lm_console.engine.config.engine_args", "lm_console.engine.models.embedded"): (
         "EngineArgs.create_engine_config resolves a model name to its directory, converting the "
         "embedded GGUF or building demo-vlm on first use; it runs in the engine core's process "
         "(the frontend builds its config from the ready handshake instead)"),
-    ("engine.config.cache", "kernels.cpu_attention"): (
+    ("lm_console.engine.config.cache", "lm_console.kernels.cpu_attention"): (
         "resolve_kv_cache_dtype asks the attention kernels whether they take the model's shape on this "
         "machine (auto picks the int8 KV cache only then); it runs in the engine core's process, which "
         "loads those kernels anyway"),
@@ -72,9 +76,9 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
 
 # Modules that are allowed in `shared` although they import torch lazily inside a function.
 SHARED_LAZY_TORCH: dict[str, str] = {
-    "engine.ipc": "a tensor in a multimodal message is sent as a raw frame; torch loads only then",
-    "engine.platform": ("configs name devices and dtypes; torch loads when the engine core asks for a "
-                        "GPU (detect_device) or the worker for a torch dtype or device"),
+    "lm_console.engine.ipc": "a tensor in a multimodal message is sent as a raw frame; torch loads only then",
+    "lm_console.engine.platform": ("configs name devices and dtypes; torch loads when the engine core asks for a "
+                                   "GPU (detect_device) or the worker for a torch dtype or device"),
 }
 
 
@@ -309,13 +313,14 @@ def test_shared_layer_loads_no_torch() -> None:
 
 def test_engine_core_loads_no_torch() -> None:
     """EngineCore imports its executor lazily (Executor.get_class), so a FakeExecutor core is torch-free."""
-    loaded = _loaded_heavy_modules("engine.core.engine_core", "engine.core.engine_core_proc",
-                                   "engine.executor.abstract")
+    loaded = _loaded_heavy_modules("lm_console.engine.core.engine_core", "lm_console.engine.core.engine_core_proc",
+                                   "lm_console.engine.executor.abstract")
     assert loaded == "", f"importing the engine core loaded {loaded}"
 
 
 def test_protocol_does_not_load_the_kv_cache() -> None:
-    check = "import sys, engine.protocol; print(sorted(m for m in sys.modules if m.startswith('engine.core')))"
+    check = ("import sys, lm_console.engine.protocol; "
+             "print(sorted(m for m in sys.modules if m.startswith('lm_console.engine.core')))")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]", f"import engine.protocol loaded {result.stdout.strip()}"
+    assert result.stdout.strip() == "[]", f"import lm_console.engine.protocol loaded {result.stdout.strip()}"

@@ -1,4 +1,4 @@
-"""engine/malloc_tuning.py: freed activations stay in the heap, and child processes put their
+"""lm_console/engine/malloc_tuning.py: freed activations stay in the heap, and child processes put their
 heap on transparent huge pages (glibc only)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import malloc_tuning
+from lm_console.engine import malloc_tuning
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # third round's minor page faults are what a steady-state step pays.
 _STEPS = """
 import ctypes, resource, sys
-from engine import malloc_tuning
+from lm_console.engine import malloc_tuning
 tuned = malloc_tuning.tune_malloc() if sys.argv[1] == "tune" else False
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

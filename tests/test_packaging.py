@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.version import __version__
+from lm_console.engine.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "engine", "kernels", "lm_console")
+SOURCES = ("pyproject.toml", "README.md", "lm_console")
 
 pytest.importorskip("build", reason="the [test] extra installs `build`")
 
@@ -51,10 +51,23 @@ def test_wheel_and_sdist_carry_the_package_data(dists: tuple[Path, Path]) -> Non
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     # Spelled out too, so the check cannot pass on an empty list.
-    for name in ("kernels/cpu/paged_attention.c", "kernels/cpu/cpu_common.h", "lm_console/tui/app.tcss",
-                 "engine/models/demo_vlm_vision.safetensors"):
+    for name in ("lm_console/kernels/cpu/paged_attention.c", "lm_console/kernels/cpu/cpu_common.h",
+                 "lm_console/tui/app.tcss",
+                 "lm_console/engine/models/demo_vlm_vision.safetensors"):
         assert name in names
     assert not any(name.startswith("tests/") for name in names)
+
+
+def test_the_wheel_installs_one_import_root(dists: tuple[Path, Path]) -> None:
+    """`lm_console` and our dist-info, nothing else at the top of site-packages (no `engine`, no
+    `kernels`: Hugging Face's `kernels`, which transformers requires, installs there)."""
+    wheel, _ = dists
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+        declared = archive.read(top_level).decode().split()
+    assert declared == ["lm_console"]
+    assert {name.split("/")[0] for name in names} == {"lm_console", top_level.split("/")[0]}
 
 
 def test_the_distributions_carry_the_one_version(dists: tuple[Path, Path]) -> None:

@@ -1,9 +1,9 @@
-"""engine/platform.py's CPU flags: the one /proc/cpuinfo reader (dtype default, AMX dense-rows choice)."""
+"""lm_console/engine/platform.py's CPU flags: the one /proc/cpuinfo reader (dtype default, AMX dense-rows choice)."""
 
 from __future__ import annotations
 
-from engine import platform
-from kernels import cpu_quant
+from lm_console.engine import platform
+from lm_console.kernels import cpu_quant
 
 
 def test_flags_come_from_the_first_flags_line() -> None:

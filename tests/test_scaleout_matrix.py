@@ -30,8 +30,8 @@ from typing import Any
 import psutil
 import pytest
 
-from engine import LLM, AsyncLLM, SamplingParams
-from engine.errors import EngineDeadError
+from lm_console.engine import LLM, AsyncLLM, SamplingParams
+from lm_console.engine.errors import EngineDeadError
 from llm_helpers import text_prompts
 
 ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=128)

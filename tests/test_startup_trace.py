@@ -1,10 +1,10 @@
-"""engine/startup_trace.py: silent by default; with LMC_STARTUP_TRACE, one parsable line per phase."""
+"""lm_console/engine/startup_trace.py: silent by default; with LMC_STARTUP_TRACE, one parsable line per phase."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine import startup_trace
+from lm_console.engine import startup_trace
 
 
 def test_marks_are_silent_unless_asked(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

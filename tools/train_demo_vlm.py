@@ -1,6 +1,6 @@
 """Train demo-vlm's vision tower and connector on synthetic pictures (CPU, one thread, seeded).
 
-The shipped engine/models/demo_vlm_vision.safetensors came from these four runs (each seeded
+The shipped lm_console/engine/models/demo_vlm_vision.safetensors came from these four runs (each seeded
 and deterministic on a CPU; wall times on the shared 2-core box under heavy load):
 
     T=tools/train_demo_vlm.py; export PYTHONPATH=$PWD
@@ -12,7 +12,7 @@ and deterministic on a CPU; wall times on the shared 2-core box under heavy load
 
 The language model (the embedded SmolLM2-135M-Instruct) stays frozen and is never run here.
 The SigLIP tower and the Idefics3 connector are trained from scratch so that, for a picture
-from engine/models/demo_vlm_pictures.py, the connector's 16 output vectors are the LM's own
+from lm_console/engine/models/demo_vlm_pictures.py, the connector's 16 output vectors are the LM's own
 input embeddings of the picture's caption ("Two red squares on the left." then spaces): the
 LM then reads the picture as if the caption were written in the prompt, and answers questions
 about it ("Describe the picture." -> "Two red squares on the left."). The loss per output
@@ -26,7 +26,7 @@ Training seeds are [0, pool); the tests use held-out seeds >= 1_000_000.
 
 The tower and connector weights are saved in float16 (0.6 MB) under the names
 `model.vision_model.*` / `model.connector.*` of HF's Idefics3ForConditionalGeneration;
-engine/models/demo_vlm.py copies them into the demo-vlm directory it builds.
+lm_console/engine/models/demo_vlm.py copies them into the demo-vlm directory it builds.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.models.demo_vlm import (  # noqa: E402
+from lm_console.engine.models.demo_vlm import (  # noqa: E402
     DEMO_SCALE_FACTOR, DEMO_VISION_CONFIG, DEMO_VISION_WEIGHTS, IMAGE_TOKENS, caption_slots,
 )
-from engine.models.demo_vlm_pictures import COLOURS, COUNTS, POSITIONS, SHAPES, make_picture  # noqa: E402
-from engine.models.embedded import DEFAULT_MODEL, resolve_model_path  # noqa: E402
+from lm_console.engine.models.demo_vlm_pictures import COLOURS, COUNTS, POSITIONS, SHAPES, make_picture  # noqa: E402
+from lm_console.engine.models.embedded import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 
 EVAL_SEED = 10_000_000  # the training script's own held-out pictures (the tests use others)
 
@@ -133,7 +133,7 @@ def to_input(pixels: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "engine" / "models" / DEMO_VISION_WEIGHTS)
+    parser.add_argument("--out", type=Path, default=ROOT / "lm_console" / "engine" / "models" / DEMO_VISION_WEIGHTS)
     parser.add_argument("--pool", type=int, default=4000, help="training pictures (seeds 0..pool-1)")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)

@@ -21,7 +21,7 @@ class OfflineEngine:
 
     @classmethod
     def build(cls, model: str | None, engine_args: dict[str, Any]) -> OfflineEngine:
-        from engine import LLM
+        from lm_console.engine import LLM
 
         llm = LLM(model, **engine_args)
         model_config = llm.config.model_config
@@ -29,7 +29,7 @@ class OfflineEngine:
 
     def warm_up(self, num_requests: int = 2) -> None:
         """A few short requests so one-time costs stay out of the timing."""
-        from engine import SamplingParams
+        from lm_console.engine import SamplingParams
 
         prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(num_requests)]
         self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -37,7 +37,7 @@ class OfflineEngine:
 
     def run(self, requests: list[BenchRequest], use_tqdm: bool = True) -> dict[str, Any]:
         """Generate exactly output_len tokens per request; vLLM's throughput keys plus counts."""
-        from engine import SamplingParams
+        from lm_console.engine import SamplingParams
 
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         params = [SamplingParams(temperature=1.0, top_p=1.0, seed=i, max_tokens=r.output_len, ignore_eos=True)

@@ -27,7 +27,7 @@ def offload_transfer_config(disk_path: str | None, role: str = "kv_both", cpu_by
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, list[int], int]:
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=1),
                           use_tqdm=False)[0]
@@ -42,7 +42,7 @@ def _log(message: str) -> None:
 def bench_offload(model: str | None, engine_args: dict[str, Any], prompt_len: int = 2048, chunk_size: int = 256,
                   disk_path: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Run the TTFT comparison and the tier throughput measurement; returns the figures."""
-    from engine import LLM
+    from lm_console.engine import LLM
 
     block_size = engine_args.get("block_size", 16)
     max_model_len = prompt_len + 2 * block_size
@@ -102,8 +102,8 @@ def _tier_throughput(core: Any, chunk_size: int, repeats: int = 3) -> dict[str, 
 
     import torch
 
-    from engine.distributed.kv_transfer.offload.disk_tier import DiskTier
-    from engine.distributed.kv_transfer.offload.kv_layout import gather_chunk, scatter_chunk
+    from lm_console.engine.distributed.kv_transfer.offload.disk_tier import DiskTier
+    from lm_console.engine.distributed.kv_transfer.offload.kv_layout import gather_chunk, scatter_chunk
 
     kv_caches = core.model_executor.worker.model_runner.kv_caches
     block_size = kv_caches[0].shape[2]
@@ -167,7 +167,7 @@ def offload_lines(results: dict[str, Any]) -> list[str]:
 def bench_pd(model: str | None, engine_args: dict[str, Any], prompt_len: int = 1024, output_len: int = 16,
              disk_path: str | None = None, chunk_size: int = 256, seed: int = 0) -> dict[str, Any]:
     """Prefill on a producer engine, decode on a consumer engine that loads the producer's KV."""
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     args = {**engine_args, "max_model_len": max(engine_args.get("max_model_len") or 0, prompt_len + output_len + 16)}
     tmp = None if disk_path else tempfile.TemporaryDirectory(prefix="lmc-kv-pd-")

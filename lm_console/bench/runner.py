@@ -129,7 +129,7 @@ def bench_serve(model: str | None, engine_args: dict[str, Any], workload: Worklo
     from lm_console.bench.serve import run_serve, serve_metrics, serve_summary
 
     async def main() -> tuple[list[BenchRequest], list[Any], float]:
-        from engine.frontend.async_llm import AsyncLLM
+        from lm_console.engine.frontend.async_llm import AsyncLLM
 
         llm = AsyncLLM(model, **engine_args)
         try:
@@ -146,7 +146,7 @@ def bench_serve(model: str | None, engine_args: dict[str, Any], workload: Worklo
     lines = serve_summary(metrics, max_concurrency, request_rate, percentile_metrics, percentiles)
     model_dir = ""
     if baseline.kind != "none":
-        from engine.models.embedded import resolve_model_path
+        from lm_console.engine.models.embedded import resolve_model_path
 
         model_dir = str(resolve_model_path(model))
     hf = baseline.run(requests, model_dir)

@@ -66,7 +66,7 @@ Send = Callable[[int, BenchRequest, RequestResult], Awaitable[None]]
 
 def engine_sender(llm: Any) -> Send:
     """Send one request straight to AsyncLLM.generate (streaming deltas), filling its result."""
-    from engine.sampling_params import RequestOutputKind, SamplingParams
+    from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
     async def send(index: int, request: BenchRequest, result: RequestResult) -> None:
         params = SamplingParams(temperature=1.0, top_p=1.0, seed=index, max_tokens=request.output_len,

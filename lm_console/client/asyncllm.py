@@ -19,9 +19,9 @@ from lm_console.client.types import (
 )
 
 if TYPE_CHECKING:
-    from engine.metrics.kv_events import KVEventBatch
-    from engine.metrics.stats import RequestBlocksState, SchedulerStats
-    from engine.outputs import RequestOutput
+    from lm_console.engine.metrics.kv_events import KVEventBatch
+    from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
+    from lm_console.engine.outputs import RequestOutput
 
 _DEAD_HINT = ("The engine core process stopped (its log is below). Restart the console "
               "(`lmc tui`). If it ran out of memory, lower --num-blocks or --max-num-seqs.")
@@ -46,7 +46,7 @@ class AsyncLLMConsoleClient:
         try:
             _start_resource_tracker()
             # Heavy (torch, transformers, model load): off the event loop, so the UI stays live.
-            module = await asyncio.to_thread(importlib.import_module, "engine.frontend.async_llm")
+            module = await asyncio.to_thread(importlib.import_module, "lm_console.engine.frontend.async_llm")
             # stat_loggers=[]: the dashboard shows the stats; log lines would scribble on it.
             self.llm = await asyncio.to_thread(module.AsyncLLM, self.model, stat_loggers=[], **self.engine_args)
             self.tokenizer = self.llm.get_tokenizer()
@@ -105,7 +105,7 @@ class AsyncLLMConsoleClient:
 
     async def snapshot(self) -> StatsSnapshot:
         """The engine's gauges and block map now (zero per-step counters: not a step)."""
-        from engine.entrypoints.console_hub import snapshot_stats
+        from lm_console.engine.entrypoints.console_hub import snapshot_stats
 
         with _dead_as_unavailable(self):
             stats = await snapshot_stats(self._engine())
@@ -128,7 +128,7 @@ class AsyncLLMConsoleClient:
             yield chunk
 
     async def _stream(self, engine_prompt: Any, params: GenParams, request_id: str) -> AsyncIterator[StreamChunk]:
-        from engine.sampling_params import RequestOutputKind, SamplingParams
+        from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
         sampling = SamplingParams(
             temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
@@ -140,7 +140,7 @@ class AsyncLLMConsoleClient:
 
     async def chat(self, messages: list[dict[str, Any]], params: GenParams,
                    request_id: str) -> AsyncIterator[StreamChunk]:
-        from engine.multimodal.chat import build_chat_prompt
+        from lm_console.engine.multimodal.chat import build_chat_prompt
 
         # Images ride as content parts; the prompt builder renders the model's chat template.
         processor = self._engine().input_processor

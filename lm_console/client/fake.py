@@ -9,16 +9,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.engine_core import EngineCore
-from engine.core.request_blocks import merge_request_blocks
-from engine.errors import DuplicateRequestError
-from engine.executor.fake import FakeExecutor, FakeModelConfig, fake_engine_config
-from engine.frontend.dp_router import DPRouter
-from engine.frontend.input_processor import InputProcessor
-from engine.metrics.kv_events import KVEventBatch
-from engine.metrics.stats import RequestBlocksState, SchedulerStats
-from engine.protocol import EngineCoreOutput, FinishReason
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from lm_console.engine.core.engine_core import EngineCore
+from lm_console.engine.core.request_blocks import merge_request_blocks
+from lm_console.engine.errors import DuplicateRequestError
+from lm_console.engine.executor.fake import FakeExecutor, FakeModelConfig, fake_engine_config
+from lm_console.engine.frontend.dp_router import DPRouter
+from lm_console.engine.frontend.input_processor import InputProcessor
+from lm_console.engine.metrics.kv_events import KVEventBatch
+from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
+from lm_console.engine.protocol import EngineCoreOutput, FinishReason
+from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 from lm_console.client.fake_tokenizer import WordTokenizer
 from lm_console.client.types import EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StreamChunk
 
@@ -71,7 +71,7 @@ class FakeConsoleClient:
                                     max_model_len=max_model_len, max_num_batched_tokens=token_budget,
                                     max_num_seqs=max_num_seqs, seed=seed)
         # data_parallel_size > 1: that many engine cores, each tagging its stats with its index,
-        # requests routed to the least loaded as engine/frontend/dp_client.py does.
+        # requests routed to the least loaded as lm_console/engine/frontend/dp_client.py does.
         self.cores = [EngineCore(dataclasses.replace(config, parallel_config=dataclasses.replace(
             config.parallel_config, data_parallel_size=data_parallel_size, data_parallel_rank=rank)))
             for rank in range(data_parallel_size)]

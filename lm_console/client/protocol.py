@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from engine.metrics.stats import SchedulerStats
+from lm_console.engine.metrics.stats import SchedulerStats
 from lm_console.client.types import EngineInfo, GenParams, KVEventRecord, StreamChunk
 
 ChatMessages = list[dict[str, Any]]

@@ -1,7 +1,7 @@
 """RemoteConsoleClient: the ConsoleClient of a running server, over HTTP (`lmc tui --url`).
 
 start() asks GET /lmc/v1/info. An lm-console server answers it, and the console then reads the
-server's console stream (SSE, engine/entrypoints/console_protocol.py): the engine's own
+server's console stream (SSE, lm_console/engine/entrypoints/console_protocol.py): the engine's own
 SchedulerStats at step rate with the block map (its idle snapshots as StatsSnapshot), KV event
 batches (rows numbered by the stream's batch seq) and the server's request table.
 Any other OpenAI-compatible server (vLLM) is watched through what it publishes: GET /metrics
@@ -36,7 +36,7 @@ from lm_console.client.types import (
 from lm_console.server_requests import ServerRequests
 
 if TYPE_CHECKING:
-    from engine.metrics.stats import SchedulerStats
+    from lm_console.engine.metrics.stats import SchedulerStats
 
 LMC, OPENAI = "lm-console", "openai"
 NO_BLOCK_MAP = "no block map from this server (it publishes /metrics only)"
@@ -94,7 +94,7 @@ class RemoteConsoleClient:
         return self.info
 
     async def _start_lmc(self, info: dict[str, Any]) -> None:
-        from engine.entrypoints.console_protocol import STREAM_VERSION
+        from lm_console.engine.entrypoints.console_protocol import STREAM_VERSION
 
         version = int(info.get("stream_version", 0))
         if version > STREAM_VERSION:
@@ -199,7 +199,7 @@ class RemoteConsoleClient:
 
     async def _console_stream(self, topics: str) -> AsyncIterator[tuple[str, Any]]:
         """(event, payload) of the server's console stream; EngineUnavailable when it is lost."""
-        from engine.entrypoints.console_protocol import STREAM_PATH, decode_event
+        from lm_console.engine.entrypoints.console_protocol import STREAM_PATH, decode_event
 
         params: dict[str, Any] = {"topics": topics}
         if self.queue_size:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from engine.metrics.stats import RequestBlocksState, SchedulerStats
+from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
 from lm_console.client.fake import FakeConsoleClient, _Stream
 from lm_console.client.types import EngineInfo, GenParams, KVEventRecord, StreamChunk
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.protocol import EngineCoreOutput
-from engine.metrics.stats import RequestBlocksState, SchedulerStats
-from engine.frontend.dp_router import DPRouter
+from lm_console.engine.protocol import EngineCoreOutput
+from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
+from lm_console.engine.frontend.dp_router import DPRouter
 from lm_console.client.fake import FakeConsoleClient
 from lm_console.client.replay import Frame, Recording
 from lm_console.client.types import EngineInfo, GenParams, KVEventRecord
@@ -24,7 +24,7 @@ class SteppedEngineClient(FakeConsoleClient):
 
     def __init__(self, model: str | None = None, *, clock: Any, step_time_s: float = 0.05,
                  **engine_args: Any) -> None:
-        from engine.frontend.llm import LLM
+        from lm_console.engine.frontend.llm import LLM
 
         self.llm = LLM(model, multiprocess=False, enable_kv_cache_events=True, **engine_args)
         self.core = self.llm.engine_core.engine_core
@@ -81,7 +81,7 @@ class SteppedEngineClient(FakeConsoleClient):
     async def chat(self, messages: list[dict[str, Any]], params: GenParams,
                    request_id: str) -> Any:
         """The model's own reply through its chat template (images too, for a vision-language model)."""
-        from engine.multimodal.chat import build_chat_prompt
+        from lm_console.engine.multimodal.chat import build_chat_prompt
 
         processor = self.input_processor
         prompt = build_chat_prompt(self.tokenizer, processor.mm_processor, messages,

@@ -1,7 +1,7 @@
 """The console's own data: engine info for the header, KV event rows, sampling settings, stream chunks.
 
-Stats and KV events are the engine's own torch-free types (engine/metrics/stats.py: SchedulerStats,
-engine/metrics/kv_events.py: the event Structs), so a renamed engine field breaks the console's
+Stats and KV events are the engine's own torch-free types (lm_console/engine/metrics/stats.py: SchedulerStats,
+lm_console/engine/metrics/kv_events.py: the event Structs), so a renamed engine field breaks the console's
 tests instead of showing as a zero; the types here only add what is the console's concern
 (StatsSnapshot: a SchedulerStats that is not one engine step).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.metrics.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
-from engine.metrics.stats import SchedulerStats
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
+from lm_console.engine.metrics.stats import SchedulerStats
 
 
 class EngineUnavailable(Exception):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics.stats import PrefixCacheStatsSnapshot
+from lm_console.engine.metrics.stats import PrefixCacheStatsSnapshot
 from lm_console.client.types import StatsSnapshot
 
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"

@@ -16,7 +16,7 @@ from textual.binding import Binding
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, TabbedContent, TabPane
 
-from engine.metrics.stats import (
+from lm_console.engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, RequestBlocksState,
 )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from engine.metrics.stats import KV_BLOCK_RESIDENCY_BUCKETS, KVBlockResidencyStats
+from lm_console.engine.metrics.stats import KV_BLOCK_RESIDENCY_BUCKETS, KVBlockResidencyStats
 
 SERIES = ("life", "idle", "reuse")  # lifetime, idle before eviction, reuse gap
 

@@ -13,10 +13,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from lm_console.engine.cache_dirs import log_dir
+
 
 def default_log_path() -> Path:
-    """~/.cache/lm-console/logs/console-<pid>.log (the directory is created)."""
-    directory = Path(os.environ.get("LMC_LOG_DIR", Path.home() / ".cache" / "lm-console" / "logs"))
+    """console-<pid>.log in the log directory under lm-console's cache root (created here)."""
+    directory = log_dir()
     directory.mkdir(parents=True, exist_ok=True)
     return directory / f"console-{os.getpid()}.log"
 

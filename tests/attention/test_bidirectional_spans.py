@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from engine.attention import Attention, AttentionMetadata
-from engine.attention.torch_backend import _bidirectional_allowed
-from engine.forward_context import set_forward_context
+from lm_console.engine.attention import Attention, AttentionMetadata
+from lm_console.engine.attention.torch_backend import _bidirectional_allowed
+from lm_console.engine.forward_context import set_forward_context
 
 
 def hf_mask(num_context: int, seq_len: int, window: int | None, spans: list[tuple[int, int]]) -> torch.Tensor:

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.attention import Attention, AttentionMetadata, bind_kv_caches, get_kv_cache_shape
-from engine.attention.torch_backend import causal_attention, paged_attention, reshape_and_cache
-from engine.forward_context import get_forward_context, set_forward_context
+from lm_console.engine.attention import Attention, AttentionMetadata, bind_kv_caches, get_kv_cache_shape
+from lm_console.engine.attention.torch_backend import causal_attention, paged_attention, reshape_and_cache
+from lm_console.engine.forward_context import get_forward_context, set_forward_context
 
 BLOCK_SIZE = 16
 
@@ -18,7 +18,7 @@ BLOCK_SIZE = 16
 @pytest.fixture(autouse=True, params=["c-kernel", "torch-gather"])
 def decode_path(request, monkeypatch):
     """Every test runs on both decode paths: the C kernel (where it builds) and the gather."""
-    from kernels import cpu_attention
+    from lm_console.kernels import cpu_attention
 
     if request.param == "torch-gather":
         monkeypatch.setattr(cpu_attention, "supports", lambda q, kv_cache: False)
@@ -163,7 +163,7 @@ def test_bf16_close_to_reference():
 def test_int8_cache_matches_reference_over_what_it_holds(requests):
     """kv_cache_dtype="int8": both paths attend over the cache's dequantized values, the new
     tokens' K/V too (as the cache gives them back), and write the same bytes."""
-    from engine.attention import int8_cache
+    from lm_console.engine.attention import int8_cache
 
     head_dim, num_kv_heads = 64, 3
     q, k, v, dense, md, tables = _make_batch(requests, 9, num_kv_heads, head_dim, torch.bfloat16, seed=2)

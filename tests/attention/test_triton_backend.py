@@ -18,11 +18,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine.attention import get_attention_layers, torch_backend
-from engine.attention.selector import load_attention_backend, resolve_attention_backend
-from engine.config import EngineArgs
-from engine.errors import InvalidEngineArgsError
-from engine.sampling_params import SamplingParams
+from lm_console.engine.attention import get_attention_layers, torch_backend
+from lm_console.engine.attention.selector import load_attention_backend, resolve_attention_backend
+from lm_console.engine.config import EngineArgs
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.sampling_params import SamplingParams
 from test_torch_backend import MIXED, _make_batch
 
 CPU = torch.device("cpu")
@@ -80,7 +80,7 @@ def test_tiny_model_greedy_tokens_match_torch_backend(model_fixture, request, ma
         runner = llm.engine_core.engine_core.model_executor.worker.model_runner
         layers = get_attention_layers(runner.model)
         names = {layer.backend.__name__ for layer in layers}
-        assert names == {f"engine.attention.{backend}_backend"}
+        assert names == {f"lm_console.engine.attention.{backend}_backend"}
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["triton"] == tokens["torch"]

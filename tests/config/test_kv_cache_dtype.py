@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineArgs
-from engine.config.cache import resolve_kv_cache_dtype
-from engine.errors import InvalidEngineArgsError
-from kernels import cpu_attention
+from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.cache import resolve_kv_cache_dtype
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.kernels import cpu_attention
 
 QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_dim=64, num_heads=9, num_kv_heads=3,
                      block_size=16, attention_backend="auto")
@@ -18,7 +18,7 @@ QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_d
 def kernels_serve(monkeypatch):
     """Pretend the int8 cache's C kernels do (True) or do not (False) take the model here;
     records the shapes asked about."""
-    import engine.config.cache
+    from lm_console.engine.config import cache as cache_config_module
 
     asked: list[tuple[int, ...]] = []
 
@@ -27,7 +27,7 @@ def kernels_serve(monkeypatch):
             asked.append(shape)
             return answer
 
-        monkeypatch.setattr(engine.config.cache, "int8_kernels_serve", serve)
+        monkeypatch.setattr(cache_config_module, "int8_kernels_serve", serve)
         return asked
 
     return set_answer
@@ -46,7 +46,7 @@ def test_auto_takes_int8_only_where_the_weights_run_quantized_on_the_cpu(kernels
 
 
 def test_auto_asks_the_real_kernels_about_the_shape(monkeypatch):
-    from engine.config.cache import int8_kernels_serve
+    from lm_console.engine.config.cache import int8_kernels_serve
 
     for shape in ((80, 9, 3, 16), (64, 96, 8, 16), (64, 34, 2, 16), (64, 4, 2, 128)):
         assert not int8_kernels_serve(*shape), shape
@@ -57,7 +57,7 @@ def test_auto_asks_the_real_kernels_about_the_shape(monkeypatch):
 
 def test_explicit_values_are_checked_never_ignored(kernels_serve, caplog):
     kernels_serve(False)
-    with caplog.at_level("WARNING", logger="engine.config.cache"):
+    with caplog.at_level("WARNING", logger="lm_console.engine.config.cache"):
         assert resolve_kv_cache_dtype("int8", **{**QUANTIZED_CPU, "quantization": None, "head_dim": 16}) == "int8"
     assert "attention runs on the torch path" in caplog.text
     assert resolve_kv_cache_dtype("bfloat16", **QUANTIZED_CPU) == "bfloat16"
@@ -74,7 +74,7 @@ def test_explicit_values_are_checked_never_ignored(kernels_serve, caplog):
 
 
 def _prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, prompt_logprobs=0),
                        use_tqdm=False)[0]

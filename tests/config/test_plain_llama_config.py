@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine.config.plain_llama_config import PlainLlamaConfig, read_plain_llama_config
+from lm_console.engine.config.plain_llama_config import PlainLlamaConfig, read_plain_llama_config
 
 _BASE = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -30,7 +30,7 @@ def _assert_same_as_autoconfig(model_dir: Path) -> PlainLlamaConfig:
     plain = read_plain_llama_config(model_dir)
     assert plain is not None
     auto = AutoConfig.from_pretrained(model_dir)
-    from engine.models.layers import rope_parameters
+    from lm_console.engine.models.layers import rope_parameters
 
     for name, value in plain.to_dict().items():
         if name == "rope_parameters":  # transformers 4 keeps rope_theta / rope_scaling instead
@@ -80,7 +80,7 @@ def test_anything_else_goes_to_autoconfig(tmp_path: Path, change: dict[str, Any]
 
 
 def test_scaled_rope_model_loads_through_autoconfig(tiny_llama3_rope_dir: Path) -> None:
-    from engine.config import load_hf_config
+    from lm_console.engine.config import load_hf_config
 
     assert read_plain_llama_config(tiny_llama3_rope_dir) is None
     assert load_hf_config(str(tiny_llama3_rope_dir)).rope_parameters["rope_type"] == "llama3"
@@ -91,7 +91,7 @@ def test_missing_config_goes_to_autoconfig(tmp_path: Path) -> None:
 
 
 def test_reading_a_plain_llama_imports_no_transformers(embedded_model_dir: Path) -> None:
-    code = ("import sys; from engine.config import load_hf_config; "
+    code = ("import sys; from lm_console.engine.config import load_hf_config; "
             f"c = load_hf_config({str(embedded_model_dir)!r}); "
             "print(type(c).__name__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.core.encoder_cache_manager import EncoderCacheManager, compute_mm_encoder_budget
-from engine.request import MultiModalFeatureSpec, Request
-from engine.sampling_params import SamplingParams
+from lm_console.engine.core.encoder_cache_manager import EncoderCacheManager, compute_mm_encoder_budget
+from lm_console.engine.request import MultiModalFeatureSpec, Request
+from lm_console.engine.sampling_params import SamplingParams
 
 
 def request(request_id: str, *items: tuple[str, int]) -> Request:

@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import EngineError
-from engine.ipc import MsgpackEncoder
-from engine.protocol import EngineCoreRequestType, UtilityCall
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.errors import EngineError
+from lm_console.engine.ipc import MsgpackEncoder
+from lm_console.engine.protocol import EngineCoreRequestType, UtilityCall
 from llm_helpers import assert_no_leaked_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_a_request_the_core_rejects_comes_back_aborted(tiny_llama_dir) -> None:
 def test_the_core_exits_when_its_parent_dies(tiny_llama_dir) -> None:
     script = (
         "import sys, time\n"
-        "from engine import LLM\n"
+        "from lm_console.engine import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(tiny_llama_dir)!r}, dtype='float32', max_model_len=128, num_gpu_blocks_override=64)\n"
         "    print(llm.engine_core.proc.pid, llm.engine_core.resources.addresses.ipc_dir, flush=True)\n"
@@ -102,7 +102,7 @@ def test_sigterm_to_the_process_group_removes_the_socket_dir(tiny_llama_dir) -> 
     """Issue 18 item 8: `timeout` SIGTERMs the whole group; on main the ipc dir was left behind."""
     script = (
         "import time\n"
-        "from engine import LLM\n"
+        "from lm_console.engine import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(tiny_llama_dir)!r}, dtype='float32', max_model_len=128, num_gpu_blocks_override=64)\n"
         "    print(llm.engine_core.proc.pid, llm.engine_core.resources.addresses.ipc_dir, flush=True)\n"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.core.engine_core import EngineCore
-from engine.executor.fake import FakeModelConfig, fake_engine_config
-from engine.protocol import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from lm_console.engine.core.engine_core import EngineCore
+from lm_console.engine.executor.fake import FakeModelConfig, fake_engine_config
+from lm_console.engine.protocol import EngineCoreRequest
+from lm_console.engine.sampling_params import SamplingParams
 
 
 def make_core(**kwargs) -> EngineCore:  # noqa: ANN003

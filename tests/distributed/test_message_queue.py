@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.distributed.message_queue import Handle, MessageQueue
+from lm_console.engine.distributed.message_queue import Handle, MessageQueue
 
 CHUNK = 96  # small slots, so messages of a few dozen bytes already overflow to ZMQ
 

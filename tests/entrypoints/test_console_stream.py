@@ -13,10 +13,10 @@ import httpx
 import pytest
 from http_helpers import API_KEY, ServerThread, lmc_app
 
-from engine.entrypoints.console_protocol import decode_event
-from engine.entrypoints.console_hub import ConsoleHub
-from engine.errors import EngineDeadError
-from engine.metrics.stats import BlockPoolState, SchedulerStats
+from lm_console.engine.entrypoints.console_protocol import decode_event
+from lm_console.engine.entrypoints.console_hub import ConsoleHub
+from lm_console.engine.errors import EngineDeadError
+from lm_console.engine.metrics.stats import BlockPoolState, SchedulerStats
 from lm_console.client.sse import iter_sse
 
 STATS = frozenset({"stats"})
@@ -127,7 +127,7 @@ def test_a_slow_console_is_sampled_and_told_how_much_it_lost() -> None:
 
 
 def test_a_console_queue_is_bounded_in_bytes_too() -> None:
-    from engine.entrypoints.console_hub import ConsoleSubscriber
+    from lm_console.engine.entrypoints.console_hub import ConsoleSubscriber
 
     subscriber = ConsoleSubscriber(1, STATS, queue_size=100, max_lag=1000, max_queued_bytes=350)
     for i in range(10):
@@ -160,7 +160,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):  # noqa: ANN001, ANN201
-    from engine import AsyncLLM
+    from lm_console.engine import AsyncLLM
 
     llm = AsyncLLM(str(tiny_llama_dir), **ENGINE_ARGS)
     app = lmc_app(llm, queue_size=64, max_lag=32, idle_snapshot_s=0.2)
@@ -172,7 +172,7 @@ def served(tiny_llama_dir):  # noqa: ANN001, ANN201
 
 def submit(served, num: int, max_tokens: int, tag: str) -> None:  # noqa: ANN001
     """Start `num` requests on the server's loop (they run while the test reads streams)."""
-    from engine import RequestOutputKind, SamplingParams
+    from lm_console.engine import RequestOutputKind, SamplingParams
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
                             output_kind=RequestOutputKind.FINAL_ONLY)

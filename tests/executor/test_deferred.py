@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine.executor.deferred import DeferredCalls, WorkerThread
+from lm_console.engine.executor.deferred import DeferredCalls, WorkerThread
 
 
 def test_deferred_calls_run_in_order_when_awaited() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineArgs, ParallelConfig
-from engine.errors import InvalidEngineArgsError
-from engine.executor.abstract import EXECUTOR_BACKENDS, Executor
-from engine.kv_cache_interface import FullAttentionSpec
+from lm_console.engine.config import EngineArgs, ParallelConfig
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.executor.abstract import EXECUTOR_BACKENDS, Executor
+from lm_console.engine.kv_cache_interface import FullAttentionSpec
 
 
 def _config(backend: str) -> types.SimpleNamespace:
@@ -20,7 +20,7 @@ def _config(backend: str) -> types.SimpleNamespace:
 
 
 def test_uni_is_the_default_backend() -> None:
-    from engine.executor.uniproc import UniProcExecutor
+    from lm_console.engine.executor.uniproc import UniProcExecutor
 
     assert ParallelConfig().distributed_executor_backend == "uni"
     assert EngineArgs().create_parallel_config() == ParallelConfig()
@@ -28,10 +28,10 @@ def test_uni_is_the_default_backend() -> None:
 
 
 def test_fake_backend_names_the_fake_executor() -> None:
-    assert EXECUTOR_BACKENDS["fake"] == "engine.executor.fake:FakeExecutor"
-    if importlib.util.find_spec("engine.executor.fake") is None:
-        pytest.skip("engine/executor/fake.py is not in this tree")
-    from engine.executor.fake import FakeExecutor
+    assert EXECUTOR_BACKENDS["fake"] == "lm_console.engine.executor.fake:FakeExecutor"
+    if importlib.util.find_spec("lm_console.engine.executor.fake") is None:
+        pytest.skip("lm_console/engine/executor/fake.py is not in this tree")
+    from lm_console.engine.executor.fake import FakeExecutor
 
     assert Executor.get_class(_config("fake")) is FakeExecutor
 
@@ -58,7 +58,7 @@ def test_engine_args_refuse_what_is_not_supported(kwargs: dict, message: str) ->
 
 
 def test_uniproc_executor_runs_rpcs_on_its_worker(tiny_llama_dir: Path) -> None:
-    from engine.executor.uniproc import UniProcExecutor
+    from lm_console.engine.executor.uniproc import UniProcExecutor
 
     config = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory=1 << 20, device="cpu",
                         multiprocess=False).create_engine_config()

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.core.engine_core import EngineCore
-from engine.errors import EngineDeadError, InsufficientKVCacheError, InvalidEngineArgsError
-from engine.executor import fake as fake_module
-from engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
-from engine.metrics.kv_events import BlockRemoved, BlockStored
-from engine.protocol import EngineCoreRequest, FinishReason
-from engine.sampling_params import SamplingParams
+from lm_console.engine.core.engine_core import EngineCore
+from lm_console.engine.errors import EngineDeadError, InsufficientKVCacheError, InvalidEngineArgsError
+from lm_console.engine.executor import fake as fake_module
+from lm_console.engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
+from lm_console.engine.metrics.kv_events import BlockRemoved, BlockStored
+from lm_console.engine.protocol import EngineCoreRequest, FinishReason
+from lm_console.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 
@@ -77,10 +77,11 @@ def assert_no_leak(core: EngineCore) -> None:
 
 
 def test_the_engine_core_path_imports_no_torch() -> None:
-    code = ("import sys\nfrom engine.core.engine_core import EngineCore\n"
-            "from engine.executor.fake import FakeExecutor, fake_engine_config\n"
+    code = ("import sys\nfrom lm_console.engine.core.engine_core import EngineCore\n"
+            "from lm_console.engine.executor.fake import FakeExecutor, fake_engine_config\n"
             "core = EngineCore(fake_engine_config())\n"
-            "from engine.protocol import EngineCoreRequest\nfrom engine.sampling_params import SamplingParams\n"
+            "from lm_console.engine.protocol import EngineCoreRequest\n"
+            "from lm_console.engine.sampling_params import SamplingParams\n"
             "core.add_request(EngineCoreRequest('r', [1, 2, 3], SamplingParams(max_tokens=3), None, 0.0))\n"
             "while core.has_unfinished_requests():\n    core.step()\n"
             "print(','.join(m for m in ('torch', 'transformers', 'triton', 'numpy') if m in sys.modules))")

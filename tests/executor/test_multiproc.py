@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
-from engine.errors import EngineDeadError, InvalidEngineArgsError
-from engine.worker.rpc_protocol import method_name
+from lm_console.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
+from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError
+from lm_console.engine.worker.rpc_protocol import method_name
 from llm_helpers import assert_no_leaked_blocks, text_prompts
 
 ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=256)
@@ -218,11 +218,11 @@ def test_tp2_in_bf16_samples_from_each_ranks_own_head_rows(tiny_llama_dir: Path)
 
 
 def test_executor_rpc_replies_and_non_blocking_sample_tokens(tiny_llama_dir: Path) -> None:
-    from engine.executor.abstract import Executor
-    from engine.executor.multiproc import MultiprocExecutor
-    from engine.kv_cache_interface import FullAttentionSpec
-    from engine.model_runner_output import ModelRunnerOutput
-    from engine.scheduler_output import CachedRequestData, SchedulerOutput
+    from lm_console.engine.executor.abstract import Executor
+    from lm_console.engine.executor.multiproc import MultiprocExecutor
+    from lm_console.engine.kv_cache_interface import FullAttentionSpec
+    from lm_console.engine.model_runner_output import ModelRunnerOutput
+    from lm_console.engine.scheduler_output import CachedRequestData, SchedulerOutput
 
     config = EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
     shm_before = _shm()

@@ -12,8 +12,8 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.errors import EngineDeadError  # noqa: E402
+from lm_console.engine import LLM, SamplingParams  # noqa: E402
+from lm_console.engine.errors import EngineDeadError  # noqa: E402
 from llm_helpers import random_prompts, sigkill_during_generate  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
@@ -49,7 +49,7 @@ def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, 
 
 
 def test_ray_error_messages_lose_their_colour_codes() -> None:
-    from engine.executor.ray_executor import _first_line
+    from lm_console.engine.executor.ray_executor import _first_line
 
     error = RuntimeError("\x1b[36mray::RayWorkerWrapper.execute_method()\x1b[39m (pid=7, ip=127.0.0.1)\n  File ...")
     assert _first_line(error) == "ray::RayWorkerWrapper.execute_method() (pid=7, ip=127.0.0.1)"
@@ -61,10 +61,10 @@ def _waiters() -> list[threading.Thread]:
 
 
 def test_non_blocking_calls_share_one_waiter_thread_in_order(local_ray, tiny_llama_dir) -> None:
-    from engine.config import EngineArgs
-    from engine.executor.abstract import Executor
-    from engine.model_runner_output import ModelRunnerOutput
-    from engine.scheduler_output import CachedRequestData, SchedulerOutput
+    from lm_console.engine.config import EngineArgs
+    from lm_console.engine.executor.abstract import Executor
+    from lm_console.engine.model_runner_output import ModelRunnerOutput
+    from lm_console.engine.scheduler_output import CachedRequestData, SchedulerOutput
 
     # Local functions: Ray pickles them by value (the actor cannot import this test module).
     def _index(worker: object, i: int) -> int:

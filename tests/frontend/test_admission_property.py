@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import AsyncLLM, LLM, SamplingParams
-from engine.errors import EngineError
-from engine.outputs import RequestOutput
+from lm_console.engine import AsyncLLM, LLM, SamplingParams
+from lm_console.engine.errors import EngineError
+from lm_console.engine.outputs import RequestOutput
 from llm_helpers import assert_no_leaked_blocks
 
 DEADLINE_S = 5.0  # the acceptance bound; the tiny model answers any accepted request far sooner

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
-from engine.errors import DuplicateRequestError, EngineDeadError, InvalidPromptError
+from lm_console.engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
+from lm_console.engine.errors import DuplicateRequestError, EngineDeadError, InvalidPromptError
 from llm_helpers import assert_no_leaked_blocks
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=512, stat_loggers=[])

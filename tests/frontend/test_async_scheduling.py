@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.core.engine_core import EngineCore
-from engine.protocol import EngineCoreRequest
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.core.engine_core import EngineCore
+from lm_console.engine.protocol import EngineCoreRequest
 from llm_helpers import assert_no_leaked_blocks, random_prompts, text_prompts
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from lm_console.engine import LLM, SamplingParams
 from llm_helpers import text_prompts
 
 NUM_PROMPTS = 20

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine import kv_cache_hashing
-from engine.errors import InvalidPromptError
-from engine.kv_cache_hashing import hash_block_tokens, sha256_cbor
-from engine.metrics.kv_events import BlockStored
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine import kv_cache_hashing
+from lm_console.engine.errors import InvalidPromptError
+from lm_console.engine.kv_cache_hashing import hash_block_tokens, sha256_cbor
+from lm_console.engine.metrics.kv_events import BlockStored
 
 BLOCK_SIZE = 16
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.frontend.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from lm_console.engine.frontend.detokenizer import IncrementalDetokenizer
+from lm_console.engine.sampling_params import SamplingParams
 
 PIECES = ["the", " cat", " sat", ".", "\n", "  ", "é", "ü", "ß", "日本語", "中文", "한국어",
           "🎉", "👍🏽", "👩‍👩‍👧", "🤖", "€", "Ω", "—", "x", "STOP", "?!"]

@@ -1,4 +1,4 @@
-"""Data parallelism end to end: N engine-core processes behind one frontend (engine/frontend/dp_client.py)."""
+"""Data parallelism end to end: N engine-core processes behind one frontend (lm_console/engine/frontend/dp_client.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import signal
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import EngineDeadError, InvalidEngineArgsError
-from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.dp_client import SyncDPClient
-from engine.metrics.loggers import StatLoggerBase
-from engine.metrics.stats import SchedulerStats
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError
+from lm_console.engine.frontend.async_llm import AsyncLLM
+from lm_console.engine.frontend.dp_client import SyncDPClient
+from lm_console.engine.metrics.loggers import StatLoggerBase
+from lm_console.engine.metrics.stats import SchedulerStats
 from llm_helpers import random_prompts, sigkill_during_generate, text_prompts
 
 TINY_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=96, block_size=16)
@@ -192,8 +192,8 @@ def test_dp2_equals_dp1_on_the_embedded_model(embedded_model_dir) -> None:
 
 
 def test_merged_answers_count_every_core() -> None:
-    from engine.frontend.dp_client import merge_results
-    from engine.metrics.stats import BlockPoolState
+    from lm_console.engine.frontend.dp_client import merge_results
+    from lm_console.engine.metrics.stats import BlockPoolState
 
     stats = [SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5, num_total_blocks=10,
                             num_free_blocks=5, num_preemptions_total=3, engine_index=0),
@@ -210,7 +210,7 @@ def test_merged_answers_count_every_core() -> None:
     assert merge_results("reset_prefix_cache", [True, False]) is False
     assert merge_results("get_prefix_cache_hashes", [[b"a"], [b"b", b"c"]]) == [b"a", b"b", b"c"]
     # The inspector's poll: one RequestBlocksState with every core's requests (not a list per core).
-    from engine.metrics.stats import RequestBlocks, RequestBlocksState
+    from lm_console.engine.metrics.stats import RequestBlocks, RequestBlocksState
 
     rows = [RequestBlocks("a", "RUNNING", 0, 16, 16, 0, [[1]]), RequestBlocks("b", "WAITING", 1, 8, 0, -1, [[]]),
             RequestBlocks("c", "RUNNING", 0, 32, 32, 16, [[1, 2]])]
@@ -225,8 +225,8 @@ def test_engine_wide_stats_keep_the_reporting_steps_block_residency() -> None:
     the KV block residency samples included (the /metrics histograms read them)."""
     from types import SimpleNamespace
 
-    from engine.frontend.dp_client import DPClient
-    from engine.metrics.stats import KVBlockResidencyStats
+    from lm_console.engine.frontend.dp_client import DPClient
+    from lm_console.engine.metrics.stats import KVBlockResidencyStats
 
     residency = KVBlockResidencyStats(lifetimes_s=[0.5], idle_before_evict_s=[0.1], reuse_gaps_s=[0.2])
     client = SimpleNamespace(_latest_stats={0: SchedulerStats(num_running_reqs=2, engine_index=0)})

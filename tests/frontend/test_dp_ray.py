@@ -14,11 +14,11 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
-from engine import LLM, EngineArgs, SamplingParams  # noqa: E402
-from engine.errors import EngineDeadError, InvalidEngineArgsError  # noqa: E402
-from engine.executor.ray_utils import WorkerNodeInfo  # noqa: E402
-from engine.frontend.dp_client import SyncDPClient  # noqa: E402
-from engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
+from lm_console.engine import LLM, EngineArgs, SamplingParams  # noqa: E402
+from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError  # noqa: E402
+from lm_console.engine.executor.ray_utils import WorkerNodeInfo  # noqa: E402
+from lm_console.engine.frontend.dp_client import SyncDPClient  # noqa: E402
+from lm_console.engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
 from llm_helpers import random_prompts, sigkill_during_generate  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, device="cpu")
@@ -54,7 +54,7 @@ def test_a_core_removes_the_socket_dir_of_a_frontend_that_is_gone(tmp_path) -> N
     import subprocess
     import sys
 
-    from engine.frontend.dp_ray import _remove_when_gone
+    from lm_console.engine.frontend.dp_ray import _remove_when_gone
 
     socket_dir = tmp_path / "lmc-engine-x"
     socket_dir.mkdir()

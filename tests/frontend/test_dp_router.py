@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.frontend.dp_router import DPRouter
-from engine.kv_cache_hashing import hash_block_tokens, sha256_cbor
-from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from engine.metrics.stats import SchedulerStats
-from engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from engine.sampling_params import SamplingParams
+from lm_console.engine.frontend.dp_router import DPRouter
+from lm_console.engine.kv_cache_hashing import hash_block_tokens, sha256_cbor
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from lm_console.engine.metrics.stats import SchedulerStats
+from lm_console.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from lm_console.engine.sampling_params import SamplingParams
 
 ROOTS = [b"root-0" * 4, b"root-1" * 4, b"root-2" * 4]
 

@@ -13,14 +13,14 @@ import concurrent.futures
 import msgspec
 import pytest
 
-from engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
-from engine.errors import (
+from lm_console.engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
+from lm_console.engine.errors import (
     DuplicateRequestError, InvalidPromptError, InvalidRequestError, InvalidRequestIdError,
     InvalidSamplingParamsError, RequestRejectedError,
 )
-from engine.frontend.mp_client import _AsyncSink
-from engine.metrics.kv_events import AllBlocksCleared, KVEventBatch
-from engine.protocol import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
+from lm_console.engine.frontend.mp_client import _AsyncSink
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, KVEventBatch
+from lm_console.engine.protocol import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 from llm_helpers import assert_no_leaked_blocks
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=128)
@@ -149,7 +149,7 @@ def test_a_core_refusal_reaches_the_caller_as_its_error(async_llm) -> None:
     async def main():
         collector = await async_llm.add_request("refused", "hello", SamplingParams(max_tokens=4))
         # What the core answers for a request it refuses (as in the test above).
-        from engine.protocol import EngineCoreOutput, FinishReason, RequestError
+        from lm_console.engine.protocol import EngineCoreOutput, FinishReason, RequestError
 
         outputs = EngineCoreOutputs(outputs=[EngineCoreOutput(
             "refused", [], finish_reason=FinishReason.ABORT, error=RequestError("InvalidPromptError", "no"))])

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
-from engine.errors import TooManyMultiModalItemsError
+from lm_console.engine import SamplingParams
+from lm_console.engine.errors import TooManyMultiModalItemsError
 from gemma3_vlm_helpers import assert_matches_hf, hf_greedy
 from mm_factory import GEMMA3_MM_TOKENS, make_image
 
@@ -110,7 +110,7 @@ def test_prefix_caching_on_and_off_give_identical_outputs(tiny_gemma3_vlm_dir, h
 
 def test_llm_in_its_own_process_serves_text_and_images(tiny_gemma3_vlm_dir, hf_expected, make_llm) -> None:
     """The core resolves the VLM's nested text_config (vocab size, max positions) for the frontend."""
-    from engine.errors import InvalidPromptError
+    from lm_console.engine.errors import InvalidPromptError
 
     llm = make_llm(str(tiny_gemma3_vlm_dir), **{**ENGINE, "multiprocess": True})
     model_config = llm.config.model_config

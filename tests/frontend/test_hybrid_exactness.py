@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.kv_cache_interface import SlidingWindowSpec
-from engine.kv_cache_interface import cdiv
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.kv_cache_interface import SlidingWindowSpec
+from lm_console.engine.kv_cache_interface import cdiv
 from llm_helpers import compare_greedy, greedy_token_ids, hf_greedy, prefix_sharing_prompts, random_prompts
 
 MAX_TOKENS = 32

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidPromptError, InvalidSamplingParamsError
-from engine.frontend.input_processor import InputProcessor
-from engine.frontend.prompt_length import max_chars_per_token
-from engine.frontend.tokenizer import load_tokenizer
-from engine.sampling_params import SamplingParams
+from lm_console.engine.errors import InvalidPromptError, InvalidSamplingParamsError
+from lm_console.engine.frontend.input_processor import InputProcessor
+from lm_console.engine.frontend.prompt_length import max_chars_per_token
+from lm_console.engine.frontend.tokenizer import load_tokenizer
+from lm_console.engine.sampling_params import SamplingParams
 
 
 class CountingTokenizer:

@@ -15,8 +15,8 @@ import threading
 
 import pytest
 
-from engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
-from engine.errors import EngineDeadError, EngineUnresponsiveError
+from lm_console.engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
+from lm_console.engine.errors import EngineDeadError, EngineUnresponsiveError
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=256, liveness_timeout_s=1.5)
 pytestmark = pytest.mark.timeout(240)

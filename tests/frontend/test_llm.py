@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import (
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.errors import (
     InsufficientKVCacheError,
     InvalidEngineArgsError,
     InvalidPromptError,

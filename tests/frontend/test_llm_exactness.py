@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from lm_console.engine import LLM, SamplingParams
 from llm_helpers import (compare_greedy, greedy_token_ids, hf_greedy, hf_teacher_forced, prefix_sharing_prompts,
                          random_prompts, text_prompts)
 

@@ -9,8 +9,8 @@ import io
 
 import pytest
 
-from engine import SamplingParams
-from engine.errors import (
+from lm_console.engine import SamplingParams
+from lm_console.engine.errors import (
     ImageNotFoundError, InvalidImageError, InvalidPromptError, MultiModalNotSupportedError,
     TooManyMultiModalItemsError,
 )
@@ -35,7 +35,7 @@ def tokens(outputs) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def shared_llm(tiny_idefics3_dir):
     """One engine (no prefix caching) for the tests that only look at deltas and errors."""
-    from engine import LLM
+    from lm_console.engine import LLM
     from llm_helpers import assert_no_leaked_blocks
 
     llm = LLM(str(tiny_idefics3_dir), enable_prefix_caching=False, **ENGINE)
@@ -221,7 +221,7 @@ def test_issue_18_multimodal_inputs_get_specific_errors(shared_llm, monkeypatch)
     error and TypeError instead of engine.errors types."""
     from PIL import Image
 
-    from engine.errors import MultiModalInputError
+    from lm_console.engine.errors import MultiModalInputError
 
     llm = shared_llm
     cases = [

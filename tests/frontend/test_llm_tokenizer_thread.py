@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import engine.frontend.llm as llm_module
+import lm_console.engine.frontend.llm as llm_module
 
 
 def test_tokenizer_loads_on_a_thread_and_again_after_a_failure(tiny_llama_dir: Path,

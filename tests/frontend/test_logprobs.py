@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from engine.frontend.logprobs import Logprob, LogprobsProcessor
-from engine.protocol import LogprobsLists
-from engine.sample.metadata import SamplingMetadata
-from engine.sample.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from lm_console.engine.frontend.logprobs import Logprob, LogprobsProcessor
+from lm_console.engine.protocol import LogprobsLists
+from lm_console.engine.sample.metadata import SamplingMetadata
+from lm_console.engine.sample.sampler import Sampler
+from lm_console.engine.sampling_params import SamplingParams
 
 
 def _sample_steps(params: SamplingParams, vocab_size: int, num_steps: int

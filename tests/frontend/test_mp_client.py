@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import EngineDeadError, EngineStartupError, InsufficientKVCacheError
-from engine.frontend.core_client import InprocClient
-from engine.frontend.engine_process import startup_error
-from engine.frontend.mp_client import SyncMPClient
-from engine.protocol import EngineCoreStartupFailure
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.errors import EngineDeadError, EngineStartupError, InsufficientKVCacheError
+from lm_console.engine.frontend.core_client import InprocClient
+from lm_console.engine.frontend.engine_process import startup_error
+from lm_console.engine.frontend.mp_client import SyncMPClient
+from lm_console.engine.protocol import EngineCoreStartupFailure
 from llm_helpers import random_prompts, sigkill_during_generate, text_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,8 +57,8 @@ def test_multiprocess_equals_inprocess_on_the_embedded_model(embedded_model_dir)
 def test_frontend_process_imports_no_torch(tiny_llama_dir) -> None:
     script = (
         "import asyncio, sys\n"
-        "import engine\n"
-        "from engine import SamplingParams\n"
+        "from lm_console import engine\n"
+        "from lm_console.engine import SamplingParams\n"
         "async def main():\n"
         f"    async with engine.AsyncLLM({str(tiny_llama_dir)!r}, dtype='float32', max_model_len=128,\n"
         "                               num_gpu_blocks_override=64) as llm:\n"
@@ -106,7 +106,7 @@ def test_tcp_transport_and_private_ipc_dir(tiny_llama_dir) -> None:
 
 
 def test_startup_errors_keep_their_type() -> None:
-    known = startup_error(EngineCoreStartupFailure("InsufficientKVCacheError", "engine.errors", "too small", "tb"))
+    known = startup_error(EngineCoreStartupFailure("InsufficientKVCacheError", "lm_console.engine.errors", "too small", "tb"))
     assert isinstance(known, InsufficientKVCacheError) and str(known) == "too small"
     builtin = startup_error(EngineCoreStartupFailure("FileNotFoundError", "builtins", "gone"))
     assert isinstance(builtin, FileNotFoundError)

@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from engine.errors import DuplicateRequestError, EngineDeadError
-from engine.frontend.input_processor import InputProcessor
-from engine.frontend.output_collector import Broadcast, RequestOutputCollector
-from engine.frontend.output_processor import OutputProcessor
-from engine.metrics.stats import IterationStats
-from engine.protocol import (
+from lm_console.engine.errors import DuplicateRequestError, EngineDeadError
+from lm_console.engine.frontend.input_processor import InputProcessor
+from lm_console.engine.frontend.output_collector import Broadcast, RequestOutputCollector
+from lm_console.engine.frontend.output_processor import OutputProcessor
+from lm_console.engine.metrics.stats import IterationStats
+from lm_console.engine.protocol import (
     EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason,
 )
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ListQueue(list):
@@ -133,8 +133,8 @@ def test_broadcast_drops_the_oldest_for_a_slow_subscriber() -> None:
 def test_prompt_logprobs_chunks_wait_for_the_first_token_and_go_out_once() -> None:
     """A prefill chunk's prompt logprobs (no token yet) make no output; DELTA hands each row out
     once, with the first token; CUMULATIVE repeats the whole list."""
-    from engine.frontend.logprobs import Logprob
-    from engine.protocol import LogprobsLists
+    from lm_console.engine.frontend.logprobs import Logprob
+    from lm_console.engine.protocol import LogprobsLists
 
     for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
         queue = ListQueue()

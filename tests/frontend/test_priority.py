@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncLLM, SamplingParams
-from engine.errors import InvalidEngineArgsError, InvalidPriorityError
+from lm_console.engine import LLM, AsyncLLM, SamplingParams
+from lm_console.engine.errors import InvalidEngineArgsError, InvalidPriorityError
 
 
 def test_priority_orders_admission_and_outputs_are_unchanged(tiny_llama_dir) -> None:

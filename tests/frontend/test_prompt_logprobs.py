@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from lm_console.engine import LLM, SamplingParams
 
 TOL = 1e-4
 TOP_K = 3

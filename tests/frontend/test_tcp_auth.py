@@ -14,10 +14,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine import LLM, SamplingParams
-from engine.ipc import MsgpackEncoder, set_curve_client
-from engine.metrics.kv_events import KVEventSubscriber
-from engine.protocol import EngineCoreOutputs
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.ipc import MsgpackEncoder, set_curve_client
+from lm_console.engine.metrics.kv_events import KVEventSubscriber
+from lm_console.engine.protocol import EngineCoreOutputs
 
 pytestmark = pytest.mark.timeout(240)
 _FAILED = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention
+from lm_console.kernels import cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None,
                                 reason="no C compiler: the CPU decode kernel is unavailable")

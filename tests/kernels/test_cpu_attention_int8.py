@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import int8_cache
-from kernels import cpu_attention
+from lm_console.engine.attention import int8_cache
+from lm_console.kernels import cpu_attention
 
 from test_cpu_attention import _prefill_reference, _reference
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_decode
+from lm_console.kernels import cpu_decode
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler (or LMC_CPU_KERNELS=0)")
 
@@ -39,7 +39,7 @@ def test_dense_linear_refuses_bad_inputs():
 
 
 def test_driver_stays_off_when_a_kernel_signature_changes():
-    from kernels import cpu_quant
+    from lm_console.kernels import cpu_quant
 
     fn = cpu_quant.load().quant_gemm
     saved = fn.argtypes

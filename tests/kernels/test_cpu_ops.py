@@ -1,4 +1,4 @@
-"""The fused bf16 CPU kernels (kernels/cpu_ops.py) against float64 references.
+"""The fused bf16 CPU kernels (lm_console/kernels/cpu_ops.py) against float64 references.
 
 Each kernel computes in float32 and rounds once, so every output is within half a bf16 ulp
 (relative 2**-8) of the exact value, plus float32 noise; they are checked against that bound
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, cpu_ops
+from lm_console.kernels import cpu_build, cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
                                 reason="no C compiler (or LMC_CPU_KERNELS=0): torch path only")
@@ -182,7 +182,7 @@ def test_loading_the_c_kernels_keeps_subnormal_floats() -> None:
 
     script = (
         "import sys\n"
-        "from kernels import cpu_attention, cpu_build, cpu_ops, cpu_sampling\n"
+        "from lm_console.kernels import cpu_attention, cpu_build, cpu_ops, cpu_sampling\n"
         "libs = [cpu_build.load_library(m.SOURCE, 'x') for m in (cpu_ops, cpu_sampling)]\n"
         "libs.append(cpu_build.load_library(cpu_attention.SOURCES, 'x'))\n"
         "tiny = sys.float_info.min\n"

@@ -1,4 +1,4 @@
-"""The quantized CPU GEMM (kernels/cpu_quant.py) against float64 references.
+"""The quantized CPU GEMM (lm_console/kernels/cpu_quant.py) against float64 references.
 
 Each layout (b8, b4, c8) is checked twice: against a float64 product of the kernel's own int8
 activations with the exact dense weights (only float32 summation noise, and the bf16 rounding of
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_quant
-from kernels.cpu_build import kernels_disabled
+from lm_console.kernels import cpu_quant
+from lm_console.kernels.cpu_build import kernels_disabled
 
 _NO_COMPILER = kernels_disabled() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 pytestmark = pytest.mark.skipif(_NO_COMPILER, reason="no C compiler (or LMC_CPU_KERNELS=0): no quantized kernels")

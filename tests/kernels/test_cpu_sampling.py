@@ -1,4 +1,4 @@
-"""The C sampling kernels (kernels/cpu/sampling.c): the exponential race against its scalar reference
+"""The C sampling kernels (lm_console/kernels/cpu/sampling.c): the exponential race against its scalar reference
 and the law, the argmax against torch.argmax."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_sampling
+from lm_console.kernels import cpu_sampling
 
 pytestmark = pytest.mark.skipif(cpu_sampling.load() is None,
                                 reason="no C compiler: the CPU sampling kernel is unavailable")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernels.huge_pages import HugePageArena, zeros_huge_pages
+from lm_console.kernels.huge_pages import HugePageArena, zeros_huge_pages
 
 CPU = torch.device("cpu")
 

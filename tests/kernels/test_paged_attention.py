@@ -1,4 +1,4 @@
-"""The unified paged-attention kernel against its float64 reference (kernels/paged_attention.py)."""
+"""The unified paged-attention kernel against its float64 reference (lm_console/kernels/paged_attention.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_helpers import DEVICE, ON_GPU, REL_TOL, make_paged_batch, rel_err
-from kernels.paged_attention import paged_attention, paged_attention_ref
+from lm_console.kernels.paged_attention import paged_attention, paged_attention_ref
 
 # (num_context, query_len) per request: prefills with and without cached context, decodes.
 if ON_GPU:  # real sizes: 32 query heads over 8 KV heads of 128, contexts up to 4k

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_helpers import DEVICE, ON_GPU
-from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from lm_console.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
 NUM_TOKENS, KV_HEADS, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE = (
     (4096, 8, 128, 1024, 16) if ON_GPU else (9, 2, 24, 6, 4))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_helpers import DEVICE, ON_GPU, REL_TOL, rel_err
-from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
+from lm_console.kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 NUM_TOKENS, HIDDEN = (4096, 4096) if ON_GPU else (6, 80)
 

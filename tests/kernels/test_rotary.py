@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_helpers import DEVICE, ON_GPU, REL_TOL, rel_err
-from kernels.rotary import rotary_embedding, rotary_embedding_ref
+from lm_console.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
 NUM_TOKENS, HEADS, KV_HEADS, HEAD_DIM = (4096, 32, 8, 128) if ON_GPU else (7, 4, 2, 16)
 

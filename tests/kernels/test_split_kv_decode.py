@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_helpers import ON_GPU, REL_TOL, make_paged_batch, rel_err
-from kernels.split_kv_decode import default_num_splits, split_kv_decode, split_kv_decode_ref
+from lm_console.kernels.split_kv_decode import default_num_splits, split_kv_decode, split_kv_decode_ref
 
 if ON_GPU:  # long-context decode: few sequences, contexts to 32k, 32/8 heads of 128
     HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -54,8 +54,8 @@ class FakeAsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[Any]:
         import asyncio
 
-        from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-        from engine.sampling_params import RequestOutputKind
+        from lm_console.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+        from lm_console.engine.sampling_params import RequestOutputKind
 
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
@@ -89,9 +89,9 @@ class FakeAsyncLLM:
 @pytest.fixture
 def fake_async_llm(monkeypatch: pytest.MonkeyPatch) -> type[FakeAsyncLLM]:
     """Install FakeAsyncLLM as engine.frontend.async_llm.AsyncLLM for one test."""
-    module = types.ModuleType("engine.frontend.async_llm")
+    module = types.ModuleType("lm_console.engine.frontend.async_llm")
     module.AsyncLLM = FakeAsyncLLM  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.frontend.async_llm", module)
+    monkeypatch.setitem(sys.modules, "lm_console.engine.frontend.async_llm", module)
     FakeAsyncLLM.instances = []
     return FakeAsyncLLM
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.metrics.kv_events import KVCacheEvent, KVEventPublisher
+    from lm_console.engine.metrics.kv_events import KVCacheEvent, KVEventPublisher
     from lm_console.tui.app import ConsoleApp
 
 SIZE = (120, 36)  # the terminal the Pilot tests run in
@@ -43,7 +43,7 @@ def kv_event_publisher(endpoint: str = "tcp://127.0.0.1:*") -> Iterator[KVEventP
     """A KVEventPublisher bound to `endpoint` on its own zmq context, both closed on exit."""
     import zmq
 
-    from engine.metrics.kv_events import KVEventPublisher
+    from lm_console.engine.metrics.kv_events import KVEventPublisher
 
     context = zmq.Context()
     publisher = KVEventPublisher(context, endpoint)

@@ -92,7 +92,7 @@ def test_records_are_written_as_they_finish(fake_async_llm) -> None:  # noqa: AN
 
 
 def test_a_dead_engine_ends_the_job_but_keeps_the_written_records(fake_async_llm) -> None:  # noqa: ANN001
-    from engine.errors import EngineUnresponsiveError
+    from lm_console.engine.errors import EngineUnresponsiveError
     from lm_console.batch import stream_batch
 
     llm = fake_async_llm()

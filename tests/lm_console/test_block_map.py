@@ -6,7 +6,7 @@ import asyncio
 
 from textual.app import App, ComposeResult
 
-from engine.metrics.stats import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
+from lm_console.engine.metrics.stats import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
 from lm_console.tui.widgets.block_map import BlockMap
 
 

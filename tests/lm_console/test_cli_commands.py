@@ -160,7 +160,7 @@ def test_generate_and_models(tiny_llama_dir: Path) -> None:
 
 
 def test_generate_quantized(tiny_llama_dir: Path) -> None:
-    from kernels import cpu_quant
+    from lm_console.kernels import cpu_quant
 
     if cpu_quant.load() is None:
         pytest.skip("no quantized CPU kernels")
@@ -172,7 +172,7 @@ def test_generate_quantized(tiny_llama_dir: Path) -> None:
 
 
 def test_events_from_a_zmq_endpoint(tmp_path: Path) -> None:
-    from engine.metrics.kv_events import BlockRemoved, BlockStored
+    from lm_console.engine.metrics.kv_events import BlockRemoved, BlockStored
 
     events = [BlockStored([b"\x0a" * 8], None, list(range(4)), 4), BlockRemoved([b"\x0b" * 8])]
     with kv_event_publisher(f"ipc://{tmp_path}/kv.sock") as publisher, publishing(publisher, events, 0.02):

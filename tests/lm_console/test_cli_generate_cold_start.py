@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine.startup_trace import ENV_VAR, parse_marks
+from lm_console.engine.startup_trace import ENV_VAR, parse_marks
 from lm_console.cli import app
 
 runner = CliRunner()
@@ -24,7 +24,7 @@ PHASES = ["cli", "engine_import", "engine_args", "config", "device", "weights", 
 
 def _core_process_text(model: str | None, max_tokens: int, **engine_args: object) -> str:
     """What `lmc generate` printed before it ran the core in its own process: LLM's default client."""
-    from engine import LLM, SamplingParams
+    from lm_console.engine import LLM, SamplingParams
 
     llm = LLM(model=model, multiprocess=True, **engine_args)
     try:
@@ -37,7 +37,7 @@ def _core_process_text(model: str | None, max_tokens: int, **engine_args: object
 def test_generate_in_process_matches_the_core_process(tiny_llama_dir: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy bf16 (the dense default on the CPU): the same text from both paths, and the marks."""
-    from engine import startup_trace
+    from lm_console.engine import startup_trace
 
     monkeypatch.setenv(ENV_VAR, "1")
     monkeypatch.setattr(startup_trace, "_seen", set())  # marks print once per process

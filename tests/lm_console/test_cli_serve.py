@@ -16,8 +16,8 @@ runner = CliRunner()
 @pytest.fixture
 def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Replace AsyncLLM and run_server with recorders; run_server returns exit code 0."""
-    import engine
-    from engine.entrypoints.openai import api_server
+    from lm_console import engine
+    from lm_console.engine.entrypoints.openai import api_server
 
     seen: dict[str, Any] = {}
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_kv_event_batch
-from engine.metrics.stats import SchedulerStats
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_kv_event_batch
+from lm_console.engine.metrics.stats import SchedulerStats
 from lm_console.client.asyncllm import AsyncLLMConsoleClient, chunk_of, kv_records_of
 from lm_console.client.types import hash_hex
 from lm_console.events import records_of_message
@@ -61,7 +61,7 @@ def test_kv_records_hold_the_engines_events() -> None:
 
 
 def test_chunk_of_request_output() -> None:
-    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from lm_console.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     metrics = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.5,
                              finished_time=2.5, num_generation_tokens=3)
@@ -79,7 +79,7 @@ def test_an_unresponsive_engine_shows_as_unavailable() -> None:
     """Issue 18 item 4: the console's engine-dead panel also covers a missed heartbeat."""
     import pytest
 
-    from engine.errors import EngineDeadError, EngineUnresponsiveError
+    from lm_console.engine.errors import EngineDeadError, EngineUnresponsiveError
     from lm_console.client.asyncllm import _dead_as_unavailable
     from lm_console.client.types import EngineUnavailable
 

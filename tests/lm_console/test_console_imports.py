@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from engine.version import __version__
+from lm_console.engine.version import __version__
 
 CHECK = """
 import sys
@@ -23,7 +23,7 @@ REMOTE_CHECK = """
 import sys
 import lm_console.cli
 from lm_console.client.remote import RemoteConsoleClient
-import lm_console.client.vllm_metrics, engine.entrypoints.console_protocol, lm_console.events
+import lm_console.client.vllm_metrics, lm_console.engine.entrypoints.console_protocol, lm_console.events
 import lm_console.bench.http, lm_console.bench.launcher, lm_console.batch_remote, zmq.asyncio
 heavy = sorted(m for m in ('torch', 'transformers', 'triton', 'fastapi', 'uvicorn') if m in sys.modules)
 print(','.join(heavy))

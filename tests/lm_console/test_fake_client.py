@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from engine.errors import InvalidPromptError
-from engine.metrics.kv_events import AllBlocksCleared, BlockStored
-from engine.metrics.stats import BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, SchedulerStats
+from lm_console.engine.errors import InvalidPromptError
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockStored
+from lm_console.engine.metrics.stats import BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, SchedulerStats
 from lm_console.client.fake import FakeConsoleClient
 from lm_console.client.fake_tokenizer import WORDS
 from lm_console.client.types import EngineUnavailable, GenParams, KVEventRecord, StreamChunk

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from engine.metrics.stats import KVTierStats, SchedulerStats
+from lm_console.engine.metrics.stats import KVTierStats, SchedulerStats
 from lm_console.client import FakeConsoleClient
 from lm_console.request_book import RequestBook
 from lm_console.tui.app import ConsoleApp

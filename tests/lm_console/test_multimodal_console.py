@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lm_console.chat_session import ChatSession
-from engine.metrics.stats import EncoderCacheStats, SchedulerStats
+from lm_console.engine.metrics.stats import EncoderCacheStats, SchedulerStats
 from lm_console.client import FakeConsoleClient
 from lm_console.client.types import GenParams
 from lm_console.tui.app import ConsoleApp

@@ -84,7 +84,7 @@ def test_batch_url_keeps_order_and_concurrency(standin, tmp_path: Path) -> None:
 
 
 def test_events_url_reads_the_zmq_publisher_or_says_there_is_none(standin) -> None:  # noqa: ANN001
-    from engine.metrics.kv_events import BlockStored
+    from lm_console.engine.metrics.kv_events import BlockStored
 
     none = runner.invoke(app, ["events", "--url", standin.url, "--count", "1"])
     assert none.exit_code != 0 and "--kv-events-endpoint" in none.output

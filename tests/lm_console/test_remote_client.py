@@ -177,7 +177,7 @@ def test_bad_requests_and_a_dying_server(standin) -> None:  # noqa: ANN001
 
 
 def test_kv_events_from_a_zmq_publisher(standin) -> None:  # noqa: ANN001
-    from engine.metrics.kv_events import BlockStored
+    from lm_console.engine.metrics.kv_events import BlockStored
 
     async def scenario(publisher):  # noqa: ANN001, ANN202
         client = RemoteConsoleClient(standin.url, kv_events_endpoint=publisher.endpoint)

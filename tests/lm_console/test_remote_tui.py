@@ -23,7 +23,7 @@ from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):  # noqa: ANN001, ANN201
-    from engine import AsyncLLM
+    from lm_console.engine import AsyncLLM
 
     llm = AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
                    max_num_seqs=2, enable_kv_cache_events=True, stat_loggers=[])
@@ -34,7 +34,7 @@ def served(tiny_llama_dir):  # noqa: ANN001, ANN201
 
 
 def test_the_dashboard_shows_the_servers_own_state(served) -> None:  # noqa: ANN001
-    from engine import RequestOutputKind, SamplingParams
+    from lm_console.engine import RequestOutputKind, SamplingParams
 
     llm, server = served.llm, served.server
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=220, output_kind=RequestOutputKind.DELTA)
@@ -108,7 +108,7 @@ def test_events_url_prints_the_servers_kv_events(served) -> None:  # noqa: ANN00
 
     from typer.testing import CliRunner
 
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
     from lm_console.cli import app
 
     llm, server = served.llm, served.server
@@ -145,8 +145,8 @@ def test_events_url_prints_the_servers_kv_events(served) -> None:  # noqa: ANN00
 
 
 def test_the_client_yields_the_engines_stats_and_its_idle_snapshots(served) -> None:  # noqa: ANN001
-    from engine import SamplingParams
-    from engine.metrics.stats import SchedulerStats
+    from lm_console.engine import SamplingParams
+    from lm_console.engine.metrics.stats import SchedulerStats
     from lm_console.client.types import StatsSnapshot
 
     llm, server = served.llm, served.server
@@ -260,7 +260,7 @@ def test_bench_serve_url_measures_the_server(served, tmp_path) -> None:  # noqa:
 
 
 def test_a_metrics_only_server_degrades_each_panel_with_a_note() -> None:
-    from engine.metrics.kv_events import BlockStored
+    from lm_console.engine.metrics.kv_events import BlockStored
 
     state = StandinState()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.metrics.stats import (
+from lm_console.engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, PrefixCacheStatsSnapshot, SchedulerStats,
 )
 from lm_console.client.types import StreamChunk

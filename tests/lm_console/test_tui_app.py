@@ -6,8 +6,8 @@ import asyncio
 
 from console_helpers import SIZE, text_of, until
 
-from engine.metrics.kv_events import BlockRemoved, BlockStored
-from engine.metrics.stats import (
+from lm_console.engine.metrics.kv_events import BlockRemoved, BlockStored
+from lm_console.engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL, PrefixCacheStatsSnapshot,
     SchedulerStats,
 )

@@ -14,7 +14,7 @@ SIZE = (120, 36)
 @pytest.fixture(autouse=True)
 def utc(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """Event timestamps print in local time: pin it. Block hashes start from a random root
-    unless PYTHONHASHSEED is set (engine/kv_cache_hashing.py): pin that too."""
+    unless PYTHONHASHSEED is set (lm_console/engine/kv_cache_hashing.py): pin that too."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()

@@ -7,10 +7,10 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine import AsyncLLM, SamplingParams
-from engine.entrypoints.openai.metrics import PrometheusStatLogger
-from engine.metrics.loggers import StatLoggerBase
-from engine.metrics.stats import KVBlockResidencyStats, SchedulerStats
+from lm_console.engine import AsyncLLM, SamplingParams
+from lm_console.engine.entrypoints.openai.metrics import PrometheusStatLogger
+from lm_console.engine.metrics.loggers import StatLoggerBase
+from lm_console.engine.metrics.stats import KVBlockResidencyStats, SchedulerStats
 
 NAMES = ("vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds", "vllm:kv_block_reuse_gap_seconds")
 

@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import zmq
 
-from engine import AsyncLLM, LLM, SamplingParams
-from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.kv_cache_hashing import sha256_cbor
-from engine.metrics.kv_events import (
+from lm_console.engine import AsyncLLM, LLM, SamplingParams
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from lm_console.engine.kv_cache_hashing import sha256_cbor
+from lm_console.engine.metrics.kv_events import (
     KVEventBatch, KVEventPublisher, KVEventSubscriber, decode_kv_event_message, encode_kv_event_batch,
 )
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from engine.metrics.loggers import LoggingStatLogger, PrefixCacheHitRate, StatLoggerBase
-from engine.metrics.stats import IterationStats, PrefixCacheStatsSnapshot, SchedulerStats
+from lm_console.engine.metrics.loggers import LoggingStatLogger, PrefixCacheHitRate, StatLoggerBase
+from lm_console.engine.metrics.stats import IterationStats, PrefixCacheStatsSnapshot, SchedulerStats
 
 
 class FakeClock:
@@ -26,7 +26,7 @@ def test_one_line_with_throughput_queues_usage_and_hit_rate(caplog) -> None:
                            prefix_cache=PrefixCacheStatsSnapshot(requests=1, queries=100, hits=40)),
             IterationStats(num_prompt_tokens=100, num_generation_tokens=10))
     clock.now += 5.0
-    with caplog.at_level(logging.INFO, logger="engine.metrics"):
+    with caplog.at_level(logging.INFO, logger="lm_console.engine.metrics"):
         stat_logger.log()
     (record,) = caplog.records
     assert record.getMessage() == (
@@ -37,7 +37,7 @@ def test_one_line_with_throughput_queues_usage_and_hit_rate(caplog) -> None:
 def test_idle_engine_logs_one_line_then_stays_quiet(caplog) -> None:
     clock = FakeClock()
     stat_logger = LoggingStatLogger(clock=clock)
-    with caplog.at_level(logging.INFO, logger="engine.metrics"):
+    with caplog.at_level(logging.INFO, logger="lm_console.engine.metrics"):
         for _ in range(3):
             clock.now += 5.0
             stat_logger.log()

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from engine.attention import AttentionMetadata, bind_kv_caches, get_attention_layers
-from engine.attention import get_kv_cache_shape
-from engine.forward_context import set_forward_context
+from lm_console.engine.attention import AttentionMetadata, bind_kv_caches, get_attention_layers
+from lm_console.engine.attention import get_kv_cache_shape
+from lm_console.engine.forward_context import set_forward_context
 
 
 @dataclass

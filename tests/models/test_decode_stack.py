@@ -1,4 +1,4 @@
-"""The whole-stack decode driver (engine/models/decode_stack.py) against the layer-by-layer forward.
+"""The whole-stack decode driver (lm_console/engine/models/decode_stack.py) against the layer-by-layer forward.
 
 Quantized models: the driver calls the same kernels in the same order, so every logit of every
 step must be bit-identical, with the driver serving the pure-decode steps (counted) and the
@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from engine.models import decode_stack
-from engine.models.layers import Linear, bump_weights_version
-from engine.models.loader import load_model
-from engine.models.quant import quantize_model
-from kernels import cpu_attention, cpu_decode, cpu_quant
+from lm_console.engine.models import decode_stack
+from lm_console.engine.models.layers import Linear, bump_weights_version
+from lm_console.engine.models.loader import load_model
+from lm_console.engine.models.quant import quantize_model
+from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
 from paged_model_harness import PagedHarness
 
 pytestmark = pytest.mark.skipif(cpu_quant.load() is None or cpu_decode.load() is None,

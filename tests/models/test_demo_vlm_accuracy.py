@@ -15,7 +15,7 @@ import base64
 import pytest
 
 from demo_vlm_helpers import MAX_TOKENS, accuracy, chat_messages, held_out, judge
-from engine import SamplingParams
+from lm_console.engine import SamplingParams
 from mm_factory import png_bytes
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def pictures():
 
 @pytest.fixture(scope="module")
 def llm():
-    from engine import LLM
+    from lm_console.engine import LLM
     from llm_helpers import assert_no_leaked_blocks
 
     engine = LLM("demo-vlm", num_gpu_blocks_override=1200, **ENGINE)
@@ -112,8 +112,8 @@ def test_chunked_prefill_through_the_image_and_preemption(pictures) -> None:
     """A 16-token budget is shorter than an image's placeholder run (its 16 embeddings between
     <fake_token_around_image><global-img> and <fake_token_around_image>), so every image is cut
     across steps; a 16-block KV pool (about three requests) preempts requests mid-answer. Same accuracy."""
-    from engine import LLM
-    from engine.models.demo_vlm import DEMO_IMAGE_SEQ_LEN
+    from lm_console.engine import LLM
+    from lm_console.engine.models.demo_vlm import DEMO_IMAGE_SEQ_LEN
     from llm_helpers import assert_no_leaked_blocks
 
     budget = 16
@@ -137,8 +137,8 @@ def test_transformers_loads_the_trained_weights_and_agrees(llm) -> None:
     import torch
     from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
-    from engine.models.demo_vlm import caption_slots
-    from engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.demo_vlm import caption_slots
+    from lm_console.engine.models.embedded import resolve_model_path
 
     path = resolve_model_path("demo-vlm")
     hf = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ModelNotFoundError
-from engine.models import embedded
-from engine.models.embedded import DEFAULT_MODEL, list_known_models, resolve_model_path
+from lm_console.engine.errors import ModelNotFoundError
+from lm_console.engine.models import embedded
+from lm_console.engine.models.embedded import DEFAULT_MODEL, list_known_models, resolve_model_path
 
 
 def test_resolve_default_twice_second_is_fast(embedded_model_dir):
@@ -59,7 +59,7 @@ def test_directory_without_config_raises(tmp_path):
 
 
 def test_conversion_is_atomic_and_digest_memoized(tmp_path, monkeypatch):
-    import engine.models.gguf_convert as gguf_convert
+    import lm_console.engine.models.gguf_convert as gguf_convert
 
     monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "toy.gguf"
@@ -95,7 +95,7 @@ def test_conversion_is_atomic_and_digest_memoized(tmp_path, monkeypatch):
 
 
 def test_resolving_imports_no_torch(embedded_model_dir):
-    code = ("import sys; from engine.models.embedded import resolve_model_path; "
+    code = ("import sys; from lm_console.engine.models.embedded import resolve_model_path; "
             "resolve_model_path(None); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).parents[2])

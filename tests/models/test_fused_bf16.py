@@ -1,4 +1,4 @@
-"""bf16 forward with the fused CPU kernels (kernels/cpu_ops.py) vs the plain torch bf16 path.
+"""bf16 forward with the fused CPU kernels (lm_console/kernels/cpu_ops.py) vs the plain torch bf16 path.
 
 The kernels round once where torch's op chain rounds after every op, so the two bf16 paths
 differ in the last bits; both are checked against our float32 forward (itself HF-exact, see
@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.models.loader import load_model
-from kernels import cpu_ops
+from lm_console.engine.models.loader import load_model
+from lm_console.kernels import cpu_ops
 from paged_model_harness import PagedHarness
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
@@ -98,7 +98,7 @@ def test_engine_bf16_greedy_agrees_with_and_without_kernels(embedded_model_dir, 
     one, whose oneDNN has no bf16 prepacking; 0-2 with AVX512-BF16). bf16 logits come in
     steps of ~0.06-0.125 at this model's scale, so exact ties between candidates are common
     (even the float32 model has a 0.03-nat first-token tie on one of these prompts)."""
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
     from llm_helpers import text_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)

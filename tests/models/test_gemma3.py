@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
-from engine.models.loader import load_model
+from lm_console.engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from lm_console.engine.models.loader import load_model
 from model_factory import make_tiny_model_dir
 from test_llama_family import _assert_close, _check_prefill_chunks_and_decodes, _models
 
@@ -70,7 +70,7 @@ def test_gemma3_vlm_checkpoint_serves_its_language_model(tmp_path, tiny_gemma3_d
     assert isinstance(ours, Gemma3ForConditionalGeneration)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, text_config.vocab_size - 3, (40,), generator=gen).tolist()
-    from engine.forward_context import set_forward_context
+    from lm_console.engine.forward_context import set_forward_context
 
     with torch.inference_mode(), set_forward_context(None):
         got = ours.compute_logits(ours(torch.tensor(prompt), torch.arange(len(prompt))))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from lm_console.engine import SamplingParams
 from gemma3_vlm_helpers import assert_matches_hf, hf_greedy
 from mm_factory import GEMMA3_MM_TOKENS, make_image
 
@@ -39,7 +39,7 @@ def hf_processor(tiny_gemma3_vlm_dir):
 def test_vision_tower_and_projector_match_hf(tiny_gemma3_vlm_dir, hf_model, hf_processor) -> None:
     from transformers import AutoConfig
 
-    from engine.models.loader import load_model
+    from lm_console.engine.models.loader import load_model
 
     ours = load_model(tiny_gemma3_vlm_dir, AutoConfig.from_pretrained(tiny_gemma3_vlm_dir), torch.float32, "cpu")
     images = [make_image(1), make_image(3, 70, 30)]
@@ -64,7 +64,7 @@ def test_vision_tower_and_projector_match_hf(tiny_gemma3_vlm_dir, hf_model, hf_p
 def test_prompt_expansion_equals_hf_processor(tiny_gemma3_vlm_dir, hf_processor) -> None:
     from transformers import AutoConfig
 
-    from engine.multimodal.processing import MultiModalProcessor
+    from lm_console.engine.multimodal.processing import MultiModalProcessor
 
     architectures = AutoConfig.from_pretrained(tiny_gemma3_vlm_dir).architectures
     processor = MultiModalProcessor(tiny_gemma3_vlm_dir, "tiny", architectures)
@@ -100,8 +100,8 @@ def test_prompt_expansion_equals_hf_processor(tiny_gemma3_vlm_dir, hf_processor)
 def test_stray_soft_token_in_the_prompt_is_rejected(tiny_gemma3_vlm_dir, hf_processor) -> None:
     from transformers import AutoConfig
 
-    from engine.errors import InvalidPromptError
-    from engine.multimodal.processing import MultiModalProcessor
+    from lm_console.engine.errors import InvalidPromptError
+    from lm_console.engine.multimodal.processing import MultiModalProcessor
 
     architectures = AutoConfig.from_pretrained(tiny_gemma3_vlm_dir).architectures
     processor = MultiModalProcessor(tiny_gemma3_vlm_dir, "tiny", architectures)
@@ -126,7 +126,7 @@ def test_bidirectional_image_attention_is_what_makes_it_exact(tiny_gemma3_vlm_di
     HF's, with the image spans they match (one prefill through the paged torch backend)."""
     from transformers import AutoConfig
 
-    from engine.models.loader import load_model
+    from lm_console.engine.models.loader import load_model
 
     text, images = PROMPTS[0]
     inputs = hf_processor(text=[text], images=[images], return_tensors="pt")
@@ -142,8 +142,8 @@ def test_bidirectional_image_attention_is_what_makes_it_exact(tiny_gemma3_vlm_di
 
 def prefill_logits(model, ids: torch.Tensor, pixel_values: torch.Tensor, bidirectional: bool) -> torch.Tensor:
     """One whole-prompt prefill through the paged torch backend, with or without the image spans."""
-    from engine.attention import AttentionMetadata, bind_kv_caches, get_attention_layers, get_kv_cache_shape
-    from engine.forward_context import set_forward_context
+    from lm_console.engine.attention import AttentionMetadata, bind_kv_caches, get_attention_layers, get_kv_cache_shape
+    from lm_console.engine.forward_context import set_forward_context
 
     block_size, num_tokens = 16, int(ids.shape[0])
     num_blocks = -(-num_tokens // block_size)

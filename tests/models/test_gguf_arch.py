@@ -1,4 +1,4 @@
-"""GGUF metadata -> HF config (engine/models/gguf_arch.py) on metadata-only files: fast cases
+"""GGUF metadata -> HF config (lm_console/engine/models/gguf_arch.py) on metadata-only files: fast cases
 the tiny-model tests do not reach (llama3 rope of real releases, gemma3 variants)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from engine.errors import InvalidGGUFError, UnsupportedArchitectureError  # noqa: E402
-from engine.models.gguf_arch import (  # noqa: E402
+from lm_console.engine.errors import InvalidGGUFError, UnsupportedArchitectureError  # noqa: E402
+from lm_console.engine.models.gguf_arch import (  # noqa: E402
     ARCHITECTURES, gguf_config_dict, hf_tensor_name, llama3_rope_factors, llama3_rope_from_freqs,
 )
 

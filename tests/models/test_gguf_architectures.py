@@ -19,9 +19,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.errors import InvalidGGUFError, UnsupportedArchitectureError  # noqa: E402
-from engine.models.embedded import resolve_model_path  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
+from lm_console.engine.errors import InvalidGGUFError, UnsupportedArchitectureError  # noqa: E402
+from lm_console.engine.models.embedded import resolve_model_path  # noqa: E402
+from lm_console.engine.models.loader import load_model  # noqa: E402
 from gguf_factory import MIXED_TYPES, small_vocabulary, write_gguf  # noqa: E402
 from model_factory import LLAMA3_ROPE, make_tiny_model_dir  # noqa: E402
 from paged_model_harness import PagedHarness  # noqa: E402
@@ -170,7 +170,7 @@ def test_gguf_tokenizer_from_metadata(model):
 
 @pytest.fixture
 def cpu_quant():
-    from kernels import cpu_quant
+    from lm_console.kernels import cpu_quant
 
     if cpu_quant.load() is None:
         pytest.skip("no quantized CPU kernels")
@@ -181,7 +181,7 @@ def test_gguf_packed_weights_are_the_files(model, cpu_quant, monkeypatch):
     """quantization="gguf" keeps each quantized tensor's blocks (names and row order per
     architecture): unpacked, they are the dequantized checkpoint; logits match dense (prefill)
     or stay close to it (decode on int8 activations)."""
-    from engine.models.layers import Embedding, Linear
+    from lm_console.engine.models.layers import Embedding, Linear
 
     packed = _load(model["quant_dir"], quantization="gguf")
     dense = _load(model["quant_dir"])
@@ -210,7 +210,7 @@ def test_gguf_packed_weights_are_the_files(model, cpu_quant, monkeypatch):
 def test_engine_serves_a_gemma3_gguf(model, make_llm, cpu_quant):
     """The whole path from a .gguf model argument: LLM(...) greedy == HF on the file's weights;
     with quantization="gguf" the engine runs on the file's blocks (the tied head's Q8_0)."""
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     prompt = _prompt()
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -273,7 +273,7 @@ def test_gemma3_sentencepiece_tokenizer(workdir):
     import numpy as np
     from transformers import AutoTokenizer
 
-    from engine.models.gguf_convert import convert_gguf
+    from lm_console.engine.models.gguf_convert import convert_gguf
 
     pieces = ["▁", "t", "h", "e", "a", "c", "i", "s", "n", "th", "the", "▁the", "at", "▁c", "▁cat",
               "is", "▁is", "in", "▁in"]

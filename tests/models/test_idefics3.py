@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from lm_console.engine import SamplingParams
 from mm_factory import make_image
 
 PROMPTS = [
@@ -34,7 +34,7 @@ def hf_processor(tiny_idefics3_dir):
 def test_vision_tower_and_connector_match_hf(tiny_idefics3_dir, hf_model, hf_processor) -> None:
     from transformers import AutoConfig
 
-    from engine.models.loader import load_model
+    from lm_console.engine.models.loader import load_model
 
     ours = load_model(tiny_idefics3_dir, AutoConfig.from_pretrained(tiny_idefics3_dir), torch.float32, "cpu")
     images = [make_image(1), make_image(3, 70, 30)]
@@ -54,7 +54,7 @@ def test_vision_tower_and_connector_match_hf(tiny_idefics3_dir, hf_model, hf_pro
 def test_prompt_expansion_equals_hf_processor(tiny_idefics3_dir, hf_processor) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.multimodal.processing import MultiModalProcessor
+    from lm_console.engine.multimodal.processing import MultiModalProcessor
 
     architectures = AutoConfig.from_pretrained(tiny_idefics3_dir).architectures
     processor = MultiModalProcessor(tiny_idefics3_dir, "tiny", architectures)

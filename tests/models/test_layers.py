@@ -1,4 +1,4 @@
-"""The shared layers pick their kernel once, at construction (engine/models/layers.py), and both
+"""The shared layers pick their kernel once, at construction (lm_console/engine/models/layers.py), and both
 choices compute the same thing: the models have one forward whatever the kernel."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
-from kernels import cpu_ops
+from lm_console.engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from lm_console.kernels import cpu_ops
 
 needs_kernels = pytest.mark.skipif(cpu_ops.load() is None,
                                    reason="no C compiler (or LMC_CPU_KERNELS=0): torch path only")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.models.loader import load_model
+from lm_console.engine.models.loader import load_model
 from paged_model_harness import PagedHarness
 
 TINY_DIRS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_mistral_dir", "tiny_qwen2_dir",

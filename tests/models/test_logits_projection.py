@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers import Linear, LogitsProjection
-from kernels import cpu_quant
+from lm_console.engine.models.layers import Linear, LogitsProjection
+from lm_console.kernels import cpu_quant
 
 
 def _head(dtype: torch.dtype, bias: bool = False) -> Linear:

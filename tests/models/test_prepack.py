@@ -1,4 +1,4 @@
-"""oneDNN weight prepacking (engine/models/prepack.py): same results as F.linear, bf16 CPU only."""
+"""oneDNN weight prepacking (lm_console/engine/models/prepack.py): same results as F.linear, bf16 CPU only."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from engine.models.layers import Linear
-from engine.models.loader import load_model
-from engine.models import prepack
-from engine.models.prepack import prepack_available, prepack_linears
+from lm_console.engine.models.layers import Linear
+from lm_console.engine.models.loader import load_model
+from lm_console.engine.models import prepack
+from lm_console.engine.models.prepack import prepack_available, prepack_linears
 
 needs_prepack = pytest.mark.skipif(not prepack_available(torch.bfloat16, torch.device("cpu")),
                                    reason="this torch or CPU has no oneDNN bf16 weight prepacking (AVX2 only)")

@@ -1,4 +1,4 @@
-"""GGUF repacking and model quantization (engine/models/quant/), and how the method is chosen."""
+"""GGUF repacking and model quantization (lm_console/engine/models/quant/), and how the method is chosen."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from engine.config import EngineArgs, engine_args, resolve_quantization
-from engine.errors import InvalidEngineArgsError
-from kernels import cpu_quant
+from lm_console.engine.config import EngineArgs, engine_args, resolve_quantization
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.kernels import cpu_quant
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from engine.models.quant.gguf_repack import pack_rows, unpack_tensor  # noqa: E402
+from lm_console.engine.models.quant.gguf_repack import pack_rows, unpack_tensor  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(cpu_quant.load() is None, reason="no quantized CPU kernels")
 
@@ -88,7 +88,7 @@ def test_quantization_argument_is_checked(tmp_path):
 
 @needs_kernels
 def test_auto_keeps_gguf_weights_in_bf16_on_cpu_only(tmp_path, monkeypatch):
-    from engine.models.embedded import GGUF_SOURCE_FILE
+    from lm_console.engine.models.embedded import GGUF_SOURCE_FILE
 
     fake_gguf = tmp_path / "m.gguf"
     fake_gguf.write_bytes(b"GGUF")
@@ -120,9 +120,9 @@ def test_packed_weights_share_one_huge_page_allocation(tiny_llama_dir):
     import torch
     from transformers import AutoConfig
 
-    from engine.models.layers import Embedding, Linear
-    from engine.models.loader import load_model
-    from engine.models.quant import quantize_model
+    from lm_console.engine.models.layers import Embedding, Linear
+    from lm_console.engine.models.loader import load_model
+    from lm_console.engine.models.quant import quantize_model
 
     model = load_model(tiny_llama_dir, AutoConfig.from_pretrained(tiny_llama_dir), torch.bfloat16,
                        torch.device("cpu"))

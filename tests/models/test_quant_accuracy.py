@@ -1,6 +1,6 @@
 """Quantized inference on the embedded model (SmolLM2 Q4_1 GGUF): perplexity and the engine path.
 
-Perplexity is measured on standard-library docstrings (engine/models/quant/perplexity.py) with
+Perplexity is measured on standard-library docstrings (lm_console/engine/models/quant/perplexity.py) with
 every quantized linear on the int8 kernel (the decode path). The bound is the issue's: the
 file's own quantized weights ("gguf") and per-channel int8 within 1% of the float32 model
 (the file's dequantized weights). benchmarks/perplexity.py gives the figures on 4096 tokens.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_quant
+from lm_console.kernels import cpu_quant
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(cpu_quant.load() is None, reason="no quantized CPU kernels")]
@@ -25,8 +25,8 @@ NUM_TOKENS, WINDOW = 1024, 512
 def embedded():
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.models.embedded import resolve_model_path
-    from engine.models.quant.perplexity import stdlib_text
+    from lm_console.engine.models.embedded import resolve_model_path
+    from lm_console.engine.models.quant.perplexity import stdlib_text
 
     model_dir = resolve_model_path(None)
     ids = AutoTokenizer.from_pretrained(model_dir)(stdlib_text())["input_ids"][:NUM_TOKENS]
@@ -35,8 +35,8 @@ def embedded():
 
 @pytest.fixture(scope="module")
 def fp32_perplexity(embedded):
-    from engine.models.loader import load_model
-    from engine.models.quant.perplexity import perplexity
+    from lm_console.engine.models.loader import load_model
+    from lm_console.engine.models.quant.perplexity import perplexity
 
     model_dir, hf_config, ids = embedded
     return perplexity(load_model(model_dir, hf_config, torch.float32, "cpu"), ids, WINDOW)
@@ -44,8 +44,8 @@ def fp32_perplexity(embedded):
 
 @pytest.mark.parametrize("method", ["gguf", "int8"])
 def test_quantized_perplexity_within_one_percent_of_fp32(embedded, fp32_perplexity, method, monkeypatch):
-    from engine.models.loader import load_model
-    from engine.models.quant.perplexity import perplexity
+    from lm_console.engine.models.loader import load_model
+    from lm_console.engine.models.quant.perplexity import perplexity
 
     model_dir, hf_config, ids = embedded
     monkeypatch.setattr(cpu_quant, "DENSE_ROWS", 1 << 30)  # every linear on the int8 kernel
@@ -59,7 +59,7 @@ def test_quantized_perplexity_within_one_percent_of_fp32(embedded, fp32_perplexi
 
 def test_engine_serves_the_gguf_weights_packed(make_llm):
     """quantization="gguf": the engine runs on the file's packed weights (tied head included)."""
-    from engine import SamplingParams
+    from lm_console.engine import SamplingParams
 
     llm = make_llm(None, dtype="bfloat16", quantization="gguf", multiprocess=False, max_model_len=256,
                    max_num_batched_tokens=256)
@@ -70,7 +70,7 @@ def test_engine_serves_the_gguf_weights_packed(make_llm):
     # resident weights (packed + what stayed dense) within 1.2x the file's tensor bytes (issue 17)
     from gguf import GGUFReader
 
-    from engine.models.embedded import gguf_source
+    from lm_console.engine.models.embedded import gguf_source
 
     packed = {id(m.quant): m.quant.nbytes() for m in runner.model.modules() if getattr(m, "quant", None)}
     dense = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.device.type != "meta")

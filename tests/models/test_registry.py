@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.errors import InvalidEngineArgsError, UnsupportedArchitectureError
-from engine.forward_context import set_forward_context
-from engine.models.loader import iterate_safetensors, load_model
-from engine.models.registry import MODEL_REGISTRY, get_model_class
-from engine.platform import (
+from lm_console.engine.errors import InvalidEngineArgsError, UnsupportedArchitectureError
+from lm_console.engine.forward_context import set_forward_context
+from lm_console.engine.models.loader import iterate_safetensors, load_model
+from lm_console.engine.models.registry import MODEL_REGISTRY, get_model_class
+from lm_console.engine.platform import (
     cpu_has_fast_bf16,
     cpuinfo_has_fast_bf16,
     detect_device,

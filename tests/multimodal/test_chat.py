@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidPromptError, MultiModalNotSupportedError
-from engine.multimodal.chat import split_chat_messages
+from lm_console.engine.errors import InvalidPromptError, MultiModalNotSupportedError
+from lm_console.engine.multimodal.chat import split_chat_messages
 
 
 def test_parts_become_template_parts_and_images_keep_their_order() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidEngineArgsError
-from engine.multimodal.hasher import MultiModalHasher, default_algorithm
-from engine.multimodal.image import load_image
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.multimodal.hasher import MultiModalHasher, default_algorithm
+from lm_console.engine.multimodal.image import load_image
 from mm_factory import make_image, png_bytes
 
 

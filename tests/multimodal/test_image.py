@@ -6,8 +6,8 @@ import base64
 
 import pytest
 
-from engine.errors import ImageNotFoundError, InvalidImageError
-from engine.multimodal.image import load_image
+from lm_console.engine.errors import ImageNotFoundError, InvalidImageError
+from lm_console.engine.multimodal.image import load_image
 from mm_factory import make_image, png_bytes
 
 

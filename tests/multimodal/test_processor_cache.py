@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.errors import MultiModalCacheMissError
-from engine.multimodal.inputs import MultiModalFeatureSpec
-from engine.multimodal.processor_cache import LRUSizeCache, MultiModalReceiverCache, MultiModalSenderCache
+from lm_console.engine.errors import MultiModalCacheMissError
+from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
+from lm_console.engine.multimodal.processor_cache import LRUSizeCache, MultiModalReceiverCache, MultiModalSenderCache
 
 
 def feature(key: str, nbytes: int = 100) -> MultiModalFeatureSpec:

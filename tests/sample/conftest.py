@@ -7,8 +7,8 @@ from typing import Callable
 import pytest
 import torch
 
-from engine.sample.metadata import SamplingMetadata
-from engine.sampling_params import SamplingParams
+from lm_console.engine.sample.metadata import SamplingMetadata
+from lm_console.engine.sampling_params import SamplingParams
 
 MakeMetadata = Callable[..., SamplingMetadata]
 
@@ -16,7 +16,7 @@ MakeMetadata = Callable[..., SamplingMetadata]
 @pytest.fixture(autouse=True, params=["c-kernel", "torch"])
 def random_sampling_path(request, monkeypatch):
     """Every sampler test runs on both random-sampling paths: the C race and torch's."""
-    from kernels import cpu_sampling
+    from lm_console.kernels import cpu_sampling
 
     if request.param == "torch":
         monkeypatch.setattr(cpu_sampling, "supports", lambda logits: False)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sample import grammar_bitmask
-from engine.sample.grammar_bitmask import apply_grammar_bitmask, apply_grammar_bitmask_reference
-from kernels import cpu_grammar_bitmask
+from lm_console.engine.sample import grammar_bitmask
+from lm_console.engine.sample.grammar_bitmask import apply_grammar_bitmask, apply_grammar_bitmask_reference
+from lm_console.kernels import cpu_grammar_bitmask
 
 
 @pytest.fixture(params=["c-kernel", "xgrammar"])

@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import torch
 
-from engine.sample import ops
-from engine.sample.metadata import SamplingMetadata
-from engine.sample.sampler import Sampler, SamplerOutput
-from engine.sampling_params import SamplingParams
+from lm_console.engine.sample import ops
+from lm_console.engine.sample.metadata import SamplingMetadata
+from lm_console.engine.sample.sampler import Sampler, SamplerOutput
+from lm_console.engine.sampling_params import SamplingParams
 
 MakeMetadata = Callable[..., SamplingMetadata]  # the make_metadata fixture (conftest.py)
 

@@ -14,8 +14,8 @@ import re
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.errors import InvalidStructuredOutputError
+from lm_console.engine import LLM, SamplingParams, StructuredOutputsParams
+from lm_console.engine.errors import InvalidStructuredOutputError
 from llm_helpers import assert_no_leaked_blocks
 from schema_gen import make_schemas
 

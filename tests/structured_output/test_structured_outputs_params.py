@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine.admission import check_decodable
-from engine.errors import InvalidSamplingParamsError, InvalidStructuredOutputError
-from engine.protocol import EngineCoreRequest
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from lm_console.engine.admission import check_decodable
+from lm_console.engine.errors import InvalidSamplingParamsError, InvalidStructuredOutputError
+from lm_console.engine.protocol import EngineCoreRequest
+from lm_console.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("fields, words", [

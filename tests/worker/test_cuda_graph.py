@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
-from engine.worker.cuda_graph import PAD_SLOT_ID, CudaGraphRunner, capture_sizes, pad_decode_inputs
+from lm_console.engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
+from lm_console.engine.worker.cuda_graph import PAD_SLOT_ID, CudaGraphRunner, capture_sizes, pad_decode_inputs
 
 CPU = torch.device("cpu")
 

@@ -6,11 +6,11 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
-from engine.attention import AttentionMetadata
-from engine.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
-from engine.models.loader import load_model
-from engine.worker.block_table import MultiGroupBlockTable
-from engine.worker.kv_cache_groups import (
+from lm_console.engine.attention import AttentionMetadata
+from lm_console.engine.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
+from lm_console.engine.models.loader import load_model
+from lm_console.engine.worker.block_table import MultiGroupBlockTable
+from lm_console.engine.worker.kv_cache_groups import (
     GroupAttentionMetadataBuilder,
     allocate_kv_caches,
     get_attention_layers_by_name,

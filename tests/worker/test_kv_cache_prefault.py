@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM
-from engine.errors import InvalidEngineArgsError
+from lm_console.engine import LLM
+from lm_console.engine.errors import InvalidEngineArgsError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore on Linux only")
 

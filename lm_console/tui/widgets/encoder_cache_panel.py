@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from engine.metrics.stats import EncoderCacheStats
+from lm_console.engine.metrics.stats import EncoderCacheStats
 from lm_console.tui.render import fmt_count, fmt_pct
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from kv_helpers import build_request
 
-from engine.request import Request
+from lm_console.engine.request import Request
 
 MakeRequest = Callable[..., Request]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from engine.request import MultiModalFeatureSpec, Request
-from engine.sampling_params import SamplingParams
+from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
+from lm_console.engine.request import MultiModalFeatureSpec, Request
+from lm_console.engine.sampling_params import SamplingParams
 
 init_none_hash(sha256_cbor)
 

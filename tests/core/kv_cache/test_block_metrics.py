@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from engine.core.kv_cache import KVCacheManager
-from engine.core.kv_cache.block_metrics import KVCacheMetricsCollector
-from engine.core.sched.scheduler import Scheduler
-from engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.core.kv_cache.block_metrics import KVCacheMetricsCollector
+from lm_console.engine.core.sched.scheduler import Scheduler
+from lm_console.engine.model_runner_output import ModelRunnerOutput
 from kv_helpers import build_request
 
 BLOCK_SIZE = 4

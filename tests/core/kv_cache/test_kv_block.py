@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import BlockHashToBlockMap, FreeKVCacheBlockQueue, KVCacheBlock
-from engine.kv_cache_hashing import BlockHash, make_block_hash_with_group_id
+from lm_console.engine.core.kv_cache import BlockHashToBlockMap, FreeKVCacheBlockQueue, KVCacheBlock
+from lm_console.engine.kv_cache_hashing import BlockHash, make_block_hash_with_group_id
 
 
 def _ids(blocks: list[KVCacheBlock]) -> list[int]:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import BlockPool
-from engine.core.kv_cache.block_pool import (
+from lm_console.engine.core.kv_cache import BlockPool
+from lm_console.engine.core.kv_cache.block_pool import (
     BLOCK_STATE_CACHED,
     BLOCK_STATE_FREE,
     BLOCK_STATE_IN_USE,
     BLOCK_STATE_NULL,
 )
-from engine.kv_cache_hashing import make_block_hash_with_group_id
-from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from lm_console.engine.kv_cache_hashing import make_block_hash_with_group_id
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BLOCK_SIZE = 4
 

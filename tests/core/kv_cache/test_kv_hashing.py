@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_cache_hashing import (
+from lm_console.engine.kv_cache_hashing import (
     BlockHash,
     generate_block_hash_extra_keys,
     get_block_hash,
@@ -20,10 +20,10 @@ from engine.kv_cache_hashing import (
     sha256,
     sha256_cbor,
 )
-from engine import kv_cache_hashing as hashing
-from engine.kv_cache_hashing import BlockHashListWithBlockSize
-from engine.errors import InvalidEngineArgsError
-from engine.request import MultiModalFeatureSpec
+from lm_console.engine import kv_cache_hashing as hashing
+from lm_console.engine.kv_cache_hashing import BlockHashListWithBlockSize
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.request import MultiModalFeatureSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -135,9 +135,9 @@ def test_block_hash_list_with_block_size() -> None:
 
 
 _HASH_SCRIPT = (
-    "from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, {fn}\n"
-    "from engine.request import Request\n"
-    "from engine.sampling_params import SamplingParams\n"
+    "from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, {fn}\n"
+    "from lm_console.engine.request import Request\n"
+    "from lm_console.engine.sampling_params import SamplingParams\n"
     "init_none_hash({fn})\n"
     "r = Request('r', list(range(9)), SamplingParams(), None, cache_salt='s',\n"
     "            block_hasher=get_request_block_hasher(4, {fn}))\n"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import KVCacheBlocks, KVCacheManager
-from engine.errors import InvalidEngineArgsError
-from engine.metrics.kv_events import BlockStored
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from lm_console.engine.core.kv_cache import KVCacheBlocks, KVCacheManager
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.metrics.kv_events import BlockStored
+from lm_console.engine.request import Request
+from lm_console.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kv_helpers import build_request
-from engine.core.kv_cache import KVCacheBlock, KVCacheManager
-from engine.kv_cache_hashing import get_block_hash, make_block_hash_with_group_id
-from engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, get_kv_cache_config
-from engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.core.kv_cache.block_pool import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
-from engine.request import Request
+from lm_console.engine.core.kv_cache import KVCacheBlock, KVCacheManager
+from lm_console.engine.kv_cache_hashing import get_block_hash, make_block_hash_with_group_id
+from lm_console.engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, get_kv_cache_config
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from lm_console.engine.core.kv_cache.block_pool import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
+from lm_console.engine.request import Request
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12

@@ -5,20 +5,20 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_cache import BlockPool, KVCacheBlock, KVCacheManager
-from engine.kv_cache_hashing import make_block_hash_with_group_id
-from engine.kv_cache_interface import (
+from lm_console.engine.core.kv_cache import BlockPool, KVCacheBlock, KVCacheManager
+from lm_console.engine.kv_cache_hashing import make_block_hash_with_group_id
+from lm_console.engine.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
     SlidingWindowSpec,
     get_kv_cache_config,
     get_kv_cache_groups,
 )
-from engine.core.kv_cache.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
-from engine.kv_cache_hashing import BlockHash
-from engine.kv_cache_interface import cdiv
-from engine.core.kv_cache.single_type import SlidingWindowManager
-from engine.request import Request
+from lm_console.engine.core.kv_cache.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
+from lm_console.engine.kv_cache_hashing import BlockHash
+from lm_console.engine.kv_cache_interface import cdiv
+from lm_console.engine.core.kv_cache.single_type import SlidingWindowManager
+from lm_console.engine.request import Request
 
 BS = 4  # block size of the hand-built pools
 

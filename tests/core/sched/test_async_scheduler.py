@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.core.engine_core import EngineCore
-from engine.core.sched.async_scheduler import AsyncScheduler
-from engine.errors import DuplicateRequestError, InvalidEngineArgsError
-from engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
-from engine.protocol import EngineCoreRequest, FinishReason
-from engine.sampling_params import SamplingParams
+from lm_console.engine.core.engine_core import EngineCore
+from lm_console.engine.core.sched.async_scheduler import AsyncScheduler
+from lm_console.engine.errors import DuplicateRequestError, InvalidEngineArgsError
+from lm_console.engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
+from lm_console.engine.protocol import EngineCoreRequest, FinishReason
+from lm_console.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 
@@ -336,7 +336,7 @@ def test_prefix_cache_hashes_cover_real_tokens_only() -> None:
 
 
 def test_async_scheduling_refuses_connectors() -> None:
-    from engine.config import EngineArgs
+    from lm_console.engine.config import EngineArgs
 
     with pytest.raises(InvalidEngineArgsError, match="async_scheduling=True cannot be combined with kv_transfer"):
         EngineArgs(async_scheduling=True, distributed_executor_backend="fake",

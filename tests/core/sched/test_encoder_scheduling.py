@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import KVCacheManager
-from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from engine.core.sched.encoder_scheduling import EncoderScheduler
-from engine.core.sched.scheduler import Scheduler
-from engine.errors import TooManyMultiModalItemsError
-from engine.request import MultiModalFeatureSpec, Request
-from engine.sampling_params import SamplingParams
-from engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
+from lm_console.engine.core.sched.encoder_scheduling import EncoderScheduler
+from lm_console.engine.core.sched.scheduler import Scheduler
+from lm_console.engine.errors import TooManyMultiModalItemsError
+from lm_console.engine.request import MultiModalFeatureSpec, Request
+from lm_console.engine.sampling_params import SamplingParams
+from lm_console.engine.model_runner_output import ModelRunnerOutput
 
 BLOCK_SIZE = 4
 init_none_hash(sha256_cbor)
@@ -136,7 +136,7 @@ def test_abort_and_preemption_release_encoder_references() -> None:
     assert manager.cached["img"] == set() and "img" in manager.freeable
     step(scheduler)  # rescheduled: the freeable entry is a hit, not a recompute
     assert manager.counters.num_encoder_runs == 1 and manager.counters.num_hits == 1
-    from engine.request import RequestStatus
+    from lm_console.engine.request import RequestStatus
 
     scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     assert manager.cached["img"] == set() and not scheduler.requests

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import KVCacheManager
-from engine.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
-from engine.core.sched.scheduler import Scheduler
-from engine.errors import InvalidEngineArgsError
-from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from engine.model_runner_output import ModelRunnerOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
+from lm_console.engine.core.sched.scheduler import Scheduler
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
+from lm_console.engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.request import Request, RequestStatus
+from lm_console.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 init_none_hash(sha256_cbor)

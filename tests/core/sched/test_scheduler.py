@@ -7,12 +7,12 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.kv_cache import KVCacheManager
-from engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from engine.core.sched.scheduler import Scheduler
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
+from lm_console.engine.core.sched.scheduler import Scheduler
+from lm_console.engine.request import Request, RequestStatus
+from lm_console.engine.sampling_params import SamplingParams
+from lm_console.engine.model_runner_output import ModelRunnerOutput
 
 BLOCK_SIZE = 4
 EOS = 2

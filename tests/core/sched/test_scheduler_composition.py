@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import KVCacheManager
-from engine.core.sched.encoder_scheduling import NoEncoderScheduler
-from engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
-from engine.distributed.kv_transfer.output import KVConnectorOutput
-from engine.request import RequestStatus
+from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.core.sched.encoder_scheduling import NoEncoderScheduler
+from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
+from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
+from lm_console.engine.request import RequestStatus
 
 from test_scheduler import BLOCK_SIZE, assert_no_leak, make_request, make_scheduler, run_step
 from test_scheduler_kv_connector import FakeConnector

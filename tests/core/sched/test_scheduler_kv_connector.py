@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from engine.distributed.kv_transfer.config import KVTransferConfig
-from engine.distributed.kv_transfer.output import KVConnectorOutput
-from engine.request import RequestStatus
-from engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
+from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
+from lm_console.engine.request import RequestStatus
+from lm_console.engine.model_runner_output import ModelRunnerOutput
 
 from test_scheduler import BLOCK_SIZE, assert_no_leak, fake_output, make_request, make_scheduler
 

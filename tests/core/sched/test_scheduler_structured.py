@@ -7,11 +7,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-from engine.protocol import FinishReason
-from engine.request import RequestStatus
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output import StructuredOutputManager
-from engine.structured_output.request import StructuredOutputRequest
+from lm_console.engine.protocol import FinishReason
+from lm_console.engine.request import RequestStatus
+from lm_console.engine.sampling_params import StructuredOutputsParams
+from lm_console.engine.structured_output import StructuredOutputManager
+from lm_console.engine.structured_output.request import StructuredOutputRequest
 from test_scheduler import assert_no_leak, make_request, make_scheduler, run_step
 
 

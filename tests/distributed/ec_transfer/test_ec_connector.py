@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine import SamplingParams
-from engine.distributed.ec_transfer import ECConnectorFactory, ECConnectorRole, ECTransferConfig
-from engine.distributed.ec_transfer.example_connector import ECExampleConnector
-from engine.errors import InvalidEngineArgsError
+from lm_console.engine import SamplingParams
+from lm_console.engine.distributed.ec_transfer import ECConnectorFactory, ECConnectorRole, ECTransferConfig
+from lm_console.engine.distributed.ec_transfer.example_connector import ECExampleConnector
+from lm_console.engine.errors import InvalidEngineArgsError
 from mm_factory import make_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -37,7 +37,7 @@ def test_factory_registered_and_dynamic_loading(tmp_path) -> None:
     config = ECTransferConfig(ec_connector_extra_config=extra)
     assert isinstance(ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER), ECExampleConnector)
     dynamic = ECTransferConfig(ec_connector="ECExampleConnector",
-                               ec_connector_module_path="engine.distributed.ec_transfer.example_connector",
+                               ec_connector_module_path="lm_console.engine.distributed.ec_transfer.example_connector",
                                ec_connector_extra_config=extra)
     connector = ECConnectorFactory.create_connector(dynamic, ECConnectorRole.WORKER)
     assert connector.role == ECConnectorRole.WORKER
@@ -83,7 +83,7 @@ def test_producer_writes_and_consumer_loads_instead_of_encoding(tiny_idefics3_di
 def test_names_are_not_paths_and_a_bad_stored_file_means_recompute(tiny_idefics3_dir, tmp_path, make_llm) -> None:
     """Issue 18 item 3: on main "../../escaped" wrote outside the storage, and a corrupt or
     wrong-size file killed the engine core."""
-    from engine.distributed.ec_transfer.example_connector import storage_name
+    from lm_console.engine.distributed.ec_transfer.example_connector import storage_name
 
     assert storage_name("abc_DEF-123") == "abc_DEF-123"
     assert all(storage_name(n).startswith("h.") and "/" not in storage_name(n)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from lm_console.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 

@@ -29,10 +29,10 @@ class ThreadServer:
     """AsyncLLM + the app under uvicorn in a daemon thread; stop() drains it and shuts down."""
 
     def __init__(self, model: str, settings: Any = None, **engine_args: Any) -> None:
-        from engine import AsyncLLM
-        from engine.entrypoints.openai.api_server import build_app
-        from engine.entrypoints.openai.lifecycle import ApiServer, bind_socket
-        from engine.entrypoints.openai.settings import ServerSettings
+        from lm_console.engine import AsyncLLM
+        from lm_console.engine.entrypoints.openai.api_server import build_app
+        from lm_console.engine.entrypoints.openai.lifecycle import ApiServer, bind_socket
+        from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
         self.settings = settings or ServerSettings()
         self.engine = AsyncLLM(model, **engine_args)

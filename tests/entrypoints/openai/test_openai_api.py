@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.version import __version__
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.version import __version__
 from openai_server_helpers import ThreadServer, parse_metrics, read_sse, sample_value
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=512, num_threads=1,
@@ -24,7 +24,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     srv = ThreadServer(str(tiny_llama_dir), ServerSettings(served_model_names=("tiny", "tiny-alias")), **ENGINE_ARGS)
     yield srv
@@ -224,7 +224,7 @@ def test_prompt_logprobs_and_echo_with_logprobs(client, reference) -> None:
 
 def test_n_choices_share_one_prompt_logprobs_build(client, monkeypatch) -> None:
     """n=3: every choice carries the same prompt logprobs, built once per prompt, not once per choice."""
-    from engine.entrypoints.openai import serving_completion
+    from lm_console.engine.entrypoints.openai import serving_completion
 
     built_rows: list[object] = []
     echo_builds: list[list[int]] = []

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from engine.entrypoints.openai.auth import api_key_matches
+from lm_console.engine.entrypoints.openai.auth import api_key_matches
 from openai_server_helpers import ThreadServer, assert_openai_error
 
 KEY = "sk-test-4d1e8f"
@@ -23,7 +23,7 @@ PROTECTED = [
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     srv = ThreadServer(str(tiny_llama_dir), ServerSettings(api_key=KEY), **ENGINE_ARGS)
     yield srv

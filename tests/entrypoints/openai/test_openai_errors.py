@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from lm_console.engine import LLM, SamplingParams
 from mm_factory import make_image, png_bytes
 from openai_server_helpers import ThreadServer, assert_openai_error, read_sse
 
@@ -36,7 +36,7 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_idefics3_dir, media_dir):
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     settings = ServerSettings(served_model_names=("vlm",), max_request_body=MAX_BODY,
                               allowed_local_media_path=media_dir / "allowed", media_fetch_timeout_s=5.0)

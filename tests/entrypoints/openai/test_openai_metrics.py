@@ -25,7 +25,7 @@ PROMPTS = ["The history of computing is a story of abstractions stacked on one a
 
 
 def make_server(model_dir, num_blocks: int) -> ThreadServer:
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     return ThreadServer(str(model_dir), ServerSettings(served_model_names=("tiny",)),
                         num_gpu_blocks_override=num_blocks, **ENGINE_ARGS)

@@ -34,7 +34,7 @@ MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     srv = ThreadServer(str(tiny_llama_dir), ServerSettings(served_model_names=("tiny",)), **ENGINE_ARGS)
     yield srv

@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 
-from engine.metrics.kv_events import BlockStored, KVEventSubscriber
+from lm_console.engine.metrics.kv_events import BlockStored, KVEventSubscriber
 from openai_server_helpers import ServeProcess
 
 

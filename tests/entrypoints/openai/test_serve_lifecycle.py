@@ -133,7 +133,7 @@ def test_engine_core_sigkill_ends_streams_with_an_error_and_exits_non_zero(tiny_
 
 def test_a_drain_does_not_wait_for_an_attached_console(tiny_llama_dir) -> None:
     """A console stream holds no engine request: the drain ignores it and then ends it."""
-    from engine.entrypoints.openai.settings import ServerSettings
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     # A drain that waited for the console would sit out this timeout instead of exiting at once.
     settings = ServerSettings(shutdown_timeout_s=600.0)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.distributed.kv_transfer.offload import store as store_module
-from engine.errors import InvalidEngineArgsError
+from lm_console.engine import LLM, SamplingParams
+from lm_console.engine.distributed.kv_transfer.offload import store as store_module
+from lm_console.engine.errors import InvalidEngineArgsError
 
 CHUNK = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -172,7 +172,7 @@ def test_load_that_never_completes_times_out_into_recompute(make_llm, tiny_llama
 
 @pytest.mark.slow
 def test_layer_by_layer_load_timeout_recomputes(make_llm, tiny_llama_dir, reference, monkeypatch) -> None:
-    from engine.distributed.kv_transfer.offload import worker_side
+    from lm_console.engine.distributed.kv_transfer.offload import worker_side
 
     llm = engine(make_llm, tiny_llama_dir, offload_config(None, load_timeout_s=0.2, load_mode="layerwise"))
     worker = llm.engine_core.engine_core.model_executor.worker.model_runner.kv_connector._worker
@@ -313,8 +313,8 @@ def test_under_memory_pressure_with_preemption_and_chunked_prefill(make_llm, tin
 
 @pytest.mark.slow
 def test_kv_events_carry_the_cpu_and_disk_medium(make_llm, tiny_llama_dir, tmp_path) -> None:
-    from engine.metrics.kv_events import BlockStored
-    from engine.metrics.kv_events import KVEventSubscriber
+    from lm_console.engine.metrics.kv_events import BlockStored
+    from lm_console.engine.metrics.kv_events import KVEventSubscriber
 
     llm = engine(make_llm, tiny_llama_dir, offload_config(tmp_path), multiprocess=True, enable_kv_cache_events=True)
     subscriber = KVEventSubscriber(llm.kv_events_endpoint)

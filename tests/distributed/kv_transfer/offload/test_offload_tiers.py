@@ -11,18 +11,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.distributed.kv_transfer.config import KVTransferConfig
-from engine.distributed.kv_transfer.offload import disk_tier as disk_tier_module
-from engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, decode, encode_header
-from engine.distributed.kv_transfer.offload.chunk_hash import ChunkHasher
-from engine.distributed.kv_transfer.offload.cpu_tier import CPUTier
-from engine.distributed.kv_transfer.offload.disk_tier import DiskTier
-from engine.distributed.kv_transfer.offload.settings import OffloadSettings
-from engine.distributed.kv_transfer.offload.store import TieredKVStore
-from engine.errors import InvalidEngineArgsError
-from engine.kv_cache_hashing import sha256_cbor
-from engine.metrics.kv_events import BlockRemoved, BlockStored
+from lm_console.engine.config import CacheConfig, EngineConfig, ModelConfig
+from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
+from lm_console.engine.distributed.kv_transfer.offload import disk_tier as disk_tier_module
+from lm_console.engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, decode, encode_header
+from lm_console.engine.distributed.kv_transfer.offload.chunk_hash import ChunkHasher
+from lm_console.engine.distributed.kv_transfer.offload.cpu_tier import CPUTier
+from lm_console.engine.distributed.kv_transfer.offload.disk_tier import DiskTier
+from lm_console.engine.distributed.kv_transfer.offload.settings import OffloadSettings
+from lm_console.engine.distributed.kv_transfer.offload.store import TieredKVStore
+from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.kv_cache_hashing import sha256_cbor
+from lm_console.engine.metrics.kv_events import BlockRemoved, BlockStored
 
 SHAPE = (2, 2, 8, 2, 4)  # [layers, K/V, chunk tokens, kv heads, head dim]
 
@@ -64,7 +64,7 @@ def test_a_header_of_the_wrong_shape_is_a_corrupt_chunk(tmp_path: Path, header: 
     """Issue 18 item 11: on main a JSON list header raised AttributeError (not counted, not deleted)."""
     import struct
 
-    from engine.distributed.kv_transfer.offload.chunk_codec import MAGIC
+    from lm_console.engine.distributed.kv_transfer.offload.chunk_codec import MAGIC
 
     header = header.replace(b"%s", key(1).hex().encode()) if b"%s" in header else header
     tier = DiskTier(tmp_path, capacity_bytes=1 << 20)

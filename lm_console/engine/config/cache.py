@@ -1,0 +1,94 @@
+"""CacheConfig: the paged KV cache's geometry, prefix caching and memory budget."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry, prefix caching and the memory budget."""
+
+    block_size: int = 16  # tokens per block
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256_cbor"  # lm_console/engine/kv_cache_hashing.py
+    kv_cache_memory: int | None = None  # bytes of KV cache on CPU (None: 1 GiB)
+    # Touch every page of the CPU KV cache at start-up, as vLLM's torch.zeros cache does. Off,
+    # pages are faulted in (and zeroed by the kernel) when first written: a cold start pays
+    # nothing for the cache, but the first passes over it pay that zeroing inside the steps
+    # (about 0.4 s of a 4 s batched run where the VM backs memory lazily; on CUDA and off Linux
+    # the cache is torch.zeros, every page written already; README "KV cache pages").
+    kv_cache_prefault: bool = False
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory the engine may use
+    num_gpu_blocks_override: int | None = None  # skip the memory budget, use this many blocks
+    enable_kv_cache_events: bool = False
+    kv_cache_metrics: bool = False  # sampled block lifetimes (lm_console/engine/core/kv_cache/block_metrics.py)
+    kv_cache_metrics_sample: float = 0.01  # the fraction of allocated blocks that record them
+    # Blocks in the pool (the null block included). None in the config the workers start with:
+    # the core decides it once from their memory budget, and the config it hands on (scheduler,
+    # KV connector, ready handshake, frontend) carries it.
+    num_blocks: int | None = None
+    # The KV cache's element type: the model's dtype name, or "int8" (each kv head's row of a
+    # token as int8 values and a float32 scale: lm_console/engine/attention/int8_cache.py). EngineArgs
+    # resolves "auto" before the config is made (resolve_kv_cache_dtype).
+    kv_cache_dtype: str = "auto"
+
+
+# kv_cache_dtype values EngineArgs accepts: auto, int8, or the model's own dtype by name.
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "bfloat16", "float16", "float32")
+
+
+def int8_kernels_serve(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> bool:
+    """Whether the C kernels take an int8 cache of this shape on this machine (AVX512-BF16,
+    head_dim 64 or 128, ...; lm_console/kernels/cpu_attention.py supports_int8). Loads (or builds) the
+    attention kernels: it runs where the engine core runs, which loads them anyway."""
+    from lm_console.kernels.cpu_attention import supports_int8
+
+    return supports_int8(head_dim, num_heads, num_kv_heads, block_size)
+
+
+def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantization: str | None,
+                           head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
+                           attention_backend: str) -> str:
+    """The KV cache's element type: "int8" or the model's dtype name (InvalidEngineArgsError for
+    a combination that cannot run).
+
+    "auto" takes the int8 cache where the weights run quantized on the CPU (quantization "gguf"
+    or "int8", bf16 activations): there its kernels read half the bytes of a bf16 cache per
+    decode step (the step's attention is memory-bound), at +0.1% perplexity on the embedded
+    model (README "Quantized CPU inference"), when the C kernels take the model's shape on this
+    machine (int8_kernels_serve; elsewhere the torch path would dequantize every step).
+    Everything else keeps the model's dtype, as vLLM's "auto" does. An explicit "int8" the
+    kernels cannot serve runs on the torch path, with a warning. KV connectors move the cache's
+    own bytes (the OffloadConnector's chunks and fingerprint name the cache's type, so chunks of
+    an int8 and a bf16 engine never mix).
+    """
+    from lm_console.engine.errors import InvalidEngineArgsError
+
+    shape = (head_dim, num_heads, num_kv_heads, block_size)
+    if requested == "auto":
+        if (quantization is not None and device == "cpu" and dtype == "bfloat16"
+                and attention_backend in ("auto", "torch") and int8_kernels_serve(*shape)):
+            return "int8"
+        return dtype
+    if requested == "int8":
+        if device != "cpu":
+            raise InvalidEngineArgsError(f"kv_cache_dtype='int8' runs on the CPU only (device={device!r}).")
+        if attention_backend == "triton":
+            raise InvalidEngineArgsError("kv_cache_dtype='int8' needs the torch attention backend (the CPU kernels); "
+                                         "attention_backend='triton' has no int8 cache.")
+        if dtype != "bfloat16" or not int8_kernels_serve(*shape):
+            logger.warning(
+                "kv_cache_dtype='int8': the C kernels do not take this model here (%s, head_dim %d, %d heads over "
+                "%d kv heads, block_size %d; they need bf16 on AVX512-BF16, head_dim 64 or 128, at most 64 heads "
+                "and 16 per kv head): attention runs on the torch path, dequantizing the cache every step, "
+                "slower than kv_cache_dtype='auto'.", dtype, *shape)
+        return "int8"
+    if requested != dtype:
+        raise InvalidEngineArgsError(
+            f"kv_cache_dtype={requested!r} differs from the model's dtype {dtype!r}: the KV cache holds the model's "
+            "dtype, or 'int8' (quantized per token and kv head); use 'auto', 'int8' or the model's dtype.")
+    return dtype

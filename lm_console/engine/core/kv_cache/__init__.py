@@ -1,0 +1,21 @@
+"""Paged KV cache management, pure Python (seed: KVCacheManager, BlockPool, prefix cache, lines 2058-3251).
+
+The types the KV cache shares with other layers live at the bottom: the specs and KVCacheConfig
+in lm_console/engine/kv_cache_interface.py, the prefix hash chain in lm_console/engine/kv_cache_hashing.py, the KV cache
+events in lm_console/engine/metrics/kv_events.py.
+"""
+
+from lm_console.engine.core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
+from lm_console.engine.core.kv_cache.block_pool import BlockHashToBlockMap, BlockPool
+from lm_console.engine.core.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from lm_console.engine.core.kv_cache.metrics import PrefixCacheStats
+
+__all__ = [
+    "BlockHashToBlockMap",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "PrefixCacheStats",
+]

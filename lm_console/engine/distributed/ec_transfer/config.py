@@ -1,0 +1,63 @@
+"""ECTransferConfig: which ECConnector, in which role (seed: ECTransferConfig, lines 770-790)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from lm_console.engine.errors import InvalidEngineArgsError
+
+ECRole = Literal["ec_producer", "ec_consumer", "ec_both"]
+_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+
+
+@dataclass(slots=True)
+class ECTransferConfig:
+    """The `ec_transfer_config` engine argument, validated.
+
+    ec_producer: this engine only runs encoders and saves their outputs (no decoder, no KV);
+    ec_consumer: it loads encoder outputs from the connector instead of computing them;
+    ec_both: it does both.
+    """
+
+    ec_connector: str = "ECExampleConnector"
+    ec_role: ECRole = "ec_consumer"
+    ec_connector_module_path: str | None = None  # load ec_connector from this module instead
+    ec_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_ec_producer(self) -> bool:
+        return self.ec_role in ("ec_producer", "ec_both")
+
+    @property
+    def is_ec_consumer(self) -> bool:
+        return self.ec_role in ("ec_consumer", "ec_both")
+
+    @property
+    def is_producer_only(self) -> bool:
+        """An encoder-only engine: runs encoders, skips the decoder, allocates no KV cache."""
+        return self.ec_role == "ec_producer"
+
+    @classmethod
+    def from_arg(cls, value: dict[str, Any] | str | ECTransferConfig) -> ECTransferConfig:
+        """Build from a dict or a JSON string, naming unknown keys and bad roles."""
+        if isinstance(value, ECTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as error:
+                raise InvalidEngineArgsError(f"ec_transfer_config is not valid JSON: {error}") from error
+        if not isinstance(value, dict):
+            raise InvalidEngineArgsError("ec_transfer_config must be a dict or a JSON object string.")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise InvalidEngineArgsError(f"ec_transfer_config has unknown keys {unknown}; allowed: {sorted(names)}.")
+        config = cls(**value)
+        if config.ec_role not in _ROLES:
+            raise InvalidEngineArgsError(f"ec_role={config.ec_role!r} must be one of {', '.join(_ROLES)}.")
+        if not isinstance(config.ec_connector_extra_config, dict):
+            raise InvalidEngineArgsError("ec_connector_extra_config must be a dict.")
+        return config

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible server: build_app(engine, settings) -> FastAPI, and run_server.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, the console stream's /lmc/v1/... (lm_console/engine/entrypoints/console_stream.py; all
+behind require_api_key), and the open GET /health, /version, /metrics.
+ServerGate (gate.py) answers 413 / 503 before a route runs; the routes parse their own bodies
+(422 for not-JSON, 400 naming the field), and every exception becomes an OpenAI-shaped error.
+A watchdog task marks the server dead within 0.1 s of the engine core's death; lifecycle.py
+then stops it with exit code 1, and drains it on SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from lm_console.engine.entrypoints.console_protocol import STREAM_PATH
+from lm_console.engine.entrypoints.console_stream import build_console_router
+from lm_console.engine.entrypoints.openai import errors
+from lm_console.engine.entrypoints.openai.auth import require_api_key
+from lm_console.engine.entrypoints.openai.errors import OpenAIError
+from lm_console.engine.entrypoints.openai.gate import ServerGate, ServerState
+from lm_console.engine.entrypoints.openai.lifecycle import ApiServer
+from lm_console.engine.entrypoints.openai.metrics import make_stat_logger
+from lm_console.engine.entrypoints.openai.protocol import (
+    CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
+)
+from lm_console.engine.entrypoints.openai.protocol_chat import ChatCompletionRequest, TokenizeChatRequest
+from lm_console.engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from lm_console.engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from lm_console.engine.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
+from lm_console.engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from lm_console.engine.entrypoints.openai.settings import ServerSettings
+from lm_console.engine.version import __version__
+
+if TYPE_CHECKING:
+    from lm_console.engine.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.1
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+
+
+async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+    """The JSON body as `model` (or as the model chosen from the decoded object): 422 when it is
+    not JSON, 400 when a field is wrong."""
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise OpenAIError(HTTPStatus.UNPROCESSABLE_ENTITY, f"The request body is not valid JSON: {error}.",
+                          code="invalid_json") from error
+    if not isinstance(data, dict):
+        raise errors.bad_request("The request body must be a JSON object.")
+    chosen: type[BaseModel] = model if isinstance(model, type) else model(data)
+    try:
+        return chosen.model_validate(data)
+    except ValidationError as error:
+        raise errors.from_validation_error(error) from error
+
+
+async def answer(work: Any, prompt_param: str = "prompt") -> Any:
+    """Await a handler's work; map whatever it raises to an OpenAIError."""
+    try:
+        return await work
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except OpenAIError:
+        raise
+    except Exception as error:  # noqa: BLE001 - every request gets an OpenAI-shaped answer
+        raise errors.from_exception(error, prompt_param) from error
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app over a started AsyncLLM (the caller owns the engine and shuts it down)."""
+    state = ServerState()
+    ctx = ServingContext(engine, settings, state)
+    stat_logger = make_stat_logger(engine, ctx.served_model_names[0])
+    engine.add_stat_logger(stat_logger)
+    ctx.on_aborted = stat_logger.record_aborted
+    completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
+    tokenization = OpenAIServingTokenization(ctx)
+    console = build_console_router(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watchdog = asyncio.create_task(_watch_engine(app), name="engine-watchdog")
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            console.console_hub.close()  # type: ignore[attr-defined]
+            await ctx.media.aclose()
+
+    app = FastAPI(title="lm-console OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.server_state = state
+    app.state.ctx = ctx
+    app.state.engine = engine
+    app.state.stat_logger = stat_logger
+    app.state.console_hub = console.console_hub  # type: ignore[attr-defined]  # closed when the server stops
+    app.state.on_engine_dead = None  # set by ApiServer: stops the server after dead_exit_delay_s
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine_dead or engine.errored:
+            raise errors.engine_dead(str(engine.dead_error or ""))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        await stat_logger.refresh(engine)
+        return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
+
+    api = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @api.get("/v1/models")
+    async def show_models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=engine.config.model_config.model_dir, max_model_len=ctx.max_model_len)
+                 for name in ctx.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @api.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, CompletionRequest)
+        return await answer(completion.create(request, raw_request))
+
+    @api.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ChatCompletionRequest)
+        return await answer(chat.create(request, raw_request), prompt_param="messages")
+
+    @api.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        request = await parse_body(
+            raw_request, lambda data: TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        result = await answer(tokenization.tokenize(request))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @api.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, DetokenizeRequest)
+        result = await answer(tokenization.detokenize(request))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    app.include_router(api)
+    app.include_router(console, dependencies=[Depends(require_api_key)])
+    # A console stream holds no engine request: a drain does not wait for it (the server closes
+    # the console hub when it stops, which ends the streams).
+    app.add_middleware(ServerGate, state=state, max_body=settings.max_request_body, uncounted=frozenset({STREAM_PATH}))
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def respond(error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return respond(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == HTTPStatus.NOT_FOUND:
+            message = f"No route {request.method} {request.url.path}; see /docs for the API."
+            return respond(OpenAIError(error.status_code, message, code="not_found"))
+        return respond(OpenAIError(error.status_code, str(error.detail), code=None))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return respond(errors.bad_request(f"Invalid request: {error.errors()}"))
+
+
+async def _watch_engine(app: FastAPI) -> None:
+    """Mark the server dead as soon as the engine core dies, then tell the ApiServer."""
+    engine, state = app.state.engine, app.state.server_state
+    while not engine.errored:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    state.engine_dead = True
+    state.dead_reason = str(engine.dead_error or "")
+    logger.error("The engine core died (%s); answering 503 and exiting.", state.dead_reason)
+    callback = app.state.on_engine_dead
+    if callback is not None:
+        callback()
+
+
+def run_server(engine: AsyncLLM, settings: ServerSettings, on_ready: Callable[[str], None] | None = None) -> int:
+    """Serve in this thread until a signal drains the server or the engine dies, then shut the
+    engine down; returns the exit code (0 drained, 1 engine died)."""
+    try:
+        server = ApiServer(build_app(engine, settings), settings)
+        return asyncio.run(server.run(on_ready))
+    finally:
+        engine.shutdown()

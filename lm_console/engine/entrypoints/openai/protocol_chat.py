@@ -1,0 +1,191 @@
+"""Chat models: POST /v1/chat/completions and the chat form of POST /tokenize (vLLM's shapes).
+
+Message content is a string or a list of parts: {"type": "text", "text"} and
+{"type": "image_url", "image_url": {"url"}} where url is a data: URL, an http(s) URL (fetched
+by the server) or a file:// URL under --allowed-local-media-path. Tool calling, functions and
+audio are refused with 400: the engine has no tool parser.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from lm_console.engine.entrypoints.openai.errors import bad_request
+from lm_console.engine.entrypoints.openai.protocol import (
+    SAMPLING_UNSUPPORTED, PromptLogprobs, RequestModel, ResponseModel, SamplingFields, UsageInfo,
+)
+
+
+class ImageURL(RequestModel):
+    url: str
+    detail: Literal["auto"] | None = None  # "low" / "high" would change the resolution: not supported
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessageParam(RequestModel):
+    """One message of the conversation."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The dict engine.multimodal.chat expects (image parts keep their URL for now)."""
+        content: Any = self.content if self.content is not None else ""
+        if isinstance(content, list):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatTemplateFields(RequestModel):
+    """How the conversation becomes a prompt (shared by chat completions and /tokenize)."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's.",
+                              "continue_final_message")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        for reserved in ("tokenize", "add_generation_prompt", "continue_final_message", "messages"):
+            if reserved in kwargs:
+                raise bad_request(f"chat_template_kwargs may not set '{reserved}'; use the request field.",
+                                  "chat_template_kwargs")
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """POST /v1/chat/completions."""
+
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
+        **SAMPLING_UNSUPPORTED,
+        "tools": (([],), "the engine has no tool-call parser"),
+        "tool_choice": (("none", "auto"), "the engine has no tool-call parser"),
+        "functions": (([],), "the engine has no tool-call parser"),
+        "function_call": (("none", "auto"), "the engine has no tool-call parser"),
+    }
+
+    def check(self, max_logprobs: int, max_stop_strings: int, max_n: int) -> None:
+        """Every check that needs no engine (400 on failure)."""
+        self.check_common(max_stop_strings, max_n)
+        self.check_template()
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= max_logprobs:
+                raise bad_request(f"top_logprobs must be in [0, {max_logprobs}], got {self.top_logprobs}.",
+                                  "top_logprobs")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """POST /tokenize with messages (text parts only)."""
+
+    model: str | None = None
+    return_token_strs: bool | None = False
+
+
+class ChatCompletionLogProb(ResponseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(ResponseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(ResponseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(ResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra: with the request's prompt_logprobs
+
+
+class DeltaMessage(ResponseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None

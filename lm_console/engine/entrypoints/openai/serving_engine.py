@@ -1,0 +1,285 @@
+"""What the completion and chat endpoints share: the context, engine requests, SSE, disconnects.
+
+EngineRequest splits AsyncLLM.generate in two: start() validates and sends the request (so a
+bad request is an HTTP 400, not an event in a 200 stream), then iterating yields its outputs.
+Leaving the iteration early (a client that disconnects, a drain that runs out of time) aborts
+the request in the engine core, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+from lm_console.engine.entrypoints.openai.errors import bad_request, from_exception
+from lm_console.engine.entrypoints.openai.gate import ServerState
+from lm_console.engine.entrypoints.openai.media import MediaLoader
+from lm_console.engine.entrypoints.openai.protocol import SamplingFields, check_model
+from lm_console.engine.entrypoints.openai.settings import ServerSettings
+from lm_console.engine.outputs import RequestOutput
+from lm_console.engine.entrypoints.openai.structured_outputs import to_structured_outputs_params
+from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from lm_console.engine.frontend.async_llm import AsyncLLM
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+class ServingContext:
+    """The engine, the settings and the shared state every endpoint uses."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, state: ServerState) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.state = state
+        self.media = MediaLoader(settings)
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len: int = engine.config.model_config.max_model_len
+        self.served_model_names = list(settings.served_model_names) or [engine.config.model_config.model_name]
+        # Told how many engine requests ended by abort (client gone, drain timeout): the
+        # frontend never sees their final step, so the metrics learn of them here.
+        self.on_aborted: Callable[[int], None] | None = None
+
+    def model_name(self, requested: str | None) -> str:
+        return check_model(requested, self.served_model_names)
+
+    def count_aborted(self, num_requests: int) -> None:
+        if self.on_aborted is not None:
+            self.on_aborted(num_requests)
+
+
+class EngineRequest:
+    """One request in the engine: start() it, then `async for output in request`."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams,
+                 cache_salt: str | None = None, priority: int = 0) -> None:
+        self.ctx = ctx
+        self.priority = priority
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.cache_salt = cache_salt
+        self._collector: Any = None
+        self.finished = False
+
+    async def start(self) -> None:
+        """Validate and send; raises the engine's error (mapped to 400 by the caller)."""
+        self._collector = await self.ctx.engine.add_request(self.request_id, self.prompt, self.params,
+                                                            self.cache_salt, self.priority)
+        self.ctx.state.request_ids.add(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        collector = self._collector
+        assert collector is not None, "start() first"
+        try:
+            while not self.finished:
+                output = collector.get_nowait() or await collector.get()
+                self.finished = output.finished
+                if self.finished and any(c.finish_reason == "abort" for c in output.outputs):
+                    self.ctx.count_aborted(self.params.n)  # aborted by the server's drain
+                yield output
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Forget the request; abort it in the engine unless it finished (idempotent)."""
+        self.ctx.state.request_ids.discard(self.request_id)
+        if self._collector is not None and not self.finished:
+            self.finished = True
+            self.ctx.engine.abort_nowait(self.request_id)
+            self.ctx.count_aborted(self.params.n)
+
+
+async def start_all(requests: list[EngineRequest]) -> None:
+    """Start every request; if one is refused, close the ones already started and re-raise."""
+    try:
+        for request in requests:
+            await request.start()
+    except BaseException:
+        close_all(requests)
+        raise
+
+
+async def merge(requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index of the request, output) from several running requests, as they arrive."""
+    if len(requests) == 1:
+        async for output in requests[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, request: EngineRequest) -> None:
+        try:
+            async for output in request:
+                queue.put_nowait((index, output))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer (cancellation is not)
+            queue.put_nowait((index, error))
+            return
+        queue.put_nowait((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(requests)
+
+
+async def until_disconnect(raw_request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client disconnects first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response that closes its engine requests however it ends.
+
+    The events generator closes them too, but a client that disconnects before the first event
+    is sent cancels the response before the generator ever runs.
+    """
+
+    def __init__(self, events: AsyncIterator[str], requests: list[EngineRequest]) -> None:
+        super().__init__(guarded_stream(events), media_type="text/event-stream")
+        self.requests = requests
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self.requests)
+
+
+def close_all(requests: list[EngineRequest]) -> None:
+    """Abort whatever has not finished (idempotent)."""
+    for request in requests:
+        request.close()
+
+
+def sse(payload: BaseModel | dict[str, Any], exclude_unset: bool = True) -> str:
+    """One server-sent event frame, exactly as OpenAI sends it."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude_unset=exclude_unset)
+    else:
+        data = json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """The error event that ends a stream (followed by [DONE])."""
+    return f"data: {json.dumps(from_exception(error).body())}\n\n"
+
+
+async def guarded_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass events through; an error mid-stream becomes an error event, then [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - every stream ends with an answer
+        yield sse_error(error)
+        yield SSE_DONE
+
+
+def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                         stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams from the shared fields (the engine validates the ranges)."""
+    return SamplingParams(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        presence_penalty=0.0 if request.presence_penalty is None else request.presence_penalty,
+        frequency_penalty=0.0 if request.frequency_penalty is None else request.frequency_penalty,
+        seed=request.seed,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop=request.stop_list,
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=to_structured_outputs_params(request),
+    )
+
+
+def fit_prompt(ctx: ServingContext, token_ids: list[int], truncate: int | None, max_tokens: int | None,
+               param: str) -> tuple[list[int], int | None]:
+    """Truncate (vLLM's truncate_prompt_tokens keeps the last k) and check the context budget.
+
+    Returns (token ids, max_tokens); like vLLM, a prompt plus max_tokens over max_model_len is a
+    400 rather than a silently shortened completion. max_tokens None means "up to the context".
+    """
+    limit = ctx.max_model_len
+    if truncate is not None:
+        if truncate == -1:
+            truncate = limit - 1
+        if truncate < 1:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {truncate}.", "truncate_prompt_tokens")
+        if truncate >= limit:
+            raise bad_request(f"truncate_prompt_tokens={truncate} must be below max_model_len={limit}.",
+                              "truncate_prompt_tokens")
+        token_ids = token_ids[-truncate:]
+    if len(token_ids) >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{len(token_ids)} tokens, which leaves no room for a completion. Please shorten the prompt.",
+            param, "context_length_exceeded")
+    if max_tokens is not None and len(token_ids) + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or completion.",
+            "max_tokens", "context_length_exceeded")
+    return token_ids, max_tokens
+

@@ -1,0 +1,46 @@
+"""POST /tokenize and POST /detokenize with the served model's tokenizer (vLLM's shapes).
+
+/tokenize takes {"prompt"} or {"messages"} (rendered with the chat template, text parts only);
+it answers {"count", "max_model_len", "tokens", "token_strs"}. /detokenize takes {"tokens"}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm_console.engine.entrypoints.openai.errors import bad_request
+from lm_console.engine.entrypoints.openai.protocol import (
+    DetokenizeRequest, DetokenizeResponse, TokenizeCompletionRequest, TokenizeResponse,
+)
+from lm_console.engine.entrypoints.openai.protocol_chat import TokenizeChatRequest
+from lm_console.engine.entrypoints.openai.serving_chat import render_chat_prompt
+from lm_console.engine.entrypoints.openai.serving_engine import ServingContext
+
+
+class OpenAIServingTokenization:
+    """The tokenizer endpoints over one ServingContext."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        ctx = self.ctx
+        ctx.model_name(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            request.check_template()
+            prompt: dict[str, Any] = await render_chat_prompt(ctx, request, allow_images=False)
+            token_ids = list(prompt["prompt_token_ids"])
+        else:
+            token_ids = ctx.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids,
+                                token_strs=token_strs)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        ctx = self.ctx
+        ctx.model_name(request.model)
+        vocab_size = ctx.engine.config.model_config.vocab_size
+        bad = [token for token in request.tokens if token >= vocab_size]
+        if bad:
+            raise bad_request(f"tokens must be ids in [0, {vocab_size}); got {bad[:5]}.", "tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))

@@ -1,0 +1,176 @@
+"""Ray plumbing for RayDistributedExecutor: the cluster connection, the placement group, the worker actor.
+
+Which cluster: the one this process already joined (ray.is_initialized()), else RAY_ADDRESS
+(the frontend hands its own to the engine core, see core_ray_environment), else one that
+`ray start` runs on this machine, else a private local instance that the executor starts and stops.
+Placement: one bundle per rank ({"CPU": 1} on CPU, {"GPU": 1} on CUDA), PACK strategy, so the
+ranks fill one node before spilling to the next. Nothing here imports ray at module level:
+the frontend calls core_ray_environment without Ray installed.
+
+What crosses Ray: the worker methods' arguments and results, serialized by Ray itself (its
+pickle-based object store, over Ray's own channels, not one of the engine's sockets); the
+worker's node report, which is ours, is msgspec.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import threading
+from typing import Any
+
+import msgspec
+
+from lm_console.engine.errors import EngineStartupError, InvalidEngineArgsError
+
+RAY_NAMESPACE = "lm-console"
+PLACEMENT_TIMEOUT_S = float(os.environ.get("LMC_RAY_PLACEMENT_TIMEOUT", "60"))
+
+
+def import_ray(option: str = "distributed_executor_backend") -> Any:
+    """The ray module, or a clear error naming the option that asked for it and the extra to install."""
+    try:
+        import ray
+    except ImportError:
+        raise InvalidEngineArgsError(
+            f"{option}='ray' needs Ray: pip install 'lm-console[ray]' (or pip install ray).") from None
+    return ray
+
+
+# Ray's own switch: "0" makes a single-machine instance use 127.0.0.1 instead of the machine's address.
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def core_ray_environment() -> dict[str, str]:
+    """The Ray settings of the frontend that the engine core needs: the cluster it joined (else
+    $RAY_ADDRESS) and Ray's loopback switch.
+
+    The core starts from a forkserver that predates a later ray.init or os.environ change in
+    the frontend, so they are handed on explicitly.
+    """
+    environment = {}
+    ray = sys.modules.get("ray")
+    address = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        environment["RAY_ADDRESS"] = address
+    # RAY_AUTH_MODE: ray.init sets it in the process that started the cluster (token auth, with
+    # the token in ~/.ray); a core without it is refused by that cluster. RAY_AUTH_TOKEN(_PATH):
+    # a token the user handed to the frontend.
+    for name in (_LOOPBACK_SWITCH, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        if name in os.environ:
+            environment[name] = os.environ[name]
+    return environment
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(error: BaseException) -> str:
+    """A Ray error's first line without the terminal colour codes Ray puts in it (the message
+    reaches the console, HTTP answers and logs, where they show as garbage)."""
+    text = _ANSI_ESCAPE.sub("", str(error)).strip()
+    return text.splitlines()[0] if text else repr(error)
+
+
+def connect(option: str = "distributed_executor_backend") -> bool:
+    """Join the cluster (see the module docstring); True when this call started a local instance."""
+    ray = import_ray(option)
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        return False
+    try:  # a cluster that `ray start` runs on this machine
+        ray.init(address="auto", namespace=RAY_NAMESPACE, log_to_driver=False)
+        return False
+    except ConnectionError:
+        pass
+    ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def worker_bundle(device: str) -> dict[str, float]:
+    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+
+
+def make_placement_group(world_size: int, bundle: dict[str, float], what: str = "workers",
+                         remedy: str = "lower tensor_parallel_size") -> Any:
+    """world_size copies of bundle (one per rank: worker_bundle for the workers), reserved before
+    any actor starts; a clear error when the cluster is too small."""
+    ray = import_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise EngineStartupError(
+            f"The Ray cluster cannot place {world_size} {what} with {bundle} each within "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s: it has {ray.cluster_resources()} in all and "
+            f"{ray.available_resources()} free. Add nodes (ray start --address ...) or {remedy}."
+        ) from None
+    return group
+
+
+class WorkerNodeInfo(msgspec.Struct, array_like=True):
+    """Where one worker actor runs (its report to the executor)."""
+
+    node_id: str
+    ip: str
+    pid: int
+    gpu_ids: list[str] = []
+
+
+def node_info() -> bytes:
+    """This actor's WorkerNodeInfo, msgpack-encoded."""
+    import ray
+
+    context = ray.get_runtime_context()
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+    return msgspec.msgpack.encode(WorkerNodeInfo(context.get_node_id(), ray.util.get_node_ip_address(),
+                                                 os.getpid(), gpu_ids))
+
+
+class RayWorkerWrapper:
+    """The body of one worker actor: the engine's Worker, built once the executor knows the ranks."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def node_info(self) -> bytes:
+        return node_info()
+
+    def free_port(self) -> int:
+        """A free TCP port on this node (torch.distributed's rendezvous, served by rank 0)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def init_worker(self, config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
+                    cuda_visible_devices: str | None) -> None:
+        if cuda_visible_devices is not None:
+            # Every rank on a node sees all of the node's workers' GPUs and picks its own by local_rank.
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        from lm_console.engine.worker.worker import Worker
+
+        self.worker = Worker(config, rank=rank, local_rank=local_rank,
+                             distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
+
+    def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a Worker method by name, or a function with the worker first (collective_rpc)."""
+        if isinstance(method, str):
+            return getattr(self.worker, method)(*args, **kwargs)
+        return method(self.worker, *args, **kwargs)
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+    def wait_forever(self) -> None:
+        """Never returns: the executor's monitor learns of the actor's death when this call fails
+        (the actor runs it in its second thread, max_concurrency=2)."""
+        threading.Event().wait()
