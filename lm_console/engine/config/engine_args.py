@@ -44,7 +44,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
-    async_scheduling: bool = False  # schedule step N+1 while step N runs (lm_console/engine/core/sched/async_scheduler.py)
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (AsyncScheduler, core/sched/scheduler.py)
     kv_cache_memory: int | None = None  # bytes of KV cache on CPU
     kv_cache_prefault: bool = False  # touch the CPU KV cache's pages at start-up (CacheConfig)
     # auto | int8 | the model's dtype: "auto" picks int8 where the weights run quantized on the

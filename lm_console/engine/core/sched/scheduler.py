@@ -1,23 +1,89 @@
-"""Scheduler: continuous batching under one token budget (seed: Scheduler, lines 340-420, 4740-).
+"""The Scheduler: continuous batching under one token budget, in one class, top to bottom.
 
-The class is assembled from one module per concept, each building on the one before:
-scheduler_base.py (state, requests in and out, finishing and freeing), preemption.py (victims,
-priority), step_scheduling.py (schedule(): RUNNING, then WAITING, then the SchedulerOutput;
-step_state.py holds its per-step records), output_update.py (update_from_output, stop checks);
-the stats snapshot is here. AsyncScheduler (async_scheduler.py) overrides a few of their hooks.
+Like vLLM's `vllm/v1/core/sched/scheduler.py`, there are no prefill and decode phases: a
+request's progress is its `num_computed_tokens`, and each `schedule()` call gives every request
+the tokens it still needs within the step's token budget. The class reads in the order a step
+runs: state and requests in and out; `schedule()` (RUNNING requests first, then WAITING ones,
+then the step's SchedulerOutput); preemption; `update_from_output()` (sampled tokens appended,
+stop checks); finishing and freeing; the stats snapshot.
+
+Its collaborators are composed, each with a do-nothing default: the WAITING queue
+(request_queue.py: fcfs or priority), the encoder budget and cache of multimodal models
+(encoder_scheduling.py), the KV connector's admission and delayed frees
+(kv_connector_scheduling.py) and the structured-output manager (the grammar gate and bitmask).
+`AsyncScheduler`, at the end of this module, schedules step N+1 before step N's tokens are known.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lm_console.engine.core.sched.output_update import OutputUpdate
-from lm_console.engine.core.sched.step_scheduling import StepScheduling
+from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.core.sched.encoder_scheduling import NoEncoderScheduler
+from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
+from lm_console.engine.core.sched.request_queue import create_request_queue
+from lm_console.engine.errors import DuplicateRequestError
 from lm_console.engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
+from lm_console.engine.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsLists,
+    RequestError,
+)
+from lm_console.engine.request import Request, RequestStatus
+from lm_console.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
+    from lm_console.engine.core.sched.encoder_scheduling import EncoderPlan, EncoderScheduler
+    from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase
+    from lm_console.engine.model_runner_output import ModelRunnerOutput
+    from lm_console.engine.structured_output import StructuredOutputManager
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
 
 
-class Scheduler(StepScheduling, OutputUpdate):
-    """Decides, each step, how many tokens every request computes (seed: Scheduler).
+@dataclass(slots=True)
+class _StepSchedule:
+    """What one schedule() call has decided so far; its phases fill it in turn."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)  # admitted from WAITING this step
+    cached_reqs: list[Request] = field(default_factory=list)  # RUNNING ones the worker holds
+    new_block_ids: dict[str, tuple[list[int], ...] | None] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+
+
+@dataclass(slots=True)
+class _Admission:
+    """How a WAITING request would be admitted: its computed tokens, then what it schedules."""
+
+    computed_blocks: KVCacheBlocks  # its prefix-cache hit
+    num_local_tokens: int  # tokens of that hit
+    num_external_tokens: int  # tokens a KV connector loads
+    load_async: bool  # the load runs across steps: the request parks until it ends
+    num_computed_tokens: int
+    num_new_tokens: int = 0
+    encoder_plan: EncoderPlan | None = None
+
+
+class Scheduler:
+    """Decides, each step, how many tokens every request computes and turns the sampled tokens into outputs.
 
     There are no prefill and decode phases: a request's progress is num_computed_tokens, and
     each step gives RUNNING requests their share of the token budget first, then admits
@@ -29,7 +95,468 @@ class Scheduler(StepScheduling, OutputUpdate):
     (or back from) a KV connector load do (see kv_connector_scheduling.py).
     """
 
-    # -- stats ----------------------------------------------------------------------------
+    # -- state, requests in and out ---------------------------------------------------------
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        log_stats: bool = True,
+        encoder_scheduler: EncoderScheduler | None = None,
+        connector: KVConnectorBase | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_running_reqs = max_num_seqs
+        self.max_num_scheduled_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.log_stats = log_stats  # record request events (queue time) and step counts
+        # Multimodal models: encoder budget, encoder cache, ECConnector (encoder_scheduling.py).
+        self.encoder_scheduler: EncoderScheduler | NoEncoderScheduler = encoder_scheduler or NoEncoderScheduler()
+        self.requests: dict[str, Request] = {}
+        # "fcfs" | "priority": the WAITING queue's order, and who is preempted (_pick_victim).
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the worker drops their state.
+        self.finished_req_ids: set[str] = set()
+        self._num_preempted_last_step = 0
+        self.num_preemptions_total = 0
+        self._last_num_scheduled_tokens = 0
+        self._last_num_prompt_tokens = 0
+        self._last_num_generation_tokens = 0
+        self.kv_transfer: KVConnectorScheduling | NoKVConnector = NoKVConnector()
+        self._init_kv_connector_state(connector)
+        # Structured outputs: fills the step's grammar bitmask (None: no structured requests).
+        self.structured_output_manager = structured_output_manager
+        # (client, output) of requests failed since the last update (a grammar that did not compile).
+        self._failed_outputs: list[tuple[int, EngineCoreOutput]] = []
+
+    def _init_kv_connector_state(self, connector: KVConnectorBase | None) -> None:
+        """Use `connector` for KV transfer (None: no connector)."""
+        self.kv_transfer = (NoKVConnector() if connector is None
+                            else KVConnectorScheduling(connector, self.kv_cache_manager))
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.add_request(request)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish (typically abort) requests wherever they are; unknown ids are ignored."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running_to_remove: set[Request] = set()
+        waiting_to_remove: set[Request] = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(request)
+            else:
+                waiting_to_remove.add(request)
+            request.status = finished_status
+            self._free_request(request)
+        if running_to_remove:
+            self.running = [r for r in self.running if r not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0 or self.kv_transfer.has_pending_transfers()
+
+    # -- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Phase 1: RUNNING requests; phase 2: WAITING requests; phase 3: build the output."""
+        step = _StepSchedule(token_budget=self.max_num_scheduled_tokens)
+        self.encoder_scheduler.begin_step()
+        self._schedule_running(step)
+        # Admit waiting requests only when nothing was preempted: a preemption means memory is
+        # short, and admitting more would just preempt again.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        scheduler_output = self._make_scheduler_output(step)
+        self._update_after_schedule(scheduler_output, len(step.preempted))
+        return scheduler_output
+
+    def _schedule_running(self, step: _StepSchedule) -> None:
+        """Phase 1: each RUNNING request in turn gets the tokens it still needs (one to decode, a
+        prefill chunk up to the budget); when the KV cache is full, the latest-arrived running
+        request is preempted, possibly this one (then the phase ends)."""
+        req_index = 0
+        while req_index < len(self.running) and step.token_budget > 0:
+            request = self.running[req_index]
+            req_index += 1
+            num_new_tokens = min(
+                self._num_tokens_to_compute(request) - request.num_computed_tokens,
+                step.token_budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new_tokens <= 0:
+                continue
+            plan = self.encoder_scheduler.try_schedule(request, request.num_computed_tokens, num_new_tokens)
+            if plan is not None:
+                num_new_tokens = plan.num_new_tokens
+                if num_new_tokens <= 0:
+                    continue  # an image it reached cannot be encoded this step
+            num_preempted = len(step.preempted)
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
+            if new_blocks is None:
+                break
+            if len(step.preempted) != num_preempted:  # a victim may have sat before this request
+                req_index = self.running.index(request) + 1
+            self.encoder_scheduler.commit(request, plan)
+            step.cached_reqs.append(request)
+            step.new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
+            step.add(request, num_new_tokens)
+
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """The tokens a running request's KV should cover after its next step (the async
+        scheduler adds the tokens still in flight)."""
+        return request.num_tokens
+
+    def _schedule_waiting(self, step: _StepSchedule) -> None:
+        """Phase 2: admit WAITING requests in queue order while the budget, the seats
+        (max_num_seqs) and the KV cache last. Requests a KV connector is not ready for, or that
+        park for an async load, keep their place at the queue's front."""
+        skipped: list[Request] = []
+        unparked = False
+        while self.waiting and step.token_budget > 0:
+            request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                so_request = request.structured_output_request
+                assert so_request is not None
+                if not so_request.is_grammar_ready():
+                    skipped.append(self.waiting.pop_request())  # still compiling: ask next step
+                    continue
+                if so_request.error is not None:
+                    self._fail_request(self.waiting.pop_request(), so_request.error)
+                    continue
+                request.status = RequestStatus.WAITING
+            if len(self.running) >= self.max_num_running_reqs and not self._preempt_for(request, step):
+                break  # no seat, and none a lower-priority request could give up
+            admission = self._get_computed_tokens(request)
+            if admission is None:
+                skipped.append(self.waiting.pop_request())
+                continue
+            if not self._plan_new_tokens(request, admission, step.token_budget):
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, admission.num_new_tokens, num_new_computed_tokens=admission.num_local_tokens,
+                new_computed_blocks=admission.computed_blocks,
+                num_external_computed_tokens=admission.num_external_tokens,
+                delay_cache_blocks=admission.num_external_tokens > 0,
+            )
+            if new_blocks is None:
+                if not self.running and not unparked and self.kv_transfer.unpark_ready_requests(self.waiting):
+                    unparked = True  # retry the head once, now that parked blocks are free
+                    continue
+                if self._preempt_for(request, step):
+                    continue  # a lower-priority request gave its blocks back: retry
+                break
+            self.encoder_scheduler.commit(request, admission.encoder_plan)
+            self.waiting.pop_request()
+            if self.kv_transfer.update_state_after_alloc(request, admission.num_local_tokens,
+                                                         admission.num_external_tokens, admission.load_async):
+                skipped.append(request)  # parked in WAITING_FOR_REMOTE_KVS until its load ends
+                continue
+            self._admit(request, admission, step)
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
+
+    def _get_computed_tokens(self, request: Request) -> _Admission | None:
+        """A waiting request's computed tokens: the loaded blocks it holds already, or its
+        prefix-cache hit plus the KV connector's external hit. None: not ready (ask next step)."""
+        kv_transfer = self.kv_transfer
+        if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and not kv_transfer.update_waiting_for_remote_kv(request)):
+            return None  # its async load is still running
+        if kv_transfer.holds_loaded_blocks(request):  # its num_computed_tokens are loaded
+            return _Admission(self.kv_cache_manager.empty_kv_cache_blocks, 0, 0, False,
+                              request.num_computed_tokens)
+        computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+        num_external, load_async = kv_transfer.get_num_new_matched_tokens(request, num_local)
+        if num_external is None:
+            return None  # the connector cannot tell yet
+        num_computed_tokens = request.num_computed_tokens + num_local + num_external
+        return _Admission(computed_blocks, num_local, num_external, load_async, num_computed_tokens)
+
+    def _plan_new_tokens(self, request: Request, admission: _Admission, token_budget: int) -> bool:
+        """Set the admission's new tokens (and encoder plan); False when the request does not
+        fit this step (no chunked prefill, or an image that cannot run), which ends phase 2."""
+        if admission.load_async:
+            return True  # it only allocates now: its tokens arrive through the connector
+        num_new_tokens = request.num_tokens - admission.num_computed_tokens
+        if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+            return False
+        num_new_tokens = min(num_new_tokens, token_budget)
+        plan = self.encoder_scheduler.try_schedule(request, admission.num_computed_tokens, num_new_tokens)
+        if plan is not None:
+            num_new_tokens = plan.num_new_tokens
+            if num_new_tokens <= 0:
+                return False
+        admission.num_new_tokens, admission.encoder_plan = num_new_tokens, plan
+        return True
+
+    def _admit(self, request: Request, admission: _Admission, step: _StepSchedule) -> None:
+        """WAITING -> RUNNING with its computed tokens; it is a new request for the worker."""
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = admission.num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = admission.num_computed_tokens
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.SCHEDULED)
+        step.new_reqs.append(request)
+        step.add(request, admission.num_new_tokens)
+
+    def _make_scheduler_output(self, step: _StepSchedule) -> SchedulerOutput:
+        """Phase 3: the step's new and cached requests, encoder work and connector metadata."""
+        kv = self.kv_cache_manager
+        cached_reqs = step.cached_reqs
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in step.new_reqs
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in cached_reqs],
+                new_block_ids=[step.new_block_ids[r.request_id] for r in cached_reqs],
+                num_computed_tokens=[r.num_computed_tokens for r in cached_reqs],
+            ),
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - step.token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
+        )
+        manager = self.structured_output_manager
+        if manager is not None and manager.has_structured_requests():  # no scan of the batch otherwise
+            manager.add_grammar_bitmask(scheduler_output, self.requests)
+        self.encoder_scheduler.finish_step(scheduler_output)
+        # Before _update_after_schedule: the connector plans from the progress before this step.
+        scheduler_output.kv_connector_metadata = self.kv_transfer.build_connector_meta(scheduler_output)
+        return scheduler_output
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput, num_preempted: int) -> None:
+        """The worker advances by what was scheduled; so does the scheduler, before the step
+        runs, so the next schedule() sees the new progress (vLLM: _update_after_schedule)."""
+        num_prompt_tokens = 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            num_prompt_tokens += max(0, min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens))
+            request.num_computed_tokens += num_tokens
+        self._last_num_prompt_tokens = num_prompt_tokens
+        self.finished_req_ids = set()
+        self._num_preempted_last_step = num_preempted
+        self._last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+
+    # -- preemption -------------------------------------------------------------------------
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             step: _StepSchedule) -> KVCacheBlocks | None:
+        """allocate_slots for a running request, preempting victims (_pick_victim) until the
+        blocks fit; None when the request itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self._pick_victim()
+            self._preempt_running(victim, step)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt: FCFS the latest arrived (the back of `running`);
+        priority the lowest priority (the highest value), the latest arrival among equals."""
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_running(self, victim: Request, step: _StepSchedule) -> None:
+        """Preempt a running request; if it was scheduled earlier in this step, unschedule it
+        (its tokens go back to the budget, and the worker only hears that it was preempted)."""
+        self.running.remove(victim)
+        num_tokens = step.num_scheduled_tokens.pop(victim.request_id, None)
+        if num_tokens is not None:
+            step.token_budget += num_tokens
+            step.cached_reqs.remove(victim)
+            step.new_block_ids.pop(victim.request_id, None)
+        self._preempt(victim)
+        step.preempted.append(victim)
+
+    def _preempt_for(self, request: Request, step: _StepSchedule) -> bool:
+        """Priority policy: preempt one running request of lower priority than the waiting
+        `request` (the lowest, latest first) to make room for it; False when there is none."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if victim.priority <= request.priority:
+            return False  # equals keep their places: only a strictly higher priority preempts
+        self._preempt_running(victim, step)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.encoder_scheduler.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED)
+        self.waiting.prepend_request(request)
+
+    # -- update -----------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, run the stop checks, free finished requests' blocks."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        # Insertion-ordered (not a set of objects hashed by address): finished requests free
+        # their blocks in step order, so block placement is reproducible from run to run.
+        stopped: dict[Request, None] = {}
+        # Async scheduling only: requests preempted while a step that samples for them ran.
+        stopped_preempted: set[Request] = set()
+        num_generation_tokens = 0
+        failed_loads = self.kv_transfer.update_from_output(model_runner_output.kv_connector_output)
+        for request_id in failed_loads:
+            self._restart_request(self.requests[request_id])
+        delay_frees: dict[Request, bool] = {}
+        for client_index, failed in self._failed_outputs:
+            outputs.setdefault(client_index, []).append(failed)
+        self._failed_outputs = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished() or request_id in failed_loads:
+                continue  # aborted while the step ran, or its KV load failed (it starts over)
+            if request.mm_features:
+                self.encoder_scheduler.free_consumed(request)
+            req_index = model_runner_output.req_id_to_index[request_id]
+            generated = sampled[req_index]
+            new_token_ids: list[int] = []
+            was_preempted = request.status == RequestStatus.PREEMPTED
+            for token_id in generated:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    stopped[request] = None
+                    if was_preempted:
+                        stopped_preempted.add(request)
+                    break
+            new_prompt_logprobs = (_take_prompt_logprobs(request, prompt_logprobs.get(request_id))
+                                   if prompt_logprobs else None)
+            if not new_token_ids and new_prompt_logprobs is None:
+                continue
+            num_generation_tokens += len(new_token_ids)
+            new_logprobs = logprobs.get(request_id) if logprobs else None
+            if new_logprobs is not None and len(new_logprobs.sampled_token_ranks) > len(new_token_ids):
+                new_logprobs = _slice_logprobs(new_logprobs, 0, len(new_token_ids))
+            is_stopped = request in stopped
+            finish_reason = _FINISH_REASON.get(request.status) if is_stopped else None
+            kv_transfer_params = None
+            if is_stopped:
+                delay_frees[request], kv_transfer_params = self.kv_transfer.request_finished(request)
+            outputs.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    events=request.take_events(),
+                    kv_transfer_params=kv_transfer_params,
+                    error=RequestError(*request.error) if request.error is not None else None,
+                    new_prompt_logprobs=new_prompt_logprobs,
+                )
+            )
+        if stopped:
+            self.running = [r for r in self.running if r not in stopped]
+            if stopped_preempted:
+                self.waiting.remove_requests(stopped_preempted)
+            for request in stopped:
+                self._free_request(request, delay_frees.get(request, False))
+        self._last_num_generation_tokens = num_generation_tokens
+        return {
+            client: EngineCoreOutputs(outputs=client_outputs)
+            for client, client_outputs in outputs.items()
+        }
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop checks after one appended token: the grammar, length, min_tokens, EOS, stop_token_ids."""
+        so_request = request.structured_output_request
+        if so_request is not None:  # advance its matcher: it may end the request
+            ended = so_request.accept_token(request.output_token_ids[-1])
+            if ended is not None:
+                request.status, request.error = ended
+                return True
+        params = request.sampling_params
+        if request.num_tokens >= self.max_model_len or (
+            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last_token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last_token_id in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+        return False
+
+    # -- finish and free --------------------------------------------------------------------
+    def _fail_request(self, request: Request, error: tuple[str, str]) -> None:
+        """Finish a request the core cannot serve (it holds no blocks); update_from_output answers it."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self._failed_outputs.append((request.client_index, EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT, stop_reason=error[1],
+            events=request.take_events(), error=RequestError(*error))))
+
+    def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
+        """Release the request's blocks (unless a KV connector still needs them) and forget it."""
+        if delay_free is None:
+            delay_free, _ = self.kv_transfer.request_finished(request)
+        self._free_blocks(request, delay_free)
+        self.encoder_scheduler.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.finish_request(request)
+
+    def _free_blocks(self, request: Request, delay_free: bool) -> None:
+        """Give a finished request's KV blocks back (the KV connector may hold them a while)."""
+        if delay_free:
+            self.kv_transfer.delay_free(request)
+        else:
+            self.kv_cache_manager.free(request)
+
+    def _restart_request(self, request: Request) -> None:
+        """Recompute a request from scratch after a failed synchronous load (not a preemption)."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.prepend_request(request)
+
+    # -- stats ------------------------------------------------------------------------------
     def make_stats(self, drain: bool = True) -> SchedulerStats:
         """Snapshot for the console; drains the prefix-cache counters unless drain=False."""
         kv = self.kv_cache_manager
@@ -56,3 +583,162 @@ class Scheduler(StepScheduling, OutputUpdate):
             kv_block_residency=(pool.metrics_collector.take_stats()
                                 if drain and pool.metrics_collector is not None else None),
         )
+
+
+def _take_prompt_logprobs(request: Request, chunk: tuple[int, LogprobsLists] | None) -> LogprobsLists | None:
+    """The chunk's rows the frontend has not had yet: a request recomputed after a preemption
+    computes its prompt positions again, and each goes out once."""
+    if chunk is None:
+        return None
+    start, lists = chunk
+    skip = request.num_prompt_logprobs_sent - start
+    if skip >= len(lists.sampled_token_ranks):
+        return None
+    if skip > 0:
+        lists = _slice_logprobs(lists, skip)
+    request.num_prompt_logprobs_sent += len(lists.sampled_token_ranks)
+    return lists
+
+
+def _slice_logprobs(lists: LogprobsLists, start: int, stop: int | None = None) -> LogprobsLists:
+    """Rows [start, stop) of a LogprobsLists."""
+    return LogprobsLists(lists.logprob_token_ids[start:stop], lists.logprobs[start:stop],
+                         lists.sampled_token_ranks[start:stop])
+
+
+class AsyncScheduler(Scheduler):
+    """A Scheduler that does not wait for a step's sampled tokens before scheduling the next one.
+
+    With async scheduling the engine core keeps two batches in flight (EngineCore.step_with_batch_queue):
+    it schedules step N+1 while the worker still runs step N. A decoding request's next input is the
+    token step N is sampling, which nobody on this side knows yet, so the scheduler counts it as a
+    *placeholder* (Request.num_output_placeholders): num_computed_tokens includes it, num_tokens does
+    not. The worker substitutes the real token id from its own last sample (ModelRunner's
+    prev_sampled_token_ids). update_from_output turns placeholders back into real tokens.
+
+    Corner cases, each covered by tests/core/sched/test_async_scheduler.py:
+    - stop (EOS, stop token, max_tokens, max_model_len) at step N while step N+1 already samples for
+      the request: the request finishes at N; N+1's token for it is discarded (the request is gone),
+      never emitted. A request whose in-flight tokens will reach max_tokens or max_model_len is not
+      scheduled again, so no step is wasted on it.
+    - aborts and stops free a request's KV blocks only once no step in flight still writes them
+      (`_deferred_frees`), so a block is never handed to another request while it is written.
+    - preemption of a request with a token in flight: the token still arrives (it is a real token,
+      computed from a KV cache that was whole when its step was scheduled) and is appended; the
+      request is re-admitted only once no token of it is in flight, so its recomputation starts from
+      every token it has.
+    - prefix caching: block hashes cover real tokens only (Request.block_hashes grows on append),
+      and allocate_slots caches blocks up to num_tokens; update_from_output (and the final free)
+      caches the blocks the arrived tokens complete.
+
+    Invariant: for every request, num_output_placeholders == the number of steps in flight that
+    sample for it; `_num_steps_in_flight[req_id]` counts the steps in flight that compute any token of
+    it (a prefill chunk included).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._num_steps_in_flight: dict[str, int] = {}
+        # Finished requests whose blocks a step in flight still writes: freed when it returns.
+        self._deferred_frees: dict[str, Request] = {}
+
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """Known tokens plus those in flight; no more once the tokens in flight reach the
+        request's max_tokens or max_model_len (its last token is already being sampled), or
+        while a structured request has a token in flight."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        if request.num_output_placeholders > 0 and (
+                # A structured request's bitmask needs its grammar advanced over every token, so
+                # its next step waits for the token in flight (no overlap for it).
+                request.structured_output_request is not None
+                or num_tokens >= self.max_model_len
+                or (request.max_tokens is not None
+                    and request.num_output_tokens + request.num_output_placeholders >= request.max_tokens)):
+            return request.num_computed_tokens  # nothing new to schedule
+        return num_tokens
+
+    def _get_computed_tokens(self, request: Request) -> _Admission | None:
+        """A preempted request waits (keeping its place) until its tokens in flight arrive: its
+        recomputation must start from all of its tokens."""
+        if request.num_output_placeholders > 0:
+            return None
+        return super()._get_computed_tokens(request)
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput, num_preempted: int) -> None:
+        """Advance as the base scheduler does, then count a placeholder for every request whose
+        step samples a token (its computed tokens reach all of its tokens, those in flight included)."""
+        super()._update_after_schedule(scheduler_output, num_preempted)
+        in_flight = self._num_steps_in_flight
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[request_id]
+            in_flight[request_id] = in_flight.get(request_id, 0) + 1
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Replace this step's placeholders by its sampled tokens, then update as the base
+        scheduler does; free the blocks of finished requests no step in flight uses any more."""
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request_id not in index:
+                continue  # finished while the step ran: its token is discarded
+            num_sampled = len(sampled[index[request_id]])
+            assert request.num_output_placeholders >= num_sampled, (request_id, request.num_output_placeholders)
+            request.num_output_placeholders -= num_sampled
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            self._step_returned(request_id)
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._cache_computed_blocks(request)
+        return outputs
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Enter the blocks whose tokens are all known into the prefix cache: allocate_slots
+        stopped at the real tokens, and the tokens that arrived since may complete a block."""
+        if request.num_computed_tokens > 0:  # it holds blocks (a preempted request holds none)
+            num_tokens = min(request.num_computed_tokens - request.num_output_placeholders, request.num_tokens)
+            self.kv_cache_manager.cache_blocks(request, num_tokens)
+
+    def _step_returned(self, request_id: str) -> None:
+        """One step that computed tokens of request_id is done: free deferred blocks at the last."""
+        in_flight = self._num_steps_in_flight
+        num_left = in_flight.get(request_id, 0) - 1
+        if num_left > 0:
+            in_flight[request_id] = num_left
+            return
+        in_flight.pop(request_id, None)
+        request = self._deferred_frees.pop(request_id, None)
+        if request is not None:
+            self.kv_cache_manager.free(request)
+
+    def _free_request(self, request: Request, delay_free: bool | None = None) -> None:
+        """Cache the finished request's completed blocks (its last tokens may have completed
+        one since its last allocate_slots), then free it as the base scheduler does."""
+        self._cache_computed_blocks(request)
+        super()._free_request(request, delay_free)
+
+    def _free_blocks(self, request: Request, delay_free: bool) -> None:
+        """Defer the free while a step in flight still writes the request's blocks."""
+        if not delay_free and self._num_steps_in_flight.get(request.request_id, 0) > 0:
+            self._deferred_frees[request.request_id] = request
+            return
+        super()._free_blocks(request, delay_free)
+
+    def add_request(self, request: Request) -> None:
+        """Refuse the id of a finished request that a step in flight still computes: its output
+        would be taken for the new request's."""
+        if request.request_id in self._num_steps_in_flight:
+            raise DuplicateRequestError(
+                f"Request id {request.request_id!r} belongs to a request that just finished but is still in a "
+                "step in flight (async scheduling); use a fresh id, or resubmit after its final output.")
+        super().add_request(request)
+
+    @property
+    def num_deferred_frees(self) -> int:
+        """Finished requests whose blocks wait for a step in flight."""
+        return len(self._deferred_frees)
