@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lm_console.engine.kv_cache_interface", "lm_console.engine.kv_cache_hashing",
         "lm_console.engine.scheduler_output", "lm_console.engine.model_runner_output",
         "lm_console.engine.startup_trace", "lm_console.engine.malloc_tuning", "lm_console.engine.cache_dirs",
+        "lm_console._lazy",
         "lm_console.engine.metrics", "lm_console.engine.multimodal",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "lm_console.engine.admission",
@@ -122,10 +123,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(node: ast.AST, in_function: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement under node, with whether it sits in a function; TYPE_CHECKING skipped."""
+def _imports(node: ast.AST, in_function: bool = False,
+             type_checking: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under node, with whether it sits in a function (an import under
+    `if TYPE_CHECKING:` counts as lazy: it loads nothing at run time, but it is a dependency all
+    the same, and mypy follows it)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for inner in child.body:
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    yield inner, True
             for orelse in child.orelse:
                 yield from _imports(orelse, in_function)
             continue
@@ -134,28 +141,53 @@ def _imports(node: ast.AST, in_function: bool = False) -> Iterator[tuple[ast.Imp
         yield from _imports(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
 
+def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list[str | None]:
+    """Our modules an import statement in `module` names."""
+    if isinstance(node, ast.Import):
+        return [_resolve(alias.name) for alias in node.names]
+    if node.level:  # relative: from the package of this module, level - 1 up
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = base[: len(base) - node.level + 1]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    targets = []
+    for alias in node.names:
+        target = _resolve(f"{source}.{alias.name}")  # a submodule, or a name in source
+        if target is None or target == module or target != f"{source}.{alias.name}":
+            target = _resolve(source)
+        targets.append(target)
+    return targets
+
+
+def _eager_imports(package: str) -> set[str]:
+    """Our modules a package's __init__ imports at import time (module level, outside TYPE_CHECKING)."""
+    path = MODULES.get(package)
+    if path is None:
+        return set()
+    return {target for node, lazy in _imports(ast.parse(path.read_text())) if not lazy
+            for target in _targets(package, path, node) if target is not None and target != package}
+
+
 def _edges_of(module: str, path: Path) -> Iterator[Edge]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    is_package = path.name == "__init__.py"
     for node, lazy in _imports(tree):
-        if isinstance(node, ast.Import):
-            targets = [_resolve(alias.name) for alias in node.names]
-        else:
-            if node.level:  # relative: from the package of this module, level - 1 up
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            targets = []
-            for alias in node.names:
-                target = _resolve(f"{source}.{alias.name}")  # a submodule, or a name in source
-                if target is None or target == module or target != f"{source}.{alias.name}":
-                    target = _resolve(source)
-                targets.append(target)
+        targets = _targets(module, path, node)
         for target in targets:
-            if target is not None and target != module:
-                yield Edge(module, target, node.lineno, lazy)
+            if target is None or target == module:
+                continue
+            yield Edge(module, target, node.lineno, lazy)
+            # Importing a.b.c runs a/__init__ and a/b/__init__ first: the importer depends on what
+            # those packages load at import time too (its own packages excepted: they are loaded
+            # before it, whoever imports it).
+            parts = target.split(".")
+            for depth in range(1, len(parts)):
+                package = ".".join(parts[:depth])
+                if package == module or module.startswith(package + "."):
+                    continue
+                for loaded in _eager_imports(package):
+                    if loaded != module:
+                        yield Edge(module, loaded, node.lineno, lazy)
 
 
 EDGES: list[Edge] = sorted({edge for module, path in MODULES.items() for edge in _edges_of(module, path)},
@@ -324,3 +356,38 @@ def test_protocol_does_not_load_the_kv_cache() -> None:
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"import lm_console.engine.protocol loaded {result.stdout.strip()}"
+
+
+_BOUNDARY_LOADS = """
+import importlib, sys
+name = sys.argv[1]
+importlib.import_module(name)
+heavy = ("torch", "transformers", "xgrammar")
+subsystems = ("lm_console.engine.distributed.kv_transfer.base", "lm_console.engine.distributed.kv_transfer.factory",
+              "lm_console.engine.distributed.ec_transfer.base", "lm_console.engine.distributed.ec_transfer.factory",
+              "lm_console.engine.multimodal.processing", "lm_console.engine.structured_output",
+              "lm_console.engine.core")
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in heavy
+                or (m.startswith(subsystems) and not name.startswith(m)))
+print(",".join(loaded))
+"""
+
+# Boundary modules that stand for one of those subsystems themselves (their own loads are theirs).
+_BOUNDARY_OWNERS = ("lm_console.engine.multimodal",)
+
+
+def test_each_boundary_module_loads_no_connector_processor_or_torch() -> None:
+    """A boundary type is cheap: importing it alone (its packages' __init__ included) loads no KV
+    or encoder connector, no multimodal processor, no structured-output backend, nothing of the
+    engine core and no torch. Package __init__s re-export lazily (lm_console/_lazy.py) for this."""
+    shared = LAYERS.index(next(layer for layer in LAYERS if layer[0] == "shared"))
+    offenders = {}
+    for name in sorted(module for module in MODULES if layer_of(module) == shared):
+        if name.startswith(_BOUNDARY_OWNERS):
+            continue
+        result = subprocess.run([sys.executable, "-c", _BOUNDARY_LOADS, name], capture_output=True, text=True,
+                                timeout=120, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        if result.stdout.strip():
+            offenders[name] = result.stdout.strip()
+    assert not offenders, f"boundary modules that load a subsystem: {offenders}"

@@ -12,14 +12,14 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 import cbor2
 
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
-    from lm_console.engine.request import Request
+    from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,19 @@ BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 _GROUP_ID_BYTES = 4
+
+
+class HashedRequest(Protocol):
+    """What the request block hasher reads of a request (the engine core's Request has it all);
+    a protocol, so that this bottom module does not import the request type that uses it."""
+
+    all_token_ids: list[int]
+    block_hashes: list[BlockHash]
+    cache_salt: str | None
+    mm_features: list[MultiModalFeatureSpec]
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
@@ -137,7 +150,7 @@ def hash_block_tokens(
 
 # -- extra keys (seed: Extra Keys, lines 3021-3055) ------------------------------------------------------------
 def _gen_mm_extra_hash_keys(
-    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+    request: HashedRequest, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[list[Any], int]:
     """Identifiers of the mm items overlapping [start, end); features are sorted by offset."""
     mm_features = request.mm_features
@@ -163,7 +176,7 @@ def _gen_mm_extra_hash_keys(
 
 
 def generate_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+    request: HashedRequest, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[tuple[Any, ...] | None, int]:
     """lora + mm + cache_salt keys of one block, None when empty (seed: Extra Keys, lines 3021-3041)."""
     mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
@@ -174,7 +187,7 @@ def generate_block_hash_extra_keys(
     return (tuple(extra_keys) if extra_keys else None), next_mm_idx
 
 
-def _first_mm_idx_at(request: Request, token_idx: int) -> int:
+def _first_mm_idx_at(request: HashedRequest, token_idx: int) -> int:
     # Index of the first mm item that ends after token_idx; scanning is fine (few items).
     for idx, feature in enumerate(request.mm_features):
         if feature.offset + feature.length > token_idx:
@@ -184,12 +197,12 @@ def _first_mm_idx_at(request: Request, token_idx: int) -> int:
 
 def get_request_block_hasher(
     block_size: int, caching_hash_fn: Callable[[Any], bytes]
-) -> Callable[[Request], list[BlockHash]]:
+) -> Callable[[HashedRequest], list[BlockHash]]:
     """A hasher returning the hashes of the request's NEW full blocks (seed: request block hasher, lines 3056-3089)."""
     if NONE_HASH is None:
         init_none_hash(caching_hash_fn)
 
-    def request_block_hasher(request: Request) -> list[BlockHash]:
+    def request_block_hasher(request: HashedRequest) -> list[BlockHash]:
         start_token_idx = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens
         if start_token_idx + block_size > num_tokens:

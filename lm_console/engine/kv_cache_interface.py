@@ -17,6 +17,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class AllocatedBlocks(Protocol):
+    """What a KV connector sees of the blocks the scheduler allocated for a request: their ids.
+
+    The core's KVCacheBlocks (lm_console/engine/core/kv_cache/manager.py) is the one
+    implementation; the connectors sit below the core and type against this instead.
+    """
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per KV cache group."""
+        ...
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the blocks not yet in the prefix cache (one group only)."""
+        ...
 
 
 def cdiv(a: int, b: int) -> int:

@@ -14,7 +14,10 @@ from typing import Any
 
 import msgspec
 
-from lm_console.engine.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from lm_console.engine.config.cache import CacheConfig
+from lm_console.engine.config.device import DeviceConfig
+from lm_console.engine.config.model import ModelConfig
+from lm_console.engine.config.scheduler import SchedulerConfig
 from lm_console.engine.metrics.kv_events import KVEventBatch
 from lm_console.engine.metrics.stats import SchedulerStats
 from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
 from lm_console.engine.protocol import EngineCoreEvent
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from lm_console.engine.kv_cache_hashing import BlockHash
     from lm_console.engine.protocol import EngineCoreEventType
     from lm_console.engine.sampling_params import SamplingParams
-    from lm_console.engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -37,6 +36,25 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
         return _FINISHED_REASONS.get(status)
+
+
+class StructuredOutputState(Protocol):
+    """What the scheduler asks of a structured request's grammar state.
+
+    The structured-output subsystem's StructuredOutputRequest implements it; this boundary type
+    names only the protocol, so importing it loads nothing of that subsystem.
+    """
+
+    grammar: Any  # the compiled grammar, once ready (backend-specific)
+    error: tuple[str, str] | None  # why it did not compile: (error class name, message)
+
+    def is_grammar_ready(self) -> bool:
+        """Whether compilation has ended (a grammar or an error)."""
+        ...
+
+    def accept_token(self, token_id: int) -> tuple[RequestStatus, tuple[str, str] | None] | None:
+        """Advance the grammar over one sampled token; a (status, error) pair ends the request."""
+        ...
 
 
 _FINISHED_REASONS = {
@@ -88,7 +106,7 @@ class Request:
         # Lifecycle events (QUEUED, SCHEDULED, PREEMPTED) not yet sent to the frontend.
         self.events: list[EngineCoreEvent] = []
         # Constrained decoding: its grammar and matcher (set by the StructuredOutputManager).
-        self.structured_output_request: StructuredOutputRequest | None = None
+        self.structured_output_request: StructuredOutputState | None = None
         # Why the engine core failed the request (a grammar that does not compile): the
         # engine.errors class name and its message, sent on the request's final output.
         self.error: tuple[str, str] | None = None

@@ -7,8 +7,8 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from lm_console.engine.config import EngineConfig
-from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.config.engine_config import EngineConfig
+from lm_console.engine.core.kv_cache.manager import KVCacheManager
 from lm_console.engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
 from lm_console.engine.core.sched.scheduler import AsyncScheduler
 from lm_console.engine.core.sched.scheduler import Scheduler
@@ -59,7 +59,8 @@ class EngineCore:
         self.config = config = config.with_num_blocks(num_blocks)
         self.kv_connector = None
         if config.kv_transfer_config is not None:
-            from lm_console.engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+            from lm_console.engine.distributed.kv_transfer.base import KVConnectorRole
+            from lm_console.engine.distributed.kv_transfer.factory import KVConnectorFactory
 
             self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
         async_scheduling = config.scheduler_config.async_scheduling

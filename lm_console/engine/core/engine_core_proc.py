@@ -23,7 +23,7 @@ import zmq
 
 from lm_console.engine import kv_cache_hashing
 from lm_console.engine.admission import error_for_path, read_request_ids
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.core.engine_core import EngineCore
 from lm_console.engine.errors import (
     EngineError, InvalidPromptError, InvalidSamplingParamsError, RequestRejectedError,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.core.kv_cache.manager import KVCacheManager
 from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
 from lm_console.engine.core.sched.encoder_scheduling import EncoderScheduler
 from lm_console.engine.errors import MultiModalNotSupportedError
@@ -17,7 +17,7 @@ from lm_console.engine.multimodal.processing import get_max_tokens_per_mm_item, 
 from lm_console.engine.multimodal.processor_cache import MultiModalReceiverCache
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.protocol import EngineCoreRequest
     from lm_console.engine.request import Request
 
@@ -41,7 +41,8 @@ class MultiModalCore:
         model, mm = self.config.model_config, self.config.mm_config
         connector = None
         if self.ec_config is not None:
-            from lm_console.engine.distributed.ec_transfer import ECConnectorFactory, ECConnectorRole
+            from lm_console.engine.distributed.ec_transfer.base import ECConnectorRole
+            from lm_console.engine.distributed.ec_transfer.factory import ECConnectorFactory
 
             connector = ECConnectorFactory.create_connector(self.ec_config, ECConnectorRole.SCHEDULER)
         budget = self.config.scheduler_config.max_num_batched_tokens

@@ -25,7 +25,7 @@ from lm_console.engine.errors import InvalidEngineArgsError
 from lm_console.engine.startup_trace import mark
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.kv_cache_interface import KVCacheSpec
     from lm_console.engine.model_runner_output import ModelRunnerOutput
     from lm_console.engine.scheduler_output import SchedulerOutput

@@ -18,7 +18,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from lm_console.engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from lm_console.engine.config.cache import CacheConfig
+from lm_console.engine.config.device import DeviceConfig
+from lm_console.engine.config.engine_config import EngineConfig
+from lm_console.engine.config.model import ModelConfig
+from lm_console.engine.config.parallel import ParallelConfig
+from lm_console.engine.config.scheduler import SchedulerConfig
 from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError
 from lm_console.engine.executor.abstract import Executor
 from lm_console.engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, get_kv_cache_config

@@ -14,13 +14,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
-from lm_console.engine.frontend.input_processor import InputProcessor, PromptType
+from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, make_mm_processor
 from lm_console.engine.frontend.client_factory import make_async_client
 from lm_console.engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from lm_console.engine.frontend.output_processor import OutputProcessor
-from lm_console.engine.multimodal.processing import make_mm_processor
 from lm_console.engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from lm_console.engine.metrics.kv_events import KVEventBatch
 from lm_console.engine.metrics.loggers import LoggingStatLogger, StatLoggerBase

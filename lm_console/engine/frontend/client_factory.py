@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.frontend.core_client import EngineCoreClient, InprocClient
 from lm_console.engine.frontend.dp_client import AsyncDPClient, SyncDPClient
 from lm_console.engine.frontend.mp_client import AsyncMPClient, SyncMPClient
 from lm_console.engine.startup_trace import mark
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
 
 
 def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | None = None,

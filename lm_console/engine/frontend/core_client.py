@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lm_console.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.metrics.stats import BlockPoolState, SchedulerStats
 
 

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.core.request_blocks import merge_request_blocks
 from lm_console.engine.errors import EngineDeadError, fresh_error
 from lm_console.engine.frontend.core_client import EngineCoreClient

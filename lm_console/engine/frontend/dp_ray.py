@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineStartupError
 from lm_console.engine.executor.ray_utils import (
     RAY_NAMESPACE, WorkerNodeInfo, connect, first_line, import_ray, make_placement_group, node_info,

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from lm_console.engine import errors as engine_errors
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, EngineStartupError
 from lm_console.engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_engine_addresses, make_socket
 from lm_console.engine.malloc_tuning import huge_page_heap

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
@@ -14,15 +15,16 @@ from lm_console.engine.errors import (
     TooManyMultiModalItemsError,
 )
 from lm_console.engine.frontend.prompt_length import max_prompt_chars
+from lm_console.engine.multimodal.processing import MultiModalProcessor
 from lm_console.engine.protocol import EngineCoreRequest
 from lm_console.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
 
 if TYPE_CHECKING:
+    from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.frontend.output_processor import ParentRequest
     from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
-    from lm_console.engine.multimodal.processing import MultiModalProcessor
 
 # (prompt text, request, parent when n > 1, child index)
 ChildRequest = tuple[Union[str, None], EngineCoreRequest, "ParentRequest | None", int]
@@ -271,3 +273,15 @@ class InputProcessor:
 def _wrap_int64(value: int) -> int:
     """value in the signed 64-bit range, wrapping around (child seeds seed + index)."""
     return (value + 2**63) % 2**64 - 2**63
+
+
+def make_mm_processor(config: EngineConfig) -> MultiModalProcessor | None:
+    """The frontend's MultiModalProcessor for an EngineConfig, None for a text-only model."""
+    model = config.model_config
+    if not model.is_multimodal:
+        return None
+    mm = config.mm_config
+    return MultiModalProcessor(
+        Path(model.model_dir), model.model_name, model.architectures,
+        hasher_algorithm=mm.mm_hasher_algorithm if mm is not None else "auto",
+        cache_bytes=mm.processor_cache_bytes if mm is not None else 0)

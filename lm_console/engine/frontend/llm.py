@@ -8,13 +8,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lm_console.engine.config import EngineArgs, EngineConfig
+from lm_console.engine.config.engine_args import EngineArgs
+from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
 from lm_console.engine.frontend.core_client import EngineCoreClient
 from lm_console.engine.frontend.client_factory import make_client
-from lm_console.engine.frontend.input_processor import InputProcessor, PromptType
+from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, make_mm_processor
 from lm_console.engine.frontend.output_processor import OutputProcessor
-from lm_console.engine.multimodal.processing import make_mm_processor
 from lm_console.engine.frontend.tokenizer import (
     is_plain_fast_tokenizer,
     load_tokenizer,

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, EngineError, EngineUnresponsiveError, fresh_error
 from lm_console.engine.frontend.core_client import EngineCoreClient
 from lm_console.engine.frontend.engine_process import EngineProcess

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lm_console.engine.attention import Attention
+from lm_console.engine.attention.layer import Attention
 from lm_console.engine.models.layers import LogitsProjection, RopeAngles, RotaryEmbedding, rope_parameters
 from lm_console.engine.models.llama import LlamaForCausalLM
 from lm_console.engine.models.parallel_layers import (

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lm_console.engine.attention import Attention
+from lm_console.engine.attention.layer import Attention
 from lm_console.engine.models import decode_stack, layers
 from lm_console.engine.models.layers import LogitsProjection, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters
 from lm_console.engine.models.parallel_layers import (

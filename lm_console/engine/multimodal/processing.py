@@ -16,16 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lm_console.engine.errors import InvalidImageError, InvalidPromptError, MultiModalInputError, MultiModalNotSupportedError
 from lm_console.engine.multimodal.hasher import MultiModalHasher
 from lm_console.engine.multimodal.image import ImageItem, load_image
 from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
 from lm_console.engine.multimodal.processor_cache import ItemPromptInfo, MultiModalSenderCache
-
-if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
 
 SUPPORTED_MODALITIES = ("image",)
 
@@ -385,15 +382,3 @@ def get_max_tokens_per_mm_item(model_dir: Path, hf_config: Any) -> int:
         if name in MAX_TOKENS_PER_ITEM:
             return int(MAX_TOKENS_PER_ITEM[name](model_dir, hf_config))
     return 0
-
-
-def make_mm_processor(config: EngineConfig) -> MultiModalProcessor | None:
-    """The frontend's MultiModalProcessor for an EngineConfig, None for a text-only model."""
-    model = config.model_config
-    if not model.is_multimodal:
-        return None
-    mm = config.mm_config
-    return MultiModalProcessor(
-        Path(model.model_dir), model.model_name, model.architectures,
-        hasher_algorithm=mm.mm_hasher_algorithm if mm is not None else "auto",
-        cache_bytes=mm.processor_cache_bytes if mm is not None else 0)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from lm_console.engine.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.request import Request
     from lm_console.engine.scheduler_output import SchedulerOutput
     from lm_console.engine.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar

@@ -212,7 +212,8 @@ def maybe_create_encoder_runner(model: Any, config: Any) -> EncoderRunner | None
         return None
     connector = None
     if config.ec_transfer_config is not None:
-        from lm_console.engine.distributed.ec_transfer import ECConnectorFactory, ECConnectorRole
+        from lm_console.engine.distributed.ec_transfer.base import ECConnectorRole
+        from lm_console.engine.distributed.ec_transfer.factory import ECConnectorFactory
 
         connector = ECConnectorFactory.create_connector(config.ec_transfer_config, ECConnectorRole.WORKER)
     return EncoderRunner(model, torch_device(config.device_config.device), torch_dtype(config.model_config.dtype),

@@ -13,7 +13,7 @@ import torch
 from lm_console.engine.attention.layer import get_attention_layers, get_kv_cache_shape, set_attention_backend
 from lm_console.engine.attention.metadata import AttentionMetadata
 from lm_console.engine.attention.selector import load_attention_backend, resolve_attention_backend
-from lm_console.engine.config import EngineConfig
+from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase
 from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
 from lm_console.engine.distributed.parallel_state import get_tp_group

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from lm_console.engine.config import EngineConfig
+from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.distributed.parallel_state import destroy_distributed, init_distributed
 from lm_console.engine.kv_cache_interface import KVCacheSpec
 from lm_console.engine.malloc_tuning import tune_malloc
@@ -46,7 +46,8 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
         kv_connector = None
         if self.config.kv_transfer_config is not None:
-            from lm_console.engine.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+            from lm_console.engine.distributed.kv_transfer.base import KVConnectorRole
+            from lm_console.engine.distributed.kv_transfer.factory import KVConnectorFactory
 
             kv_connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER)
         self.model_runner = ModelRunner(self.config, kv_connector)

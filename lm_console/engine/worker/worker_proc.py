@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from lm_console.engine.config import EngineConfig
+from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.distributed.message_queue import Handle, MessageQueue
 from lm_console.engine.worker.rpc_protocol import (
     ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCReply, SampleReply, ShutdownCall, WorkerCodec,

@@ -5,10 +5,17 @@ in lm_console/engine/kv_cache_interface.py, the prefix hash chain in lm_console/
 events in lm_console/engine/metrics/kv_events.py.
 """
 
-from lm_console.engine.core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
-from lm_console.engine.core.kv_cache.block_pool import BlockHashToBlockMap, BlockPool
-from lm_console.engine.core.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from lm_console.engine.core.kv_cache.metrics import PrefixCacheStats
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lm_console._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lm_console.engine.core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
+    from lm_console.engine.core.kv_cache.block_pool import BlockHashToBlockMap, BlockPool
+    from lm_console.engine.core.kv_cache.manager import KVCacheBlocks, KVCacheManager
+    from lm_console.engine.core.kv_cache.metrics import PrefixCacheStats
 
 __all__ = [
     "BlockHashToBlockMap",
@@ -19,3 +26,13 @@ __all__ = [
     "KVCacheManager",
     "PrefixCacheStats",
 ]
+
+__getattr__ = lazy_exports(__name__, {
+    "FreeKVCacheBlockQueue": "lm_console.engine.core.kv_cache.block",
+    "KVCacheBlock": "lm_console.engine.core.kv_cache.block",
+    "BlockHashToBlockMap": "lm_console.engine.core.kv_cache.block_pool",
+    "BlockPool": "lm_console.engine.core.kv_cache.block_pool",
+    "KVCacheBlocks": "lm_console.engine.core.kv_cache.manager",
+    "KVCacheManager": "lm_console.engine.core.kv_cache.manager",
+    "PrefixCacheStats": "lm_console.engine.core.kv_cache.metrics",
+})

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lm_console.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from lm_console.engine.core.kv_cache import KVCacheManager
+    from lm_console.engine.core.kv_cache.manager import KVCacheManager
     from lm_console.engine.scheduler_output import SchedulerOutput
     from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
     from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput

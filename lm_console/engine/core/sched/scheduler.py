@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lm_console.engine.core.kv_cache import KVCacheManager
+from lm_console.engine.core.kv_cache.manager import KVCacheManager
 from lm_console.engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from lm_console.engine.core.sched.request_queue import create_request_queue

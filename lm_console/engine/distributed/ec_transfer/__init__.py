@@ -1,7 +1,23 @@
-"""ECConnector: moving encoder outputs between engines or to storage (seed: lines 673-959)."""
+"""ECConnector: moving encoder outputs between engines or to storage (seed: lines 673-959).
+"""
 
-from lm_console.engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
-from lm_console.engine.distributed.ec_transfer.config import ECTransferConfig
-from lm_console.engine.distributed.ec_transfer.factory import ECConnectorFactory
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lm_console._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lm_console.engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
+    from lm_console.engine.distributed.ec_transfer.config import ECTransferConfig
+    from lm_console.engine.distributed.ec_transfer.factory import ECConnectorFactory
 
 __all__ = ["ECConnectorBase", "ECConnectorFactory", "ECConnectorMetadata", "ECConnectorRole", "ECTransferConfig"]
+
+__getattr__ = lazy_exports(__name__, {
+    "ECConnectorBase": "lm_console.engine.distributed.ec_transfer.base",
+    "ECConnectorMetadata": "lm_console.engine.distributed.ec_transfer.base",
+    "ECConnectorRole": "lm_console.engine.distributed.ec_transfer.base",
+    "ECTransferConfig": "lm_console.engine.distributed.ec_transfer.config",
+    "ECConnectorFactory": "lm_console.engine.distributed.ec_transfer.factory",
+})

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
-    from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
+    from lm_console.engine.config.engine_config import EngineConfig
+    from lm_console.engine.kv_cache_interface import AllocatedBlocks
     from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
     from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
     from lm_console.engine.forward_context import ForwardContext
@@ -126,7 +126,7 @@ class KVConnectorBase(ABC):
         """(N, is_async) external tokens beyond num_computed_tokens; (None, _) = ask again later (seed: 3320-3330)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: AllocatedBlocks, num_external_tokens: int) -> None:
         """The scheduler allocated the request's blocks; remember where external KV must land."""
 
     @abstractmethod

@@ -23,8 +23,8 @@ from lm_console.engine.distributed.kv_transfer.base import (
 )
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
-    from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
+    from lm_console.engine.config.engine_config import EngineConfig
+    from lm_console.engine.kv_cache_interface import AllocatedBlocks
     from lm_console.engine.scheduler_output import SchedulerOutput
     from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
     from lm_console.engine.forward_context import ForwardContext
@@ -91,7 +91,7 @@ class ExampleConnector(KVConnectorBase):
             return 0, False
         return num_tokens - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: AllocatedBlocks, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         block_ids = list(blocks.get_block_ids()[0])
         self._block_ids[request.request_id] = block_ids

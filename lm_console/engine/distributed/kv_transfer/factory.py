@@ -9,7 +9,7 @@ from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase, KVCo
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
 
 
 class KVConnectorFactory:

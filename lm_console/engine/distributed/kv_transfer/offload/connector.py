@@ -22,8 +22,8 @@ from lm_console.engine.metrics.stats import KVTierStats
 from lm_console.engine.platform import torch_dtype
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
-    from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
+    from lm_console.engine.config.engine_config import EngineConfig
+    from lm_console.engine.kv_cache_interface import AllocatedBlocks
     from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
     from lm_console.engine.forward_context import ForwardContext
     from lm_console.engine.metrics.kv_events import KVCacheEvent
@@ -103,7 +103,7 @@ class OffloadConnector(KVConnectorBase):
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: AllocatedBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

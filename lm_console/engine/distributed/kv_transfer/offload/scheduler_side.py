@@ -12,7 +12,7 @@ from lm_console.engine.distributed.kv_transfer.offload.settings import OffloadSe
 from lm_console.engine.distributed.kv_transfer.offload.store import TieredKVStore
 
 if TYPE_CHECKING:
-    from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
+    from lm_console.engine.kv_cache_interface import AllocatedBlocks
     from lm_console.engine.request import Request
     from lm_console.engine.scheduler_output import SchedulerOutput
 
@@ -73,7 +73,7 @@ class OffloadScheduler:
         self._lookups[request.request_id] = (num_computed_tokens, hit_tokens, is_async)
         return hit_tokens - num_computed_tokens, is_async
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: AllocatedBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         self._requests[req_id] = request
         self._block_ids[req_id] = list(blocks.get_block_ids()[0])

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
-    from lm_console.engine.config import EngineConfig
+    from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
 
 _KEYS = {"cpu_bytes", "disk_path", "disk_bytes", "chunk_size", "save_decode", "load_timeout_s",
