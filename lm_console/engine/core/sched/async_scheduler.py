@@ -1,4 +1,4 @@
-"""AsyncScheduler: schedules step N+1 before step N's tokens are known (seed: EngineCore, async_scheduling).
+"""AsyncScheduler: schedules step N+1 before step N's tokens are known (vLLM's async_scheduling).
 
 With async scheduling the engine core keeps two batches in flight (EngineCore.step_with_batch_queue):
 it schedules step N+1 while the worker still runs step N. A decoding request's next input is the

@@ -1,4 +1,4 @@
-"""Scheduler: continuous batching under one token budget (seed: Scheduler, lines 340-420, 4740-).
+"""Scheduler: continuous batching under one token budget (after vLLM's Scheduler).
 
 The class is assembled from one module per concept, each building on the one before:
 scheduler_base.py (state, requests in and out, finishing and freeing), preemption.py (victims,
@@ -17,7 +17,7 @@ from lm_console.engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerS
 
 
 class Scheduler(StepScheduling, OutputUpdate):
-    """Decides, each step, how many tokens every request computes (seed: Scheduler).
+    """Decides, each step, how many tokens every request computes (after vLLM's Scheduler).
 
     There are no prefill and decode phases: a request's progress is num_computed_tokens, and
     each step gives RUNNING requests their share of the token budget first, then admits

@@ -185,7 +185,7 @@ class StepScheduling(SchedulerPreemption):
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput, num_preempted: int) -> None:
         """The worker advances by what was scheduled; so does the scheduler, before the step
-        runs (seed: _update_after_schedule), so the next schedule() sees the new progress."""
+        runs (after vLLM's _update_after_schedule), so the next schedule() sees the new progress."""
         num_prompt_tokens = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[request_id]

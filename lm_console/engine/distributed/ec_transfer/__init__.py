@@ -1,4 +1,4 @@
-"""ECConnector: moving encoder outputs between engines or to storage (seed: lines 673-959)."""
+"""ECConnector: moving encoder outputs between engines or to storage."""
 
 from lm_console.engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 from lm_console.engine.distributed.ec_transfer.config import ECTransferConfig

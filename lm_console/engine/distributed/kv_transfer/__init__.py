@@ -1,4 +1,4 @@
-"""KV transfer: connectors that load and save decoder KV outside the paged cache (seed: lines 3252-3549)."""
+"""KV transfer: connectors that load and save decoder KV outside the paged cache."""
 
 from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
