@@ -59,7 +59,8 @@ def find_references(paths: list[str]) -> list[str]:
 def test_patterns_catch_citations_and_spare_rng_seeds() -> None:
     caught = ["(seed: lines 10-20)", "seed lines 2244-2632", "seed §3.2", "seed: Gemma3 vision §1",
               "the seed's batch queue", "see ../shared/DESIGN.md", "shared/CONSOLE.md", "shared/seed/"]
-    spared = ["seed: int = 0", "def f(seed: int | None)", "(seed & MASK)", "SamplingParams(seed=1)", "PYTHONHASHSEED", "NONE_HASH seed", "seeded",
+    spared = ["seed: int = 0", "def f(seed: int | None)", "(seed & MASK)", "SamplingParams(seed=1)",
+              "PYTHONHASHSEED", "NONE_HASH seed", "seeded",
               "the request's seed, or its prompt", "--seed 1", "pulls weeds before they seed, and keeps"]
     for text in caught:
         assert any(p.search(text) for _, p in FORBIDDEN), text
