@@ -51,7 +51,7 @@ test-latest:
 # The documentation site (docs/, mkdocs.yml; the [docs] extra): --strict fails on a broken link or
 # reference. The configuration, CLI and benchmark pages are generated from the code at build time.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

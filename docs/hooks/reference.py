@@ -21,6 +21,7 @@ the benchmark files give (`python docs/hooks/benchmarks.py --readme` rewrites it
 from __future__ import annotations
 
 import ast
+import html
 import io
 import os
 import re
@@ -50,6 +51,11 @@ CONFIG_FILES = [
 def cell(text: str) -> str:
     """Text safe inside a Markdown table cell."""
     return text.replace("|", "\\|").replace("\n", " ").strip()
+
+
+def code(text: str) -> str:
+    """Inline code safe inside a Markdown table cell (a `|` in backticks would still split the row)."""
+    return "<code>" + html.escape(text.replace("\n", " ").strip()).replace("|", "&#124;") + "</code>"
 
 
 def comments_by_line(source: str) -> dict[int, str]:
@@ -101,7 +107,7 @@ def dataclass_fields(path: Path, class_name: str | None = None) -> list[tuple[st
 def fields_table(fields: list[dict[str, str]]) -> str:
     rows = ["| name | type | default | what it does |", "|---|---|---|---|"]
     for f in fields:
-        rows.append(f"| `{f['name']}` | `{cell(f['type'])}` | `{cell(f['default'])}` | {cell(f['doc'])} |")
+        rows.append(f"| `{f['name']}` | {code(f['type'])} | {code(f['default'])} | {cell(f['doc'])} |")
     return "\n".join(rows)
 
 
@@ -113,7 +119,7 @@ def engine_args_markdown() -> str:
                    for f in fs if f["doc"]}
     for f in fields:
         f["doc"] = f["doc"] or config_docs.get(f["name"], "")
-    return (f"{doc}\n\nGenerated from `{path.relative_to(ROOT)}` ({len(fields)} fields). The same names are "
+    return (f"Generated from `{path.relative_to(ROOT)}` ({len(fields)} fields). The same names are "
             "the keyword arguments of `LLM(...)` and `AsyncLLM(...)`; most are also `lmc` flags "
             "(`max_num_seqs` is `--max-num-seqs`; see the [CLI reference](cli.md)).\n\n" + fields_table(fields))
 
@@ -216,7 +222,7 @@ def env_vars_markdown() -> str:
         for name in names:
             rs = by_name[name]
             values = {r["default"] for r in rs} - {"required"} or {"required"}
-            defaults = ", ".join(sorted(f"`{cell(v)}`" for v in values))
+            defaults = ", ".join(sorted(code(v) for v in values))
             where = "<br>".join(f"`{r['where']}`" for r in rs)
             doc = min(rs, key=lambda r: r["rank"])["doc"]
             rows.append(f"| `{name}` | {defaults} | {where} | {cell(doc)} |")
