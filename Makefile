@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup lock run test test-fast test-latest lint package-check bench clean
+.PHONY: setup lock run test test-fast test-latest lint package-check docs bench clean
 
 setup: $(STAMP)
 
@@ -48,8 +48,13 @@ package-check: $(STAMP)
 test-latest:
 	tools/test_latest.sh
 
+# The documentation site (docs/, mkdocs.yml; the [docs] extra): --strict fails on a broken link or
+# reference. The configuration, CLI and benchmark pages are generated from the code at build time.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .venv-latest
+	rm -rf $(VENV) .venv-latest site

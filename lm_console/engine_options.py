@@ -35,7 +35,7 @@ KVCacheDtypeOpt = Annotated[str, typer.Option(
          "run quantized on the CPU, the model's dtype elsewhere.")]
 KVCacheMetricsSampleOpt = Annotated[float, typer.Option(help="Fraction of KV blocks sampled by --kv-cache-metrics.")]
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
-# Scaling out (README "Scaling out: data parallelism and Ray").
+# Scaling out (docs/scaling-out.md, "Data parallelism and Ray").
 TensorParallelOpt = Annotated[int, typer.Option(help="Workers per engine core, each holding a slice of the model.")]
 DataParallelOpt = Annotated[int, typer.Option(
     help="Engine cores behind one frontend, each with the whole model and its own KV cache (the console: c cycles).")]

@@ -1,4 +1,4 @@
-"""Imports run one way, and no module imports itself back (issue 12; STYLE rule 11).
+"""Imports run one way, and no module imports itself back (issue 12).
 
 Every import under lm_console/ (the engine in lm_console/engine, the kernels in
 lm_console/kernels) is parsed (ast), function-level lazy

@@ -5,7 +5,7 @@ cell's run is an EngineDeadError in every caller within 2 s, with no orphan proc
 leftover /dev/shm segment.
 
 One engine per (model, mode) cell; its kill check runs on the same engine after the greedy check.
-Cells covered by other files are not repeated here (the table in README "Scaling out"):
+Cells covered by other files are not repeated here (the table in docs/scaling-out.md):
   llama  tp2_mp              tests/executor/test_multiproc.py (worker kill, LLM caller)
   qwen3  tp2_mp              tests/executor/test_multiproc.py (worker kill, AsyncLLM caller)
   gemma3 tp2_mp (slow)       tests/executor/test_multiproc.py (core kill)

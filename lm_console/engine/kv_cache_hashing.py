@@ -1,6 +1,6 @@
 """Prefix-cache hashing: block hash chain, NONE_HASH seed, extra keys, request block hasher.
 
-seed: Prefix cache, lines 2940-3251. The core's prefix cache, the request (its block_hashes),
+After vLLM's vllm/v1/core/kv_cache_utils.py. The core's prefix cache, the request (its block_hashes),
 the KV cache events and the KV connectors (the offload tiers' chunk keys) all use this one chain,
 so it lives at the bottom and imports no torch.
 """
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# seed: BlockHash type, lines 2993-3010. A block's hash: the digest of (parent, tokens, extra).
+# A block's hash: the digest of (parent, tokens, extra).
 BlockHash = NewType("BlockHash", bytes)
 # BlockHash + 4-byte big-endian group id, packed into one bytes object so that a map key costs
 # one Python object instead of a tuple of two (less GC work on a dict of ~1e5 entries).
@@ -46,21 +46,21 @@ class HashedRequest(Protocol):
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
-    """Pack a block hash and a KV cache group id (seed: BlockHashWithGroupId, lines 2999-3010)."""
+    """Pack a block hash and a KV cache group id (after vLLM's BlockHashWithGroupId)."""
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big", signed=False))
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
-    """The block hash part of a packed key (seed: lines 2999-3010)."""
+    """The block hash part of a packed key."""
     return BlockHash(key[:-_GROUP_ID_BYTES])
 
 
 def get_group_id(key: BlockHashWithGroupId) -> int:
-    """The group id part of a packed key (seed: lines 2999-3010)."""
+    """The group id part of a packed key."""
     return int.from_bytes(key[-_GROUP_ID_BYTES:], "big", signed=False)
 
 
-# -- hash functions (seed: hash functions, lines 3011-3020) --------------------------------------
+# -- hash functions ----------------------------------------------------------------------------
 def sha256_cbor(input: Any) -> bytes:
     """SHA-256 over canonical CBOR: independent of PYTHONHASHSEED and of object identity."""
     return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
@@ -105,7 +105,7 @@ _HASH_FNS: dict[str, Callable[[Any], bytes]] = {"sha256_cbor": sha256_cbor, "sha
 
 
 def get_hash_fn_by_name(name: str) -> Callable[[Any], bytes]:
-    """Resolve prefix_caching_hash_algo to a hash function (seed: lines 3011-3020)."""
+    """Resolve prefix_caching_hash_algo to a hash function."""
     try:
         return _HASH_FNS[name]
     except KeyError:
@@ -114,13 +114,13 @@ def get_hash_fn_by_name(name: str) -> Callable[[Any], bytes]:
         ) from None
 
 
-# -- NONE_HASH (seed: lines 2976-2992) -----------------------------------------------------------
+# -- NONE_HASH -----------------------------------------------------------
 # The chain's root. Module-level because every request hasher and every process must share it.
 NONE_HASH: BlockHash | None = None
 
 
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
-    """Set NONE_HASH: random without PYTHONHASHSEED, hash_fn(seed) with it (seed: NONE_HASH, lines 2976-2992)."""
+    """Set NONE_HASH: random without PYTHONHASHSEED, hash_fn(seed) with it (after vLLM's NONE_HASH)."""
     global NONE_HASH
     hash_seed = os.getenv("PYTHONHASHSEED")
     if hash_seed is None:
@@ -140,7 +140,7 @@ def hash_block_tokens(
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
 ) -> BlockHash:
-    """hash((parent or NONE_HASH, tokens, extra_keys)) (seed: hash_block_tokens, lines 2950-2975)."""
+    """hash((parent or NONE_HASH, tokens, extra_keys)) (after vLLM's hash_block_tokens)."""
     if not parent_block_hash:
         if NONE_HASH is None:
             init_none_hash(hash_function)  # lazily, so that tests and tools need no setup call
@@ -148,7 +148,7 @@ def hash_block_tokens(
     return BlockHash(hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys)))
 
 
-# -- extra keys (seed: Extra Keys, lines 3021-3055) ------------------------------------------------------------
+# -- extra keys ----------------------------------------------------------------------------------
 def _gen_mm_extra_hash_keys(
     request: HashedRequest, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[list[Any], int]:
@@ -156,7 +156,7 @@ def _gen_mm_extra_hash_keys(
     mm_features = request.mm_features
     if not mm_features:
         return [], start_mm_idx
-    if start_mm_idx < 0:  # -1 means "the last mm item" (seed: lines 3042-3055)
+    if start_mm_idx < 0:  # -1 means "the last mm item"
         start_mm_idx = max(len(mm_features) + start_mm_idx, 0)
     keys: list[Any] = []
     idx = start_mm_idx
@@ -178,7 +178,7 @@ def _gen_mm_extra_hash_keys(
 def generate_block_hash_extra_keys(
     request: HashedRequest, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[tuple[Any, ...] | None, int]:
-    """lora + mm + cache_salt keys of one block, None when empty (seed: Extra Keys, lines 3021-3041)."""
+    """lora + mm + cache_salt keys of one block, None when empty."""
     mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
     lora_keys: list[Any] = []  # placeholder: the LoRA issue adds the adapter name here
     # The salt only needs to enter the first block: the chain carries it to every later one.
@@ -198,7 +198,7 @@ def _first_mm_idx_at(request: HashedRequest, token_idx: int) -> int:
 def get_request_block_hasher(
     block_size: int, caching_hash_fn: Callable[[Any], bytes]
 ) -> Callable[[HashedRequest], list[BlockHash]]:
-    """A hasher returning the hashes of the request's NEW full blocks (seed: request block hasher, lines 3056-3089)."""
+    """A hasher returning the hashes of the request's NEW full blocks."""
     if NONE_HASH is None:
         init_none_hash(caching_hash_fn)
 
@@ -227,7 +227,7 @@ def get_request_block_hasher(
 class BlockHashListWithBlockSize:
     """Lazy view of hashes at hash_block_size as hashes at a larger block_size.
 
-    seed: BlockHashListWithBlockSize, lines 3090-3113. Invariant: block_size is a multiple of
+    After vLLM's BlockHashListWithBlockSize. Invariant: block_size is a multiple of
     hash_block_size; item i is the concatenation of the scale_factor source hashes it covers.
     """
 

@@ -1,4 +1,4 @@
-"""KV cache specs, KV cache groups and the KVCacheConfig (seed: lines 1213-1221, 2254-2269, 2123-2129).
+"""KV cache specs, KV cache groups and the KVCacheConfig.
 
 A KVCacheSpec says how one attention layer uses its cache (full attention, or a sliding window);
 a KV cache group is a set of layers that share one spec, and so one block table: the scheduler
@@ -54,12 +54,12 @@ class KVCacheSpec:
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec(KVCacheSpec):
-    """Every token attends to every earlier token (seed: FullAttentionSpec, lines 2254-2269)."""
+    """Every token attends to every earlier token (after vLLM's FullAttentionSpec)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SlidingWindowSpec(KVCacheSpec):
-    """A token attends to itself and the sliding_window - 1 tokens before it (seed: lines 2422-2470)."""
+    """A token attends to itself and the sliding_window - 1 tokens before it."""
 
     sliding_window: int
 
@@ -72,7 +72,7 @@ class SlidingWindowSpec(KVCacheSpec):
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
-    """Layers that share one spec and one block table (seed: KV cache groups, lines 2123-2129)."""
+    """Layers that share one spec and one block table."""
 
     layer_names: tuple[str, ...]
     kv_cache_spec: KVCacheSpec
@@ -87,7 +87,7 @@ class KVCacheTensor:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
-    """How the KV cache is laid out: block count, tensors and groups (seed: get_kv_cache_configs).
+    """How the KV cache is laid out: block count, tensors and groups (after vLLM's get_kv_cache_configs).
 
     Invariant: every layer is in exactly one group and exactly one tensor's shared_by.
     """

@@ -1,4 +1,4 @@
-"""ModelRunnerOutput: what one step computed, as plain Python lists (seed: data flow).
+"""ModelRunnerOutput: what one step computed, as plain Python lists.
 
 The worker produces it and the core's scheduler consumes it, so it lives at the bottom, below
 both, and imports no torch.

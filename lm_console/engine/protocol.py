@@ -1,4 +1,4 @@
-"""Structures that cross the frontend/engine-core boundary (seed: data flow, lines 18-140).
+"""Structures that cross the frontend/engine-core boundary (after vLLM's vllm/v1/engine/__init__.py).
 
 msgspec Structs (array_like, gc=False) so the multiprocess client can send them as msgpack;
 the in-process client passes the same objects directly. With array_like every field is on the

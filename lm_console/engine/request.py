@@ -1,4 +1,4 @@
-"""Request and RequestStatus: the engine-core view of one request (seed: Scheduler, lines 4740-)."""
+"""Request and RequestStatus: the engine-core view of one request (after vLLM's vllm/v1/request.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SamplingParams and RequestOutputKind (seed: InputProcessor, lines 1986-2057)."""
+"""SamplingParams and RequestOutputKind (after vLLM's vllm/sampling_params.py)."""
 
 from __future__ import annotations
 

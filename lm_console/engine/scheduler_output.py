@@ -1,4 +1,4 @@
-"""SchedulerOutput and its per-request diffs (seed: data flow, lines 18-140; GPUModelRunner 1559-1730).
+"""SchedulerOutput and its per-request diffs (after vLLM's vllm/v1/core/sched/output.py).
 
 The core's scheduler produces it and the executor hands it to every worker, so it lives at the
 bottom, below both, and imports no torch.

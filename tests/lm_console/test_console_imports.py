@@ -1,4 +1,4 @@
-"""The console's start-up path imports no torch (STYLE rule 12), so `pip install lm-console`
+"""The console's start-up path imports no torch, so `pip install lm-console`
 (no [engine] extra) runs it; a command that needs the engine says which extra to install."""
 
 from __future__ import annotations

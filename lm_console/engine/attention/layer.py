@@ -72,7 +72,7 @@ class Attention(nn.Module):
                 "running with attention metadata (or set_forward_context(None) for a dummy run)"
             )
         connector = forward_context.kv_connector
-        if connector is not None:  # seed: layer-by-layer KV transfer (lines 3300-3330)
+        if connector is not None:  # layer-by-layer KV transfer: wait for this layer's load, then save it
             connector.wait_for_layer_load(self.layer_name)
         # Only the torch backend builds bidirectional image masks: steps that prefill such
         # image tokens run every layer through it (same cache layout; the kernels serve the rest).

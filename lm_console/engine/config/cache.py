@@ -20,7 +20,7 @@ class CacheConfig:
     # pages are faulted in (and zeroed by the kernel) when first written: a cold start pays
     # nothing for the cache, but the first passes over it pay that zeroing inside the steps
     # (about 0.4 s of a 4 s batched run where the VM backs memory lazily; on CUDA and off Linux
-    # the cache is torch.zeros, every page written already; README "KV cache pages").
+    # the cache is torch.zeros, every page written already; docs/serving.md, "KV cache pages").
     kv_cache_prefault: bool = False
     gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory the engine may use
     num_gpu_blocks_override: int | None = None  # skip the memory budget, use this many blocks
@@ -59,7 +59,7 @@ def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantizat
     "auto" takes the int8 cache where the weights run quantized on the CPU (quantization "gguf"
     or "int8", bf16 activations): there its kernels read half the bytes of a bf16 cache per
     decode step (the step's attention is memory-bound), at +0.1% perplexity on the embedded
-    model (README "Quantized CPU inference"), when the C kernels take the model's shape on this
+    model (docs/quantized-cpu.md), when the C kernels take the model's shape on this
     machine (int8_kernels_serve; elsewhere the torch path would dequantize every step).
     Everything else keeps the model's dtype, as vLLM's "auto" does. An explicit "int8" the
     kernels cannot serve runs on the torch path, with a warning. KV connectors move the cache's

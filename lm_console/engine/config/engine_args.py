@@ -344,7 +344,7 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
 
     Auto (None / "auto") keeps a GGUF model's own quantized weights in bf16 on the CPU: the int8
     kernels measured faster than dense bf16 at every batch size, within 1% of the file's
-    perplexity (README "Quantized CPU inference"). Everything else stays dense, float32 too (the
+    perplexity (docs/quantized-cpu.md). Everything else stays dense, float32 too (the
     exactness tests compare HF op for op), as does auto where the C kernels are off
     (LMC_CPU_KERNELS=0), no C compiler is found or the CPU lacks AVX512-VNNI (the kernels' portable
     path is slower than dense bf16 there); LMC_QUANT_AUTO=0 makes auto dense. Explicit

@@ -1,4 +1,4 @@
-"""EncoderCacheManager: the scheduler's bookkeeping of encoder outputs (seed: EncoderCache, 960-1114).
+"""EncoderCacheManager: the scheduler's bookkeeping of encoder outputs (after vLLM's vllm/v1/core/encoder_cache_manager.py).
 
 Pure Python (no torch): the worker holds the tensors in `encoder_cache: dict[str, Tensor]`;
 this class decides which mm items live there, counted in encoder embeddings ("slots").
@@ -26,7 +26,7 @@ class EncoderCacheCounters:
 
 
 class EncoderCacheManager:
-    """Refcounted encoder-output entries with lazy FIFO eviction (seed: lines 1000-1060).
+    """Refcounted encoder-output entries with lazy FIFO eviction.
 
     cached[mm_hash] is the set of requests referencing an entry. An entry whose set becomes
     empty is not dropped: it moves to `freeable` (insertion ordered) and stays usable until
@@ -47,7 +47,7 @@ class EncoderCacheManager:
         self.counters = EncoderCacheCounters()
 
     def check_and_update_cache(self, request: Request, input_id: int) -> bool:
-        """True (and a reference taken) when the item's output is cached (seed: lines 1040-1050)."""
+        """True (and a reference taken) when the item's output is cached."""
         feature = request.mm_features[input_id]
         mm_hash = feature.identifier
         self.counters.num_lookups += 1
@@ -63,7 +63,7 @@ class EncoderCacheManager:
     def can_allocate(self, request: Request, input_id: int, encoder_compute_budget: int,
                      num_embeds_to_schedule: int) -> bool:
         """Whether the item fits the step's compute budget and the cache, evicting freeable
-        entries oldest-first if that is what it takes (seed: can_allocate, lines 1050-1060)."""
+        entries oldest-first if that is what it takes (after vLLM's can_allocate)."""
         num_embeds = request.mm_features[input_id].num_embeds
         if num_embeds > encoder_compute_budget:
             return False
@@ -111,12 +111,12 @@ class EncoderCacheManager:
             self.num_freeable_slots += feature.num_embeds
 
     def free(self, request: Request) -> None:
-        """Drop every reference of a finished or preempted request (seed: free, lines 1060-1065)."""
+        """Drop every reference of a finished or preempted request ."""
         for input_id in self.get_cached_input_ids(request):
             self.free_encoder_input(request, input_id)
 
     def get_freed_mm_hashes(self) -> list[str]:
-        """Hashes evicted since the last call; the worker pops their tensors (seed: lines 1065-1070)."""
+        """Hashes evicted since the last call; the worker pops their tensors."""
         freed, self.freed = self.freed, []
         return freed
 
@@ -135,6 +135,6 @@ class EncoderCacheManager:
 def compute_mm_encoder_budget(max_num_encoder_input_tokens: int, encoder_cache_size: int,
                               max_tokens_per_mm_item: int) -> tuple[int, int]:
     """(encoder_compute_budget, encoder_cache_size): both admit at least one largest item
-    (seed: compute_mm_encoder_budget, lines 1075-1090)."""
+    (after vLLM's compute_mm_encoder_budget)."""
     return (max(max_num_encoder_input_tokens, max_tokens_per_mm_item),
             max(encoder_cache_size, max_tokens_per_mm_item))

@@ -1,4 +1,4 @@
-"""EngineCore: scheduler + KV cache manager + executor, one step at a time (seed: 1115-1256)."""
+"""EngineCore: scheduler + KV cache manager + executor, one step at a time."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
-    """The inner loop of the engine: schedule, execute, update (seed: EngineCore.step)."""
+    """The inner loop of the engine: schedule, execute, update (after vLLM's EngineCore.step)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.model_executor: Executor = Executor.get_class(config)(config)
@@ -84,7 +84,7 @@ class EngineCore:
             get_request_block_hasher(cache.block_size, hash_fn) if cache.enable_prefix_caching else None
         )
         self.num_steps = 0
-        # The seed's batch queue: batches in flight, newest first, when the executor runs more
+        # vLLM's batch queue: batches in flight, newest first, when the executor runs more
         # than one at a time (async scheduling); None keeps the plain step().
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[None], Future[ModelRunnerOutput], SchedulerOutput]] | None = (
@@ -96,7 +96,7 @@ class EngineCore:
         """Size the KV cache from the memory budget (or the override), then allocate it.
 
         Sets self.kv_cache_config: the model's KV cache groups (one for full-attention models,
-        several for hybrid sliding-window models) over the num_blocks blocks (seed: 1213-1221).
+        several for hybrid sliding-window models) over the num_blocks blocks.
         """
         cache, max_model_len = config.cache_config, config.model_config.max_model_len
         if cache.num_gpu_blocks_override is not None:
@@ -172,7 +172,7 @@ class EngineCore:
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """Schedule and submit a batch without waiting for the ones in flight; return the
         oldest batch's outputs once the queue is full, or when nothing new was scheduled
-        (seed: step_with_batch_queue). The second element: whether a batch ran the model."""
+        (after vLLM's step_with_batch_queue). The second element: whether a batch ran the model."""
         if not self.has_work():
             return {}, False
         start = time.perf_counter()

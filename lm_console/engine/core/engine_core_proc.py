@@ -1,4 +1,4 @@
-"""EngineCoreProc: the EngineCore in its own process, served over ZMQ (seed: lines 1115-1332).
+"""EngineCoreProc: the EngineCore in its own process, served over ZMQ.
 
 Sockets: a DEALER connected to the frontend's ROUTER (requests, aborts, utility calls in; the
 start-up handshake out), one PUSH per client connected to that client's PULL (outputs), and

@@ -1,7 +1,7 @@
 """The engine core's multimodal parts: ProcessorCache receivers, the EncoderScheduler, the
 scheduler-role ECConnector, and the KV manager of an encoder-only (EC producer) engine.
 
-seed: multimodal pipeline (lines 3550-3622), ECConnector producer mode (lines 900-930).
+It follows vLLM's multimodal pipeline and its ECConnector producer mode.
 """
 
 from __future__ import annotations

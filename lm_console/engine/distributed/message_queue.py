@@ -1,4 +1,4 @@
-"""MessageQueue: a shared-memory ring buffer, one writer and N readers (seed: lines 1393-1558).
+"""MessageQueue: a shared-memory ring buffer, one writer and N readers.
 
 The executor broadcasts each SchedulerOutput to every worker through it, and each worker answers
 through one of its own (one reader: the executor). Layout of the shared segment:

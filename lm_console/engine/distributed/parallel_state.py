@@ -1,4 +1,4 @@
-"""The tensor-parallel group: torch.distributed with gloo on CPU, NCCL on CUDA (seed: 1393-1558).
+"""The tensor-parallel group: torch.distributed with gloo on CPU, NCCL on CUDA.
 
 Each worker process calls init_distributed() once (Worker.init_device); the model's parallel
 layers then reach their group through get_tp_group(). A process that never initialised (one

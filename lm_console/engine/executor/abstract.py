@@ -1,4 +1,4 @@
-"""Executor: the engine core's one handle on the workers (seed: Executor, lines 1393-1558).
+"""Executor: the engine core's one handle on the workers (after vLLM's vllm/v1/executor/abstract.py).
 
 EngineCore.step() calls execute_model() then sample_tokens(); each is a collective_rpc() that
 runs the same Worker method on every worker and returns the output rank's result (rank 0).
@@ -74,7 +74,7 @@ class Executor(ABC):
         """Run `method` (a Worker method name, or a function called with the worker first) on
         every worker and return their results in rank order."""
 
-    # -- KV cache memory (seed: lines 1213-1221) ------------------------------------------------
+    # -- KV cache memory ------------------------------------------------
     def determine_num_available_blocks(self) -> int:
         """KV cache blocks that fit the memory budget on every worker (the smallest answer)."""
         return min(self.collective_rpc("determine_num_available_blocks"))

@@ -1,4 +1,4 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank (seed: Executor, lines 1393-1558).
+"""MultiprocExecutor: one worker process per tensor-parallel rank (after vLLM's vllm/v1/executor/multiproc_executor.py).
 
 Calls go to every worker at once through one shared-memory MessageQueue (the executor writes,
 each rank reads); answers come back through each rank's own response MessageQueue, and only

@@ -1,4 +1,4 @@
-"""RayDistributedExecutor: one worker actor per rank, across the machines of a Ray cluster (seed: 1393-1558).
+"""RayDistributedExecutor: one worker actor per rank, across the machines of a Ray cluster.
 
 The engine core is the Ray driver. It joins a cluster (lm_console/engine/executor/ray_utils.py), reserves
 a placement group with one bundle per tensor-parallel rank, and starts one RayWorkerWrapper

@@ -1,4 +1,4 @@
-"""UniProcExecutor: the worker lives in the engine-core process (seed: Executor, 1393-1558)."""
+"""UniProcExecutor: the worker lives in the engine-core process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AsyncLLM: the asyncio entrypoint (seed: Entrypoints, lines 1333-1392; data flow 18-140).
+"""AsyncLLM: the asyncio entrypoint (after vLLM's vllm/v1/engine/async_llm.py).
 
 generate() is an async generator per request; one output-handler task reads the core's
 outputs, runs the OutputProcessor, and puts each RequestOutput into its request's

@@ -1,4 +1,4 @@
-"""EngineCoreClient: how the frontend talks to the EngineCore (seed: 1257-1332).
+"""EngineCoreClient: how the frontend talks to the EngineCore.
 
 InprocClient runs the core in this process (tests, debugging, `multiprocess=False`);
 SyncMPClient (LLM's default) and AsyncMPClient (AsyncLLM) run it in its own process

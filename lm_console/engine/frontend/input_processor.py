@@ -1,4 +1,4 @@
-"""InputProcessor: validate and tokenize a prompt into an EngineCoreRequest (seed: 1986-2057)."""
+"""InputProcessor: validate and tokenize a prompt into an EngineCoreRequest."""
 
 from __future__ import annotations
 

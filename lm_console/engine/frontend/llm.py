@@ -1,4 +1,4 @@
-"""LLM: the synchronous offline entrypoint, vLLM-compatible (seed: Entrypoints, 1333-1392)."""
+"""LLM: the synchronous offline entrypoint, vLLM-compatible (after vLLM's vllm/entrypoints/llm.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SyncMPClient and AsyncMPClient: the engine core in its own process (seed: lines 1257-1332).
+"""SyncMPClient and AsyncMPClient: the engine core in its own process.
 
 The frontend binds a ROUTER (requests, aborts, utility calls; the core's handshake) and a PULL
 (outputs). A background thread polls the PULL socket and the process sentinel, decodes each

@@ -1,4 +1,4 @@
-"""Per-request and per-subscriber queues of AsyncLLM (seed: RequestOutputCollector).
+"""Per-request and per-subscriber queues of AsyncLLM (after vLLM's RequestOutputCollector).
 
 RequestOutputCollector holds at most one pending RequestOutput: a later DELTA output merges
 into it and any other kind replaces it, so a slow consumer never makes a queue grow.

@@ -1,4 +1,4 @@
-"""OutputProcessor: EngineCoreOutputs -> RequestOutput (seed: OutputProcessor, lines 4605-4739)."""
+"""OutputProcessor: EngineCoreOutputs -> RequestOutput (after vLLM's OutputProcessor)."""
 
 from __future__ import annotations
 

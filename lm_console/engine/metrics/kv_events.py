@@ -1,11 +1,11 @@
 """KV cache events and their ZMQ PUB transport, in vLLM's wire shape.
 
-The events (seed: KV Cache Events, lines 2871-2882) are msgspec Structs, array_like and tagged,
+The events are msgspec Structs, array_like and tagged,
 so one encodes as ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium]. The KV cache manager and the KV connectors produce them and the engine core
 drains them each step (take_events()) into one KVEventBatch.
 
-On the PUB socket (seed: KV Transfer, lines 3450-3549) a message is three frames: (topic, seq as
+On the PUB socket (as vLLM's ZmqEventPublisher sends them) a message is three frames: (topic, seq as
 8-byte big-endian, msgpack KVEventBatch). seq counts batches from 0 without gaps, so a
 subscriber sees a missed batch as a jump.
 """
@@ -32,7 +32,7 @@ class KVCacheEventBase(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class BlockStored(KVCacheEventBase):
-    """Full blocks entered the prefix cache as one chain segment (seed: cache_full_blocks, lines 3190-3221)."""
+    """Full blocks entered the prefix cache as one chain segment (after vLLM's cache_full_blocks)."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None  # None when the segment starts the chain
@@ -43,14 +43,14 @@ class BlockStored(KVCacheEventBase):
 
 
 class BlockRemoved(KVCacheEventBase):
-    """Blocks left the prefix cache, evicted for reuse or explicitly (seed: lines 2825-2854)."""
+    """Blocks left the prefix cache, evicted for reuse or explicitly."""
 
     block_hashes: list[BlockHash]
     medium: str | None = MEDIUM_GPU
 
 
 class AllBlocksCleared(KVCacheEventBase):
-    """The whole prefix cache was reset (seed: reset_prefix_cache, lines 2855-2870)."""
+    """The whole prefix cache was reset (after vLLM's reset_prefix_cache)."""
 
     medium: str | None = MEDIUM_GPU
 

@@ -1,4 +1,4 @@
-"""Stats the engine reports (the observability contract in DESIGN.md).
+"""Stats the engine reports (what the console and /metrics read).
 
 SchedulerStats and BlockPoolState come from the engine core (msgspec: they cross the process
 boundary); IterationStats is counted by the frontend's OutputProcessor, one per batch of outputs.
@@ -27,7 +27,7 @@ class PrefixCacheStatsSnapshot(msgspec.Struct, array_like=True, gc=False):
 
 
 class EncoderCacheStats(msgspec.Struct, array_like=True, gc=False):
-    """The encoder cache (seed: EncoderCache): occupancy in embedding slots, cumulative counters."""
+    """The encoder cache: occupancy in embedding slots, cumulative counters."""
 
     num_entries: int = 0
     num_slots: int = 0

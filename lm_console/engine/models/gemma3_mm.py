@@ -1,6 +1,6 @@
 """Gemma3 vision path: SigLIP tower -> multimodal projector -> masked_scatter into the text embeddings.
 
-seed: Gemma3 vision §1-§4 (lines 3655-3880). transformers' modeling_gemma3 is the reference:
+transformers' modeling_gemma3 is the reference:
 - the tower is SigLIP (lm_console/engine/models/siglip.py) on a fixed-size image (no NaViT mask), and its
   last hidden state (not the pooled head) feeds the projector;
 - Gemma3MultiModalProjector: the patches_per_side^2 patch features are average-pooled on their

@@ -1,6 +1,6 @@
 """SupportsMultiModal: what the worker's encoder path needs from a vision-language model.
 
-seed: backend MM path §3 (embed_multimodal, embed_input_ids) and Gemma3 §3-4 (lines 3800-3880).
+The two methods follow vLLM's SupportsMultiModal: embed_multimodal and embed_input_ids.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def supports_multimodal(model: Any) -> bool:
 
 def merge_multimodal_embeddings(inputs_embeds: Tensor, multimodal_embeddings: Tensor,
                                 is_multimodal: Tensor) -> Tensor:
-    """masked_scatter_ the mm embeddings (in order) into the True rows (seed: lines 3850-3875)."""
+    """masked_scatter_ the mm embeddings (in order) into the True rows."""
     num_rows = int(is_multimodal.sum())
     if num_rows != multimodal_embeddings.shape[0]:
         raise RuntimeError(f"{num_rows} multimodal positions but {multimodal_embeddings.shape[0]} "

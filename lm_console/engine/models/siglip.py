@@ -1,4 +1,4 @@
-"""SigLIP vision tower (seed: Gemma3 vision §1, lines 3655-3730), shared by Idefics3 and Gemma3.
+"""SigLIP vision tower, shared by Idefics3 and Gemma3.
 
 A ViT with bidirectional attention: Conv2d patch embedding + learned position embedding, N
 pre-norm encoder layers (LayerNorm -> attention -> LayerNorm -> MLP), a final LayerNorm.

@@ -1,4 +1,4 @@
-"""Multimodal inputs: image loading, hashing, HF processing, the processor cache (seed: 3550-4604).
+"""Multimodal inputs: image loading, hashing, HF processing, the processor cache.
 
 Importing this package is cheap: PIL and transformers load only when an image is processed.
 """

@@ -1,4 +1,4 @@
-"""Chat messages with images: OpenAI content parts -> chat-template text + images (seed: §1).
+"""Chat messages with images: OpenAI content parts -> chat-template text + images.
 
 Accepted parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": ...}}
 (or "image_url": "..."), and {"type": "image", "image": <path | bytes | data URL | PIL>}

@@ -1,4 +1,4 @@
-"""MultiModalConfig: the multimodal knobs of EngineArgs, resolved (seed: lines 1060-1075, 4440-4460)."""
+"""MultiModalConfig: the multimodal knobs of EngineArgs, resolved."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MultiModalHasher: content hash of an mm item (seed: MM hashing §3.3-3.5, lines 4330-4420).
+"""MultiModalHasher: content hash of an mm item (after vLLM's MultiModalHasher).
 
 hash_kwargs(model_id=..., image=..., **processor_kwargs) feeds every keyword, sorted by name,
 into one hasher: each value is prefixed by its dotted key path, so that no two different
@@ -59,7 +59,7 @@ class MultiModalHasher:
         self._factory = _hasher_factories()[self.algorithm]()
 
     def hash_kwargs(self, **kwargs: Any) -> str:
-        """Hex digest over every keyword argument, in sorted key order (seed: hash_kwargs)."""
+        """Hex digest over every keyword argument, in sorted key order (after vLLM's hash_kwargs)."""
         hasher = self._factory()
         for key, value in sorted(kwargs.items(), key=lambda kv: kv[0]):
             for chunk in self.iter_item_to_bytes(key, value):
@@ -68,7 +68,7 @@ class MultiModalHasher:
 
     @classmethod
     def iter_item_to_bytes(cls, key: str, obj: Any) -> Iterator[bytes]:
-        """Key path then value bytes, recursing into dicts, lists and tuples (seed: lines 4360-4375)."""
+        """Key path then value bytes, recursing into dicts, lists and tuples."""
         if isinstance(obj, dict):
             for sub_key, value in sorted(obj.items(), key=lambda kv: str(kv[0])):
                 yield from cls.iter_item_to_bytes(f"{key}.{sub_key}", value)
@@ -85,7 +85,7 @@ class MultiModalHasher:
 
     @staticmethod
     def serialize_item(obj: Any) -> bytes:
-        """Bytes of one leaf value (seed: serialize_item, lines 4376-4395)."""
+        """Bytes of one leaf value (after vLLM's serialize_item)."""
         if isinstance(obj, ImageItem):
             if obj.raw is not None:
                 return b"raw:" + obj.raw  # the original JPEG/PNG bytes: no pixel work

@@ -1,7 +1,7 @@
-"""Load an image from a path, bytes, a data: URL or a PIL image (seed: frontend MM path §2).
+"""Load an image from a path, bytes, a data: URL or a PIL image.
 
 The original encoded bytes are kept beside the decoded image: the MultiModalHasher hashes
-them (cheap) instead of the decoded pixels (seed: MediaWithBytes, lines 4395-4410).
+them (cheap) instead of the decoded pixels (after vLLM's MediaWithBytes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PlaceholderRange and MultiModalFeatureSpec (seed: frontend MM path §5, lines 4540-4575).
+"""PlaceholderRange and MultiModalFeatureSpec (after vLLM's vllm/multimodal/inputs.py).
 
 Both cross the frontend/engine-core boundary inside EngineCoreRequest, so they are msgspec
 Structs. The processed tensors (`data`) are numpy arrays, which lm_console/engine/ipc.py sends as raw
@@ -13,7 +13,7 @@ import msgspec
 
 
 class PlaceholderRange(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Where one mm item's placeholder tokens sit in the prompt (seed: PlaceholderRange).
+    """Where one mm item's placeholder tokens sit in the prompt (after vLLM's PlaceholderRange).
 
     is_embed: one byte per placeholder position, 1 where an encoder embedding goes (Idefics3
     interleaves <image> tokens with row/column marker tokens); None means every position.
@@ -38,7 +38,7 @@ class PlaceholderRange(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One multimodal item of a request (seed: MultiModalFeatureSpec, lines 4540-4560).
+    """One multimodal item of a request (after vLLM's MultiModalFeatureSpec).
 
     identifier keys the encoder cache, the ECConnector and the prefix-cache extra keys;
     mm_hash is the content hash it derives from (they differ only when a LoRA prefixes it).

@@ -1,6 +1,6 @@
 """MultiModalProcessor: images + prompt -> expanded token ids + MultiModalFeatureSpecs (P0).
 
-seed: frontend MM path §1-§5 (lines 4206-4604). Each image is processed on its own by the
+Each image is processed on its own by the
 model directory's HF processor (AutoProcessor), on a prompt holding just its placeholder: that
 yields the item's placeholder expansion (token ids) and its arrays. The prompt is tokenized
 with one placeholder token per image, and each placeholder is replaced by its expansion;
@@ -81,7 +81,7 @@ class Gemma3ProcessingInfo(BaseProcessingInfo):
     "\n\n" merge with the newlines around the placeholder into one token ("\n" + "\n\n" is
     the single "\n\n\n"). Splicing per-item ids leaves such runs split: merge_tokens re-encodes
     every run of adjacent newline-only tokens as the tokenizer would, and locate_features finds
-    each image's run of soft tokens in the merged ids (seed: Gemma3 §2, lines 3730-3800).
+    each image's run of soft tokens in the merged ids.
     """
 
     placeholder_attr = "boi_token"
@@ -233,7 +233,7 @@ class MultiModalProcessor:
         return tokenizer.encode(text, add_special_tokens=True)
 
     def _identifier(self, image: ImageItem, uuid: str | None, kwargs: dict[str, Any]) -> str:
-        # seed §3.2: a user uuid stands for the image; with processor kwargs it is hashed with them.
+        # A user uuid stands for the image; with processor kwargs it is hashed with them.
         if uuid is not None and not kwargs:
             return uuid
         item: Any = uuid if uuid is not None else image
@@ -270,7 +270,7 @@ class MultiModalProcessor:
 
     # -- send time ------------------------------------------------------------------------
     def finalize(self, features: list[MultiModalFeatureSpec] | None) -> list[MultiModalFeatureSpec] | None:
-        """Right before a request is sent: drop the data the core already caches (seed: §6 lru)."""
+        """Right before a request is sent: drop the data the core already caches (the LRU processor cache)."""
         if not features or self.sender_cache is None:
             return features
         return [self.sender_cache.get_and_update(f, self._pending.pop(f.identifier, None))

@@ -1,4 +1,4 @@
-"""ProcessorCache: P0 sender / P1 receiver LRU pair (seed: processor cache §4, §6 "lru").
+"""ProcessorCache: P0 sender / P1 receiver LRU pair (vLLM's "lru" mm_processor_cache_type).
 
 Both sides hold the same keys (mm identifiers) with the same sizes (bytes of the processed
 arrays) and see the same sequence of get_and_update calls (P0 in send order, P1 in receive
@@ -78,7 +78,7 @@ class MultiModalSenderCache:
         self.cache: LRUSizeCache[ItemPromptInfo] = LRUSizeCache(capacity_bytes)
 
     def is_cached(self, key: str) -> bool:
-        """Lookup that does not change the eviction order (seed: is_cached)."""
+        """Lookup that does not change the eviction order (after vLLM's is_cached)."""
         return key in self.cache
 
     def get_prompt_info(self, key: str) -> ItemPromptInfo | None:
@@ -87,7 +87,7 @@ class MultiModalSenderCache:
     def get_and_update(self, feature: MultiModalFeatureSpec,
                        info: ItemPromptInfo | None = None) -> MultiModalFeatureSpec:
         """At send time: a cached item travels without data (a copy is returned, the
-        caller's feature is left alone); a new one is recorded (seed: get_and_update)."""
+        caller's feature is left alone); a new one is recorded (after vLLM's get_and_update)."""
         key = feature.identifier
         if key in self.cache:
             self.cache.touch(key)

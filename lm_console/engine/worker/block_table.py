@@ -1,4 +1,4 @@
-"""BlockTable: per-row block ids and the slot mapping (seed: KVCache-GPU interface, 1828-1985)."""
+"""BlockTable: per-row block ids and the slot mapping (after vLLM's vllm/v1/worker/block_table.py)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class BlockTable:
 
 
 class MultiGroupBlockTable:
-    """One BlockTable per KV cache group (seed: MultiGroupBlockTable, lines 1792-1802).
+    """One BlockTable per KV cache group (after vLLM's MultiGroupBlockTable).
 
     block_ids arguments are tuples with one list per group, as the scheduler sends them.
     A model with a single group (every full-attention model) has exactly one table, so the

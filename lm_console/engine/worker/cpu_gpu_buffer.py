@@ -1,4 +1,4 @@
-"""CpuGpuBuffer: a host tensor, its NumPy view and a device twin (seed: CpuGpuBuffer, 1828-1985).
+"""CpuGpuBuffer: a host tensor, its NumPy view and a device twin (after vLLM's CpuGpuBuffer).
 
 On CUDA the host tensor is pinned, so `copy_to_gpu` is an asynchronous DMA that overlaps the
 CPU work issued after it. On CPU the device twin IS the host tensor: no copy, no extra memory.

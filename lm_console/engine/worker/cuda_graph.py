@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (seed: GPUModelRunner, CUDAGraph integration, 1559-1730).
+"""CUDA graphs for decode steps.
 
 A pure-decode step (every request schedules one token) is replayed from a graph captured for
 the smallest capture size >= num_reqs. The batch is padded to that size with 1-token requests

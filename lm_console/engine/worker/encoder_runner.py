@@ -1,4 +1,4 @@
-"""EncoderRunner: the worker's multimodal path (seed: backend MM path §3, lines 4076-4160).
+"""EncoderRunner: the worker's multimodal path.
 
 Holds `encoder_cache: dict[str, Tensor]` (mm identifier -> encoder output [num_embeds, hidden]),
 runs the encoder for the items the scheduler asked for, batched by modality
@@ -45,14 +45,14 @@ class EncoderRunner:
 
     # -- per step ----------------------------------------------------------------------------
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Drop the outputs the scheduler evicted (seed: lines 4150-4160)."""
+        """Drop the outputs the scheduler evicted."""
         for mm_hash in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
 
     @torch.inference_mode()
     def execute_mm_encoder(self, scheduler_output: SchedulerOutput,
                            requests: dict[str, CachedRequestState]) -> None:
-        """Load (consumer) or compute the scheduled items into encoder_cache (seed: _execute_mm_encoder)."""
+        """Load (consumer) or compute the scheduled items into encoder_cache (after vLLM's _execute_mm_encoder)."""
         connector = self.ec_connector
         failed_loads: set[str] = set()
         if connector is not None and scheduler_output.ec_connector_metadata is not None:
@@ -99,7 +99,7 @@ class EncoderRunner:
     def gather_mm_embeddings(self, req_states: list[CachedRequestState], num_computed: np.ndarray,
                              num_scheduled: np.ndarray, total: int) -> tuple[Tensor | None, Tensor | None]:
         """The cached embeddings of this step's placeholder positions, in batch order, and the
-        [total] bool mask of those positions (seed: _gather_mm_embeddings, lines 4110-4135)."""
+        [total] bool mask of those positions (after vLLM's _gather_mm_embeddings)."""
         is_mm = np.zeros(total, dtype=bool)
         pieces: list[Tensor] = []
         start_in_batch = 0

@@ -1,4 +1,4 @@
-"""InputBatch: the persistent batch of the ModelRunner (seed: InputBatch, lines 1731-1827)."""
+"""InputBatch: the persistent batch of the ModelRunner (after vLLM's InputBatch)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lm_console.engine.worker.block_table import MultiGroupBlockTable
 
 @dataclass(slots=True)
 class CachedRequestState:
-    """The worker's copy of one request, kept across steps (seed: CachedRequestState)."""
+    """The worker's copy of one request, kept across steps (after vLLM's CachedRequestState)."""
 
     req_id: str
     prompt_token_ids: list[int]

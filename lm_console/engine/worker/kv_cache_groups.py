@@ -1,4 +1,4 @@
-"""The worker's side of KV cache groups (seed: lines 1213-1221 and 1940-1985).
+"""The worker's side of KV cache groups.
 
 - get_kv_cache_spec: each Attention layer's KVCacheSpec (full, or sliding window);
 - allocate_kv_caches: the tensors a KVCacheConfig describes, bound to their layers;
@@ -28,7 +28,7 @@ def get_attention_layers_by_name(model: nn.Module) -> dict[str, Attention]:
 
 
 def get_kv_cache_spec(model: nn.Module, block_size: int) -> dict[str, KVCacheSpec]:
-    """What each attention layer needs from the KV cache (seed: get_kv_cache_specs, line 1218)."""
+    """What each attention layer needs from the KV cache (after vLLM's get_kv_cache_specs)."""
     specs: dict[str, KVCacheSpec] = {}
     for name, layer in get_attention_layers_by_name(model).items():
         if layer.sliding_window is not None:
@@ -78,7 +78,7 @@ def allocate_kv_caches(
 
 
 class GroupAttentionMetadataBuilder:
-    """Builds groups 1.. of a hybrid model's metadata from group 0's (seed: lines 1940-1955).
+    """Builds groups 1.. of a hybrid model's metadata from group 0's.
 
     Only the block table and the slot mapping differ between groups: query layout, sequence
     lengths and positions are the same tokens. Each group's slot mapping is staged in its own

@@ -1,4 +1,4 @@
-"""The ModelRunner's KV connector lifecycle around one step (seed: KVConnectorModelRunnerMixin, lines 3360-3420).
+"""The ModelRunner's KV connector lifecycle around one step (after vLLM's KVConnectorModelRunnerMixin).
 
 handle_preemptions -> bind metadata -> start_load_kv -> forward (per-layer wait_for_layer_load /
 save_kv_layer inside the Attention layers) -> wait_for_save -> get_finished, load errors, stats,

@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into one forward pass (seed: GPUModelRunner, 1559-1730)."""
+"""ModelRunner: turns a SchedulerOutput into one forward pass (after vLLM's GPUModelRunner)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from lm_console.engine.worker.step_inputs import StepInputs, build_attention_met
 
 @dataclass(slots=True)
 class ExecuteModelState:
-    """What execute_model() leaves for sample_tokens() (seed: two-phase execution)."""
+    """What execute_model() leaves for sample_tokens() (vLLM's two-phase execute_model / sample_tokens)."""
 
     req_ids: list[str]
     logits: torch.Tensor  # [num_reqs, vocab_size] float32
@@ -113,7 +113,7 @@ class ModelRunner:
         self._kv_connector_output: KVConnectorOutput | None = None
         # Async scheduling: the previous step's samples stay on the device; the next step takes
         # a request's input token from here when the scheduler only had a placeholder for it
-        # (seed: async_scheduling; vLLM's prev_sampled_token_ids), not from the host copy.
+        # (vLLM's prev_sampled_token_ids), not from the host copy.
         self.async_scheduling = sched.async_scheduling
         self.prev_sampled_token_ids: torch.Tensor | None = None  # [num_prev_reqs] int64, device
         self.prev_sampled: dict[str, tuple[int, int]] = {}  # req_id -> (row there, token position)
@@ -148,7 +148,7 @@ class ModelRunner:
         torch.sort(logits, dim=-1, descending=True)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """Each attention layer's KVCacheSpec, by layer name (seed: get_kv_cache_specs)."""
+        """Each attention layer's KVCacheSpec, by layer name (after vLLM's get_kv_cache_specs)."""
         assert self.model is not None
         return get_kv_cache_spec(self.model, self.block_size)
 
@@ -196,7 +196,7 @@ class ModelRunner:
             encoder.execute_mm_encoder(scheduler_output, self.requests)
         self.kv_transfer.begin(scheduler_output)
         self._state = None
-        if scheduler_output.is_empty:  # the connector's lifecycle still runs (seed: kv_connector_no_forward)
+        if scheduler_output.is_empty:  # the connector's lifecycle still runs (after vLLM's kv_connector_no_forward)
             self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
             return
         if encoder is not None and encoder.is_producer_only:  # ECConnector producer: no decoder

@@ -1,6 +1,6 @@
 """Prompt logprobs: the log-probability of every prompt token given the ones before it.
 
-vLLM's semantics (seed: the sampler's logprobs, applied to the prompt): position p's hidden
+vLLM's semantics (the sampler's logprobs, applied to the prompt): position p's hidden
 state predicts prompt token p + 1, so a prompt of P tokens has P - 1 rows (the first token has
 none; the frontend puts None there). Each row holds the actual next token (its logprob and
 1-based rank in the vocabulary) followed by the top `prompt_logprobs` tokens. Rows are computed

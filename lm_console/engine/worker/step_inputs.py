@@ -1,5 +1,5 @@
 """One step's model inputs: positions, token ids, slot mapping, attention metadata
-(seed: KVCache-GPU interface, lines 1828-1985; GPUModelRunner._prepare_inputs).
+(after vLLM's GPUModelRunner._prepare_inputs).
 
 The ModelRunner's input preparation, apart from its forward pass: `prepare_inputs` stages a
 step's tokens in the persistent CpuGpuBuffers (host writes, then asynchronous copies on CUDA) and

@@ -1,4 +1,4 @@
-"""Worker: one device, one ModelRunner (seed: Executor, lines 1393-1558)."""
+"""Worker: one device, one ModelRunner (after vLLM's vllm/v1/worker/gpu_worker.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The worker process of a MultiprocExecutor: start-up handshake and busy loop (seed: 1393-1558).
+"""The worker process of a MultiprocExecutor: start-up handshake and busy loop.
 
 Start-up: attach to the executor's broadcast MessageQueue as reader `rank`, create this rank's
 response MessageQueue, send ReadyInfo on the ready pipe, wait for the executor to attach.

@@ -1,4 +1,4 @@
-"""Dashboard: the first tab, laid out as in shared/CONSOLE.md."""
+"""Dashboard: the first tab: KV cache, throughput, latency and requests at a glance."""
 
 from __future__ import annotations
 

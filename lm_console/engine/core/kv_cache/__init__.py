@@ -1,4 +1,4 @@
-"""Paged KV cache management, pure Python (seed: KVCacheManager, BlockPool, prefix cache, lines 2058-3251).
+"""Paged KV cache management, pure Python (after vLLM's vllm/v1/core/kv_cache_manager.py and block_pool.py).
 
 The types the KV cache shares with other layers live at the bottom: the specs and KVCacheConfig
 in lm_console/engine/kv_cache_interface.py, the prefix hash chain in lm_console/engine/kv_cache_hashing.py, the KV cache

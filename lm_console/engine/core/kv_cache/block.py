@@ -1,4 +1,4 @@
-"""KVCacheBlock metadata and the FreeKVCacheBlockQueue LRU list (seed: BlockPool, lines 2633-2700)."""
+"""KVCacheBlock metadata and the FreeKVCacheBlockQueue LRU list (after vLLM's vllm/v1/core/kv_cache_utils.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from lm_console.engine.kv_cache_hashing import BlockHashWithGroupId
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
-    """CPU-side metadata of one physical KV cache block (seed: KVCacheBlock, lines 2643-2671).
+    """CPU-side metadata of one physical KV cache block (after vLLM's KVCacheBlock).
 
     Invariants: ref_cnt counts the requests holding the block (the null block is never counted);
     the block is in the free queue iff ref_cnt == 0 and not is_null; _block_hash is set only by
@@ -43,7 +43,7 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked LRU list of free blocks (seed: FreeKVCacheBlockQueue, lines 2672-2700).
+    """Doubly linked LRU list of free blocks (after vLLM's FreeKVCacheBlockQueue).
 
     Invariants: fake_free_list_head <-> b_1 <-> ... <-> b_n <-> fake_free_list_tail with
     num_free_blocks == n; a block is linked (both links set) iff it is in the queue; the front

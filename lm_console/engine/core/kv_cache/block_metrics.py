@@ -1,4 +1,4 @@
-"""KVCacheMetricsCollector: sampled KV block lifetimes (seed: BlockPool; vLLM's kv_cache_metrics).
+"""KVCacheMetricsCollector: sampled KV block lifetimes (after vLLM's kv_cache_metrics).
 
 A fraction `sample_rate` of block allocations is followed until the block is evicted, i.e. until
 its content is dropped: the block is handed to new content (get_new_blocks) or the prefix cache

@@ -1,4 +1,4 @@
-"""BlockPool: physical block allocation, free LRU queue and prefix-cache index (seed: lines 2633-2939)."""
+"""BlockPool: physical block allocation, free LRU queue and prefix-cache index."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class BlockHashToBlockMap:
-    """Prefix-cache index: BlockHashWithGroupId -> block(s) (seed: BlockHashToBlockMap, lines 2701-2724).
+    """Prefix-cache index: BlockHashWithGroupId -> block(s) (after vLLM's BlockHashToBlockMap).
 
     Invariants: every stored block's block_hash equals its key; a value is a single block or a
     dict {block_id: block} of >= 2 blocks (most keys have one block, so no inner dict to GC).
@@ -85,7 +85,7 @@ class BlockHashToBlockMap:
 class BlockPool:
     """All KV cache blocks of one engine: allocation, LRU eviction, prefix-cache index.
 
-    seed: BlockPool, lines 2633-2939. Invariants: blocks[i].block_id == i; blocks[0] is the null
+    After vLLM's vllm/v1/core/block_pool.py. Invariants: blocks[i].block_id == i; blocks[0] is the null
     block, never in the free queue, never ref-counted, never cached; a block with ref_cnt == 0 is
     in free_block_queue (it may still carry a hash: cached and evictable); every hashed block is
     in cached_block_hash_to_block under its hash and vice versa.
@@ -105,7 +105,7 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id=idx) for idx in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
-        # seed: null_block, lines 2725-2751. Block 0 stands in for skipped (e.g. out-of-window) blocks.
+        # The null block: block 0 stands in for skipped (e.g. out-of-window) blocks.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -115,7 +115,7 @@ class BlockPool:
 
     # -- prefix cache ------------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
-        """One cached block per group, or None unless every group hits (seed: lines 2776-2792)."""
+        """One cached block per group, or None unless every group hits."""
         cached_blocks: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
             block = self.cached_block_hash_to_block.get_one_block(
@@ -135,7 +135,7 @@ class BlockPool:
         block_size: int,
         kv_cache_group_id: int,
     ) -> None:
-        """Enter blocks[num_cached_blocks:num_full_blocks] into the prefix cache (seed: lines 3190-3221)."""
+        """Enter blocks[num_cached_blocks:num_full_blocks] into the prefix cache."""
         if num_cached_blocks >= num_full_blocks:
             return
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
@@ -165,7 +165,7 @@ class BlockPool:
 
     # -- allocation --------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop num_blocks from the LRU front, evicting their cached hashes (seed: lines 2752-2775)."""
+        """Pop num_blocks from the LRU front, evicting their cached hashes."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool ({self.get_num_free_blocks()} free)")
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
@@ -180,7 +180,7 @@ class BlockPool:
         return new_blocks
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop a block's prefix-cache entry if it has one (seed: lines 2825-2848)."""
+        """Drop a block's prefix-cache entry if it has one."""
         key = block.block_hash
         if key is None:
             return False
@@ -192,7 +192,7 @@ class BlockPool:
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-cache hits, pulling free ones out of the queue (seed: lines 2808-2824)."""
+        """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
         for block in blocks:
             if block.is_null:
                 continue  # the null block is shared by everyone and never counted
@@ -203,7 +203,7 @@ class BlockPool:
                 self.metrics_collector.on_block_accessed(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block; blocks reaching 0 join the queue in the given order (seed: lines 2793-2807).
+        """Drop one reference per block; blocks reaching 0 join the queue in the given order.
 
         Callers pass the blocks in eviction order (a request's tail first), so the prefix, the
         part most likely to be shared, stays cached longest.
@@ -219,12 +219,12 @@ class BlockPool:
         self.free_block_queue.append_n(freed)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop the prefix-cache entries of the given blocks; they stay where they are (seed: lines 2849-2854)."""
+        """Drop the prefix-cache entries of the given blocks; they stay where they are."""
         for block_id in block_ids:
             self._maybe_evict_cached_block(self.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only when no block is in use (seed: lines 2855-2870)."""
+        """Forget every cached hash; only when no block is in use."""
         num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used_blocks != 1:  # the null block is always "used"
             logger.warning("Failed to reset the prefix cache: %d blocks are still in use", num_used_blocks - 1)
@@ -244,14 +244,14 @@ class BlockPool:
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        """Fraction of non-null blocks in use (seed: lines 2883-2892)."""
+        """Fraction of non-null blocks in use."""
         total_gpu_blocks = self.num_gpu_blocks - 1
         if total_gpu_blocks <= 0:
             return 0.0
         return 1.0 - self.get_num_free_blocks() / total_gpu_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Drain the KV cache events by swapping the list (seed: lines 2871-2882)."""
+        """Drain the KV cache events by swapping the list."""
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 

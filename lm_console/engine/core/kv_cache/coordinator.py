@@ -1,4 +1,4 @@
-"""KV cache coordinators: fan a request's blocks out over the KV cache groups (seed: lines 2058-2129)."""
+"""KV cache coordinators: fan a request's blocks out over the KV cache groups."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class KVCacheCoordinator(ABC):
-    """Owns the BlockPool and one SingleTypeKVCacheManager per KV cache group (seed: lines 2058-2129).
+    """Owns the BlockPool and one SingleTypeKVCacheManager per KV cache group.
 
     Invariants: single_type_managers[i] manages group i; every per-group tuple this class
     returns has one entry per group, in group order.
@@ -110,7 +110,7 @@ class KVCacheCoordinator(ABC):
 
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
-    """Prefix caching disabled: lookups always miss (seed: Coordinator selection, lines 2115-2122)."""
+    """Prefix caching disabled: lookups always miss."""
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * len(self.single_type_managers)
@@ -122,7 +122,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """Exactly one KV cache group with prefix caching (seed: Coordinator selection, lines 2115-2122)."""
+    """Exactly one KV cache group with prefix caching."""
 
     def __init__(
         self,
@@ -161,7 +161,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """Several KV cache groups of different specs, with prefix caching (seed: lines 3163-3189).
+    """Several KV cache groups of different specs, with prefix caching.
 
     Groups of equal spec form one attention group and are searched together (a block hash hits
     only if every group of the spec has it cached). Full attention comes first: its hits are
@@ -199,13 +199,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.block_size = block_sizes.pop()
         assert self.block_size % self.hash_block_size == 0, "block_size must be a multiple of hash_block_size"
         num_full = sum(1 for spec, _, _ in self.attention_groups if isinstance(spec, FullAttentionSpec))
-        # One full type plus one other: a single pass reaches the fixed point (seed: is_simple_hybrid).
+        # One full type plus one other: a single pass reaches the fixed point (after vLLM's is_simple_hybrid).
         self.is_simple_hybrid = len(self.attention_groups) == 2 and num_full == 1
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Shrink the hit length until every attention type accepts it (seed: fixed point, lines 3163-3189).
+        """Shrink the hit length until every attention type accepts it (a fixed point).
 
         Each pass asks every type for its longest hit within the current length; the length
         only decreases, so the loop ends. Full attention is searched once and then cut.
@@ -257,7 +257,7 @@ def get_kv_cache_coordinator(
     hash_block_size: int,
     use_eagle: bool = False,
 ) -> KVCacheCoordinator:
-    """Pick the coordinator for the groups and caching mode (seed: get_kv_cache_coordinator, lines 2115-2122)."""
+    """Pick the coordinator for the groups and caching mode (after vLLM's get_kv_cache_coordinator)."""
     args = (kv_cache_specs, num_gpu_blocks, max_model_len, use_eagle, enable_caching, enable_kv_cache_events, hash_block_size)
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(*args)

@@ -1,4 +1,4 @@
-"""KVCacheManager: the scheduler's interface to the paged KV cache (seed: KVCacheManager, lines 2058-2243)."""
+"""KVCacheManager: the scheduler's interface to the paged KV cache (after vLLM's KVCacheManager)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class KVCacheBlocks:
-    """Blocks handed to the scheduler: blocks[i][j] is group i's j-th block (seed: lines 2130-2142).
+    """Blocks handed to the scheduler: blocks[i][j] is group i's j-th block.
 
     Hides the block objects' internals from the scheduler, which only needs ids.
     """
@@ -53,7 +53,7 @@ class KVCacheBlocks:
 
 
 class KVCacheManager:
-    """Allocates, caches and frees the KV blocks of every request (seed: KVCacheManager, lines 2058-2243).
+    """Allocates, caches and frees the KV blocks of every request (after vLLM's KVCacheManager).
 
     Layers: KVCacheManager -> KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool.
     Invariants: a request holds blocks from its first successful allocate_slots until free();
@@ -139,7 +139,7 @@ class KVCacheManager:
 
     # -- prefix cache ----------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest prefix-cache hit of a waiting request and its length in tokens (seed: lines 2188-2202)."""
+        """Longest prefix-cache hit of a waiting request and its length in tokens."""
         # prompt_logprobs need the logits of every prompt token, so nothing may be skipped.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.empty_kv_cache_blocks, 0
@@ -164,7 +164,7 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
-        """Give the request slots for num_new_tokens more tokens; None if the pool is short (seed: lines 2143-2187).
+        """Give the request slots for num_new_tokens more tokens; None if the pool is short.
 
         Layout: | comp | new_comp | ext_comp | new | lookahead |. Returns only the newly
         allocated blocks; on None nothing has changed (the scheduler then preempts).
@@ -212,11 +212,11 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        """Release every block of a finished or preempted request, tail first (seed: lines 2203-2215)."""
+        """Release every block of a finished or preempted request, tail first."""
         self.coordinator.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; False (no change) while any request holds blocks (seed: lines 2855-2870)."""
+        """Forget all cached blocks; False (no change) while any request holds blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.prefix_cache_stats is not None:
@@ -233,7 +233,7 @@ class KVCacheManager:
         return self.get_blocks(request_id).get_block_ids()
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Leading blocks shared by every running request, per group (seed: lines 2408-2421)."""
+        """Leading blocks shared by every running request, per group."""
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:

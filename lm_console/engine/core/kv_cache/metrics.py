@@ -1,6 +1,6 @@
 """Prefix-cache statistics, counted in tokens and drained by make_prefix_cache_stats().
 
-seed: KVCacheManager prefix cache, lines 2188-2202 (get_computed_blocks records the lookup).
+KVCacheManager.get_computed_blocks records each lookup, as in vLLM's kv_cache_manager.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-attention-type block managers (seed: Per-attention-type managers, lines 2244-2632)."""
+"""Per-attention-type block managers (after vLLM's vllm/v1/core/single_type_kv_cache_manager.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class SingleTypeKVCacheManager(ABC):
-    """Blocks of one KV cache group for every request (seed: SingleTypeKVCacheManager, lines 2270-2385).
+    """Blocks of one KV cache group for every request (after vLLM's SingleTypeKVCacheManager).
 
     Invariants: req_to_blocks[r] is append-only except that remove_skipped_blocks may replace
     leading blocks by the null block; req_to_blocks[r][:num_cached_block[r]] are already in the
@@ -44,7 +44,7 @@ class SingleTypeKVCacheManager(ABC):
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
     ) -> int:
-        """Blocks allocate_slots would take from the free queue (seed: lines 2286-2307)."""
+        """Blocks allocate_slots would take from the free queue."""
         num_required_blocks = cdiv(num_tokens, self.block_size)
         num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
@@ -69,7 +69,7 @@ class SingleTypeKVCacheManager(ABC):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        """Give a new request its prefix-cache hits and external-KV blocks (seed: lines 2308-2326)."""
+        """Give a new request its prefix-cache hits and external-KV blocks."""
         if request_id in self.num_cached_block:
             assert len(new_computed_blocks) == 0, "a running request cannot get new prefix hits"
             return
@@ -95,7 +95,7 @@ class SingleTypeKVCacheManager(ABC):
             req_blocks.extend(self.block_pool.get_new_blocks(max(num_new, 0)))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the request to cdiv(num_tokens, block_size) blocks; return only the new ones (seed: lines 2327-2339)."""
+        """Grow the request to cdiv(num_tokens, block_size) blocks; return only the new ones."""
         req_blocks = self.req_to_blocks[request_id]
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
@@ -105,7 +105,7 @@ class SingleTypeKVCacheManager(ABC):
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Enter the request's newly full blocks into the prefix cache (seed: lines 2340-2351)."""
+        """Enter the request's newly full blocks into the prefix cache."""
         num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
@@ -121,13 +121,13 @@ class SingleTypeKVCacheManager(ABC):
         self.num_cached_block[request.request_id] = num_full_blocks
 
     def free(self, request_id: str) -> None:
-        """Release all blocks of a request, tail first so the tail is evicted first (seed: lines 2352-2363)."""
+        """Release all blocks of a request, tail first so the tail is evicted first."""
         req_blocks = self.req_to_blocks.pop(request_id, [])
         self.block_pool.free_blocks(reversed(req_blocks))
         self.num_cached_block.pop(request_id, None)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Free blocks no longer attended to, replacing them by the null block (seed: lines 2364-2379)."""
+        """Free blocks no longer attended to, replacing them by the null block."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
@@ -143,7 +143,7 @@ class SingleTypeKVCacheManager(ABC):
         self.block_pool.free_blocks(removed_blocks)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Leading tokens outside the attention window; 0 means all are attended (seed: lines 2380-2385)."""
+        """Leading tokens outside the attention window; 0 means all are attended."""
         return 0
 
     @abstractmethod
@@ -166,7 +166,7 @@ class SingleTypeKVCacheManager(ABC):
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
-    """Full attention: nothing is skipped; hits are downward closed (seed: FullAttentionManager, lines 2386-2421)."""
+    """Full attention: nothing is skipped; hits are downward closed (after vLLM's FullAttentionManager)."""
 
     @classmethod
     def find_longest_cache_hit(
@@ -201,7 +201,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return computed_blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Count leading blocks whose ref_cnt equals the number of requests (seed: lines 2408-2421)."""
+        """Count leading blocks whose ref_cnt equals the number of requests."""
         num_requests = len(self.req_to_blocks)
         num_common_blocks = 0
         for block in self.req_to_blocks.get(running_request_id, ()):
@@ -212,7 +212,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    """Sliding-window attention: blocks behind the window are freed (seed: SlidingWindowManager, lines 2422-2470).
+    """Sliding-window attention: blocks behind the window are freed (after vLLM's SlidingWindowManager).
 
     The token at position p attends to positions (p - sliding_window, p], so once
     num_computed_tokens tokens are in the cache the first num_computed_tokens - sliding_window + 1
@@ -227,7 +227,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = kv_cache_spec.sliding_window
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens the next token no longer sees (seed: lines 2434-2447)."""
+        """Tokens the next token no longer sees."""
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
     @classmethod
@@ -241,7 +241,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         use_eagle: bool = False,
         alignment_tokens: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
-        """Scan right to left for a run of cached blocks that covers the window (seed: lines 2449-2466).
+        """Scan right to left for a run of cached blocks that covers the window.
 
         A hit of L tokens is usable when the blocks holding tokens [L - sliding_window + 1, L)
         are cached: cdiv(sliding_window - 1, block_size) contiguous blocks ending at L, or a
@@ -291,11 +291,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return computed_blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Always 0: the prefix blocks are null blocks, so no cascade attention (seed: lines 2467-2470)."""
+        """Always 0: the prefix blocks are null blocks, so no cascade attention."""
         return 0
 
 
-# seed: spec_manager_map, lines 2254-2269.
+# Which manager serves which KVCacheSpec (vLLM's spec_manager_map).
 spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
@@ -305,7 +305,7 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool, kv_cache_group_id: int
 ) -> SingleTypeKVCacheManager:
-    """Instantiate the manager class registered for the spec's type (seed: lines 2254-2269)."""
+    """Instantiate the manager class registered for the spec's type."""
     manager_class = spec_manager_map.get(type(kv_cache_spec))
     if manager_class is None:
         raise NotImplementedError(

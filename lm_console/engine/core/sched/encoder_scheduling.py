@@ -1,4 +1,4 @@
-"""Encoder scheduling inside the token budget (seed: backend MM path §2, lines 4010-4075).
+"""Encoder scheduling inside the token budget (after vLLM's Scheduler._try_schedule_encoder_inputs).
 
 A composed object of the Scheduler, called at four points: try_schedule() before it allocates a
 request's KV slots (which encoder inputs must run for the tokens it is about to schedule, and how
@@ -137,7 +137,7 @@ class EncoderScheduler:
 
     # -- releasing ------------------------------------------------------------------------
     def free_consumed(self, request: Request) -> None:
-        """Drop references to items whose tokens are all in the KV cache now (seed: _free_encoder_inputs)."""
+        """Drop references to items whose tokens are all in the KV cache now (after vLLM's _free_encoder_inputs)."""
         manager = self.encoder_cache_manager
         for i, feature in enumerate(request.mm_features):
             if feature.offset + feature.length > request.num_computed_tokens:

@@ -1,4 +1,4 @@
-"""The Scheduler's KV connector duties (seed: KV Transfer, Scheduler integration, lines 3360-3395).
+"""The Scheduler's KV connector duties (as in vLLM's Scheduler).
 
 A composed object the Scheduler holds and calls at a few hook points; `NoKVConnector` (no
 connector configured) answers every hook with "nothing to do", so the Scheduler has one code path.
@@ -199,7 +199,7 @@ class KVConnectorScheduling:
 
     # -- finish ----------------------------------------------------------------------------
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """(delay_free, kv_transfer_params) for a request that just finished (seed: _connector_finished)."""
+        """(delay_free, kv_transfer_params) for a request that just finished (after vLLM's _connector_finished)."""
         req_id = request.request_id
         was_loading = req_id in self._num_remote_tokens and req_id not in self.finished_recving_kv_req_ids
         self._kv_ready.discard(req_id)

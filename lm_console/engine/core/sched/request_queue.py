@@ -1,4 +1,4 @@
-"""The WAITING queue: first come, first served, or by priority (seed: Scheduler; vLLM's request_queue).
+"""The WAITING queue: first come, first served, or by priority (after vLLM's vllm/v1/core/sched/request_queue.py).
 
 Both policies put preempted requests back so they resume first among their equals: FCFS in
 front of the deque; priority by their (priority, arrival_time) key, which they keep.

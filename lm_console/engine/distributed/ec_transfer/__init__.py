@@ -1,5 +1,4 @@
-"""ECConnector: moving encoder outputs between engines or to storage (seed: lines 673-959).
-"""
+"""ECConnector: moving encoder outputs between engines or to storage."""
 
 from __future__ import annotations
 

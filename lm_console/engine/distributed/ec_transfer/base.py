@@ -1,4 +1,4 @@
-"""ECConnectorBase: one class, two roles (seed: ECConnectorBase, lines 720-769).
+"""ECConnectorBase: one class, two roles (after vLLM's ECConnectorBase).
 
 The scheduler-role instance lives in the engine core's Scheduler and decides what to load;
 the worker-role instance lives in the ModelRunner and moves the tensors. What the scheduler
@@ -44,7 +44,7 @@ class ECConnectorBase(ABC):
 
     # -- worker role ---------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
-        """Set this step's metadata before start_load_caches (seed: mixin lifecycle)."""
+        """Set this step's metadata before start_load_caches (the model runner's connector lifecycle)."""
         self._connector_metadata = connector_metadata
 
     def clear_connector_metadata(self) -> None:

@@ -1,4 +1,4 @@
-"""ECTransferConfig: which ECConnector, in which role (seed: ECTransferConfig, lines 770-790)."""
+"""ECTransferConfig: which ECConnector, in which role (after vLLM's ECTransferConfig)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ECExampleConnector: encoder outputs as safetensors files per mm_hash (seed: lines 821-870).
+"""ECExampleConnector: encoder outputs as safetensors files per mm_hash.
 
 Layout: {shared_storage_path}/{name}/encoder_cache.safetensors holding {"ec_cache": tensor}.
 Files are written to a temporary name and renamed, so a consumer's has_cache_item() never

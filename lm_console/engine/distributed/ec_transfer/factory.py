@@ -1,4 +1,4 @@
-"""ECConnectorFactory: connectors by name, lazily imported, or from any module (seed: lines 791-820)."""
+"""ECConnectorFactory: connectors by name, lazily imported, or from any module."""
 
 from __future__ import annotations
 

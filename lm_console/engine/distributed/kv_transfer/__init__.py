@@ -1,5 +1,4 @@
-"""KV transfer: connectors that load and save decoder KV outside the paged cache (seed: lines 3252-3549).
-"""
+"""KV transfer: connectors that load and save decoder KV outside the paged cache."""
 
 from __future__ import annotations
 

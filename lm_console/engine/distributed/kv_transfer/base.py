@@ -1,4 +1,4 @@
-"""KVConnectorBase: the two-role plugin interface for moving decoder KV (seed: KV Transfer, lines 3252-3549).
+"""KVConnectorBase: the two-role plugin interface for moving decoder KV (after vLLM's KVConnectorBase_V1).
 
 One class, two instances: the SCHEDULER-role instance lives beside the Scheduler and decides
 what to load and save; the WORKER-role instance lives beside the ModelRunner and moves the
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class KVConnectorRole(enum.IntEnum):
-    """Which side of the engine an instance serves (seed: KVConnectorRole, line 3290)."""
+    """Which side of the engine an instance serves (after vLLM's KVConnectorRole)."""
 
     SCHEDULER = 0
     WORKER = 1
@@ -46,7 +46,7 @@ def extend_tracked_block_ids(block_ids: dict[str, list[int]], scheduler_output: 
 
 
 class KVConnectorBase(ABC):
-    """Base of every KV connector (seed: KVConnectorBase_V1, lines 3296-3330).
+    """Base of every KV connector (after vLLM's KVConnectorBase_V1).
 
     Scheduler side: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
     request_finished, take_events, update_connector_output.
@@ -67,7 +67,7 @@ class KVConnectorBase(ABC):
 
     # -- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Receive the per-layer paged KV tensors, keyed by layer name (seed: lines 3395-3410)."""
+        """Receive the per-layer paged KV tensors, keyed by layer name."""
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata | None) -> None:
         """Set this step's metadata before the forward pass."""
@@ -123,7 +123,7 @@ class KVConnectorBase(ABC):
     # -- scheduler side ---------------------------------------------------------------------
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """(N, is_async) external tokens beyond num_computed_tokens; (None, _) = ask again later (seed: 3320-3330)."""
+        """(N, is_async) external tokens beyond num_computed_tokens; (None, _) = ask again later."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, blocks: AllocatedBlocks, num_external_tokens: int) -> None:

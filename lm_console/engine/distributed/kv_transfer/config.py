@@ -1,4 +1,4 @@
-"""KVTransferConfig: the `kv_transfer_config` engine argument (seed: KVTransferConfig, lines 3252-3549)."""
+"""KVTransferConfig: the `kv_transfer_config` engine argument (after vLLM's KVTransferConfig)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 @dataclass
 class KVTransferConfig:
-    """Which connector to build and how (seed: KVTransferConfig).
+    """Which connector to build and how (after vLLM's KVTransferConfig).
 
     kv_role: kv_producer stores KV, kv_consumer loads it, kv_both does both.
     kv_connector_module_path: import path of a connector not in the factory's registry.

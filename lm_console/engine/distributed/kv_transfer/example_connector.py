@@ -1,4 +1,4 @@
-"""ExampleConnector: a prompt's KV as safetensors files in a directory, for tests (seed: example_connector, 3340-3360).
+"""ExampleConnector: a prompt's KV as safetensors files in a directory, for tests (after vLLM's example_connector).
 
 A producer saves, layer by layer (save_kv_layer), the KV of a prompt's whole blocks once they
 are computed: `<storage_path>/<sha256 of those tokens>/layer.<i>.safetensors`, tensor "kv" of

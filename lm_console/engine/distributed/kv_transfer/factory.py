@@ -1,4 +1,4 @@
-"""KVConnectorFactory: a registry of connectors imported on first use (seed: KVConnectorFactory, lines 3340-3360)."""
+"""KVConnectorFactory: a registry of connectors imported on first use (after vLLM's KVConnectorFactory)."""
 
 from __future__ import annotations
 

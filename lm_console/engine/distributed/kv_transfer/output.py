@@ -1,4 +1,4 @@
-"""KVConnectorOutput: the worker-side connector's report for one step (seed: KVConnectorOutput, lines 3420-3440).
+"""KVConnectorOutput: the worker-side connector's report for one step (after vLLM's KVConnectorOutput).
 
 A plain dataclass: it rides inside ModelRunnerOutput within the engine-core process.
 """

@@ -2,7 +2,7 @@
 
 Every failure of a request becomes an OpenAIError: the engine's own exceptions keep their
 message (lm_console/engine/errors.py says what was wrong and what is allowed), pydantic's validation
-errors name the field. The status table (README "Serving"):
+errors name the field. The status table (docs/serving.md):
 400 invalid request, 401 missing or wrong API key, 404 unknown model or route, 413 body too
 large, 422 body is not JSON, 503 engine dead or server draining, 500 a bug.
 """

@@ -1,4 +1,4 @@
-"""Chunk hashing for the offload tiers: 256-token chunks on a hash chain (seed: Prefix cache, lines 2940-3089).
+"""Chunk hashing for the offload tiers: 256-token chunks on a hash chain (like the prefix cache's block hashes).
 
 The chain is the engine's own (hash_block_tokens with extra keys), at chunk granularity, but its
 root is not the per-process random NONE_HASH: it is a digest of the model's identity and the KV

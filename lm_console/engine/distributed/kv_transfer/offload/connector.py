@@ -1,4 +1,4 @@
-"""OffloadConnector: LMCache-style KV offload to a CPU RAM tier and a disk tier (seed: KV Transfer, 3252-3549).
+"""OffloadConnector: LMCache-style KV offload to a CPU RAM tier and a disk tier.
 
 Prompts are cut into chunks (256 tokens by default) keyed by a hash chain; each chunk's KV is
 stored once computed and, later, any stored prefix of chunks is loaded instead of recomputed,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class OffloadScheduler:
-    """Scheduler-side state (seed: get_num_new_matched_tokens / update_state_after_alloc / build_connector_meta).
+    """Scheduler-side state (get_num_new_matched_tokens / update_state_after_alloc / build_connector_meta).
 
     By default every hit loads asynchronously (is_async=True): the request waits in
     WAITING_FOR_REMOTE_KVS, off the forward pass, until its chunks are in its blocks. With
