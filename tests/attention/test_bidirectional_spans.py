@@ -4,12 +4,12 @@ backend whatever backend it was given."""
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
 from lm_console.engine.attention import Attention, AttentionMetadata
+from lm_console.engine.attention.backend import AttentionBackend
 from lm_console.engine.attention.torch_backend import _bidirectional_allowed
 from lm_console.engine.forward_context import set_forward_context
 
@@ -44,8 +44,16 @@ def test_layer_routes_span_steps_to_the_torch_backend() -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton kernels build no bidirectional mask")
 
+    class NoSpans(AttentionBackend):
+        """A backend without bidirectional masks (as the Triton one)."""
+
+        name = "no-spans"
+
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            refuse()
+
     layer = Attention(num_heads=2, head_dim=8, scale=0.3, num_kv_heads=1)
-    layer.backend = types.SimpleNamespace(paged_attention=refuse)
+    layer.backend = NoSpans()
     layer.kv_cache = torch.zeros(2, 4, 8, 1, 8)
     num_tokens = 6
     q, k, v = (torch.randn(num_tokens, d) for d in (16, 8, 8))

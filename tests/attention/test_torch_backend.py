@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lm_console.engine.attention import Attention, AttentionMetadata, bind_kv_caches, get_kv_cache_shape
-from lm_console.engine.attention.torch_backend import causal_attention, paged_attention, reshape_and_cache
+from lm_console.engine.attention.sdpa import causal_attention
+from lm_console.engine.attention.torch_backend import paged_attention, reshape_and_cache
 from lm_console.engine.forward_context import get_forward_context, set_forward_context
 
 BLOCK_SIZE = 16

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from lm_console.engine.attention import get_attention_layers, torch_backend
+from lm_console.engine.attention.torch_backend import CpuAttentionBackend
 from lm_console.engine.attention.selector import load_attention_backend, resolve_attention_backend
 from lm_console.engine.config import EngineArgs
 from lm_console.engine.errors import InvalidEngineArgsError
@@ -29,10 +30,13 @@ CPU = torch.device("cpu")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_selection_defaults_to_torch_on_cpu():
-    assert resolve_attention_backend("auto", CPU) == "torch"
+def test_selection_defaults_to_the_c_kernels_on_cpu():
+    assert resolve_attention_backend("auto", CPU) == "cpu"
     assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
-    assert load_attention_backend("auto", CPU) is torch_backend
+    assert type(load_attention_backend("auto", CPU)) is CpuAttentionBackend
+    assert load_attention_backend("torch", CPU).name == "torch"
+    with pytest.raises(InvalidEngineArgsError, match="C kernels on the CPU"):
+        resolve_attention_backend("cpu", torch.device("cuda"))
     with pytest.raises(InvalidEngineArgsError, match="attention_backend"):
         resolve_attention_backend("flash", CPU)
     with pytest.raises(InvalidEngineArgsError, match="attention_backend"):
@@ -51,8 +55,7 @@ def test_backend_matches_torch_backend(requests, window):
                                           for f in dataclasses.fields(batch[4])
                                           if isinstance(getattr(batch[4], f.name), torch.Tensor)})
     kv_ref = kv_cache.clone()
-    out = triton_backend.paged_attention(q, k, v, kv_cache, md, 2, 0.25, window, 4.0)
-    md.plan = None
+    out = triton_backend.forward(q, k, v, kv_cache, md, 2, 0.25, window, 4.0)
     ref = torch_backend.paged_attention(q, k, v, kv_ref, md, 2, 0.25, window, 4.0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # padding rows: zero in both
     assert torch.equal(kv_cache, kv_ref)  # same slots written, -1 skipped
@@ -79,8 +82,8 @@ def test_tiny_model_greedy_tokens_match_torch_backend(model_fixture, request, ma
                        multiprocess=False)
         runner = llm.engine_core.engine_core.model_executor.worker.model_runner
         layers = get_attention_layers(runner.model)
-        names = {layer.backend.__name__ for layer in layers}
-        assert names == {f"lm_console.engine.attention.{backend}_backend"}
+        names = {layer.backend.name for layer in layers}
+        assert names == {backend}
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["triton"] == tokens["torch"]

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
+import torch
 from torch import Tensor, nn
 
-import torch
-
-from lm_console.engine.attention import torch_backend
+from lm_console.engine.attention.backend import AttentionBackend
+from lm_console.engine.attention.torch_backend import CpuAttentionBackend
 from lm_console.engine.forward_context import get_forward_context
 from lm_console.kernels.cpu_attention import INT8_SCALE_BYTES
+
+# Layers built outside an engine (tests, the HF comparison harness) attend as a CPU engine does;
+# the model runner sets the engine's backend on every layer (set_attention_backend).
+DEFAULT_BACKEND: AttentionBackend = CpuAttentionBackend()
+# Steps that prefill image tokens attending both ways (Gemma3) run through a backend that builds
+# those masks, when the engine's own cannot (the layout of the cache is the same).
+_SPANS_BACKEND: AttentionBackend = CpuAttentionBackend()
 
 
 def get_kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, int8: bool = False
 ) -> tuple[int, int, int, int, int]:
-    """Shape of one layer's cache: K and V stacked on the first axis (int8: each row followed by
-    its scale, lm_console/engine/attention/int8_cache.py)."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim + (INT8_SCALE_BYTES if int8 else 0))
+    """Shape of one layer's cache (every backend shares AttentionBackend's layout)."""
+    return AttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, int8)
 
 
 class Attention(nn.Module):
@@ -27,7 +31,7 @@ class Attention(nn.Module):
     The model computes q/k/v (with rotary embeddings applied); this layer owns no weights.
     `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim], model dtype, or the int8
     cache's layout, lm_console/engine/attention/int8_cache.py) is assigned by
-    `bind_kv_caches`; `backend` (torch_backend unless `set_attention_backend` picks another)
+    `bind_kv_caches`; `backend` (an AttentionBackend; set_attention_backend sets the engine's)
     writes the cache and attends. Without a forward context's metadata (a dummy profiling run)
     the tokens are attended as one causal sequence and nothing is cached.
     """
@@ -52,7 +56,7 @@ class Attention(nn.Module):
         self.kv_cache: Tensor | None = None  # a plain attribute: not saved, not moved by .to()
         self.kv_cache_group_id = 0  # set with the cache (hybrid models: the layer's KV cache group)
         self.layer_name = ""  # "layer.{i}", set by bind_kv_caches (KV connectors key on it)
-        self.backend: ModuleType = torch_backend
+        self.backend: AttentionBackend = DEFAULT_BACKEND
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [num_tokens, H*D], k/v [num_tokens, Hkv*D] -> [num_tokens, H*D]."""
@@ -62,10 +66,8 @@ class Attention(nn.Module):
             assert forward_context.group_attn_metadata is not None, "hybrid KV cache groups need per-group metadata"
             attn_metadata = forward_context.group_attn_metadata[self.kv_cache_group_id]
         if attn_metadata is None:
-            return torch_backend.causal_attention(
-                q, k, v, self.num_kv_heads, self.scale, self.sliding_window,
-                self.logits_soft_cap,
-            )
+            return self.backend.forward_no_cache(q, k, v, self.num_kv_heads, self.scale, self.sliding_window,
+                                                 self.logits_soft_cap)
         if self.kv_cache is None:
             raise RuntimeError(
                 "Attention layer has no KV cache: call bind_kv_caches(model, kv_caches) before "
@@ -74,10 +76,10 @@ class Attention(nn.Module):
         connector = forward_context.kv_connector
         if connector is not None:  # layer-by-layer KV transfer: wait for this layer's load, then save it
             connector.wait_for_layer_load(self.layer_name)
-        # Only the torch backend builds bidirectional image masks: steps that prefill such
-        # image tokens run every layer through it (same cache layout; the kernels serve the rest).
-        backend = torch_backend if attn_metadata.bidirectional_spans else self.backend
-        out = backend.paged_attention(
+        backend = self.backend
+        if attn_metadata.bidirectional_spans and not backend.supports_bidirectional_spans:
+            backend = _SPANS_BACKEND
+        out = backend.forward(
             q, k, v, self.kv_cache, attn_metadata, self.num_kv_heads, self.scale,
             self.sliding_window, self.logits_soft_cap,
         )
@@ -97,7 +99,7 @@ def get_attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def set_attention_backend(model: nn.Module, backend: ModuleType) -> None:
+def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
     """Route every Attention layer of `model` through `backend` (see attention/selector.py)."""
     for layer in get_attention_layers(model):
         layer.backend = backend

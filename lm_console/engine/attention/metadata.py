@@ -1,9 +1,12 @@
-"""AttentionMetadata: what every attention layer needs to know about the current batch."""
+"""AttentionMetadata: what every attention layer needs to know about the current batch.
+
+The fields every backend reads; a backend that keeps more per step subclasses it (its
+`metadata_cls`, e.g. the torch backend's TorchAttentionMetadata).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -37,5 +40,3 @@ class AttentionMetadata:
     # [(start, end)] token positions that attend each other both ways, for prefill rows whose
     # new tokens reach into such a span; None (or no entry) = plain causal.
     bidirectional_spans: dict[int, list[tuple[int, int]]] | None = None
-    # Built by the attention backend on first use and shared by all layers of the step.
-    plan: Any = field(default=None, repr=False, compare=False)

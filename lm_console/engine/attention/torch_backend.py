@@ -1,7 +1,7 @@
-"""Paged attention in plain torch (the CPU backend).
+"""Paged attention in plain torch (TorchAttentionBackend), and with the C kernels (CpuAttentionBackend).
 
 One step's batch is split once into decode rows (query_len == 1) and prefill chunks; the split
-(a `_Plan`) is stored on the AttentionMetadata and reused by every layer:
+(a `_Plan`) is stored on the step's TorchAttentionMetadata and reused by every layer:
 - decodes: with the C kernel (lm_console/kernels/cpu_attention.py, bf16 and fp32), one call per
   layer reads every decode row's K/V in place from the paged cache. Without it, rows are
   bucketed by context length; each bucket's K/V blocks are gathered into one padded tensor and
@@ -19,13 +19,15 @@ to its own K/V as the cache holds them (round_trip), so both paths see the same 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lm_console.engine.attention import int8_cache
+from lm_console.engine.attention.backend import AttentionBackend
 from lm_console.engine.attention.metadata import AttentionMetadata
+from lm_console.engine.attention.sdpa import _causal_allowed, _sdpa
 from lm_console.kernels import cpu_attention
 
 
@@ -252,17 +254,6 @@ def _decode_blocked(group: _DecodeGroup, window: int | None, block_size: int) ->
     return group.blocked[window]
 
 
-def _causal_allowed(num_context: int, seq_len: int, window: int | None,
-                    device: torch.device) -> Tensor:
-    """[seq_len - num_context, seq_len] bool: query i (at num_context + i) may see key j."""
-    q_pos = torch.arange(num_context, seq_len, device=device)[:, None]
-    k_pos = torch.arange(seq_len, device=device)[None, :]
-    allowed = k_pos <= q_pos  # bottom-right-aligned causal
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    return allowed
-
-
 def _bidirectional_allowed(num_context: int, seq_len: int, window: int | None,
                            spans: list[tuple[int, int]], device: torch.device) -> Tensor:
     """Like _causal_allowed, but the positions of each span also see each other's later ones.
@@ -291,24 +282,6 @@ def _prefill_allowed(p: _Prefill, window: int | None, device: torch.device) -> T
         else:
             p.masks[window] = _causal_allowed(p.num_context, p.seq_len, window, device)
     return p.masks[window]
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float,
-          soft_cap: float | None) -> Tensor:
-    """Attention of q [Hkv*G, T, D] over k/v [Hkv, S, D]; `allowed` None means causal."""
-    if soft_cap is None:
-        return F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=allowed, is_causal=allowed is None,
-            scale=scale, enable_gqa=True,
-        )[0]
-    group = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, T, S]
-    scores = soft_cap * torch.tanh(scores / soft_cap)
-    if allowed is None:
-        allowed = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _attend_decodes(q: Tensor, kv_cache: Tensor, group: _DecodeGroup, num_kv_heads: int,
@@ -350,21 +323,26 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    cpu_kernels: bool = True,
 ) -> Tensor:
     """Write k/v into the paged cache, then attend q over each request's cached context.
 
     q: [num_tokens, H*D]; k, v: [num_tokens, Hkv*D]; kv_cache: [2, num_blocks, block_size,
     Hkv, D]. Returns [num_tokens, H*D]; padding rows past num_actual_tokens are zero.
+    cpu_kernels: use the C kernels where they take the shapes (CpuAttentionBackend).
     """
-    if md.plan is None:
-        md.plan = _build_plan(md)
-    plan: _Plan = md.plan
+    if isinstance(md, TorchAttentionMetadata):
+        if md.plan is None:  # the first layer of the step splits the batch; the others reuse it
+            md.plan = _build_plan(md)
+        plan = md.plan
+    else:
+        plan = _build_plan(md)
     num_tokens, head_dim = plan.num_tokens, cpu_attention.cache_head_dim(kv_cache)
     num_heads = q.shape[1] // head_dim
     _write_cache(k[:num_tokens], v[:num_tokens], kv_cache, plan.write_slots, plan.write_idx)
 
     # The kernels read every token's K/V from the cache: all of them must have been written.
-    use_kernels = plan.write_idx is None and cpu_attention.supports(q, kv_cache)
+    use_kernels = cpu_kernels and plan.write_idx is None and cpu_attention.supports(q, kv_cache)
     kernel_prefills = use_kernels and not plan.has_bidirectional_spans
     pure_decode = plan.num_decodes == q.shape[0]
     # Every row gets written when the kernels cover all tokens (no padding rows to zero).
@@ -428,16 +406,33 @@ def paged_attention(
     return out
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, num_kv_heads: int, scale: float,
-                     sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None) -> Tensor:
-    """All tokens as one causal sequence, no cache (the cache-less dummy/profiling run)."""
-    num_tokens, head_dim = q.shape[0], k.shape[1] // num_kv_heads
-    qp = q.view(num_tokens, -1, head_dim).transpose(0, 1)
-    kp = k.view(num_tokens, num_kv_heads, head_dim).transpose(0, 1)
-    vp = v.view(num_tokens, num_kv_heads, head_dim).transpose(0, 1)
-    allowed = None
-    if sliding_window is not None and num_tokens > sliding_window:
-        allowed = _causal_allowed(0, num_tokens, sliding_window, q.device)
-    o = _sdpa(qp, kp, vp, allowed, scale, logits_soft_cap)
-    return o.transpose(0, 1).reshape(num_tokens, -1)
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The torch and CPU backends' metadata: the common fields, and the step's batch split,
+    built by the first layer that attends and reused by the others."""
+
+    plan: _Plan | None = field(default=None, repr=False, compare=False)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch: the reference paths (gathered decodes, SDPA prefills), any device."""
+
+    name: ClassVar[str] = "torch"
+    metadata_cls: ClassVar[type[AttentionMetadata]] = TorchAttentionMetadata
+    supports_bidirectional_spans: ClassVar[bool] = True
+    supports_int8_cache: ClassVar[bool] = True
+    cpu_kernels: ClassVar[bool] = False
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, md: AttentionMetadata,
+                num_kv_heads: int, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> Tensor:
+        return paged_attention(q, k, v, kv_cache, md, num_kv_heads, scale, sliding_window, logits_soft_cap,
+                               cpu_kernels=self.cpu_kernels)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The C kernels for every decode and prefill whose shapes they take (dtype, head_dim,
+    heads per kv head, the ISA; see cpu_attention.supports), the torch paths for the rest."""
+
+    name: ClassVar[str] = "cpu"
+    cpu_kernels: ClassVar[bool] = True

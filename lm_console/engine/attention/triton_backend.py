@@ -7,9 +7,12 @@ captured in a CUDA graph and replayed with other lengths and block tables.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
+from lm_console.engine.attention.backend import AttentionBackend
 from lm_console.engine.attention.metadata import AttentionMetadata
 from lm_console.kernels.paged_attention import paged_attention as _paged_attention
 from lm_console.kernels.reshape_and_cache import reshape_and_cache
@@ -55,3 +58,14 @@ def paged_attention(
         if num_tokens > md.num_actual_tokens:
             out[md.num_actual_tokens:] = 0
     return out.view(num_tokens, -1)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels: unified paged attention, split-KV decoding for small decode batches."""
+
+    name: ClassVar[str] = "triton"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, md: AttentionMetadata,
+                num_kv_heads: int, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> Tensor:
+        return paged_attention(q, k, v, kv_cache, md, num_kv_heads, scale, sliding_window, logits_soft_cap)

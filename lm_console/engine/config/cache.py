@@ -71,16 +71,19 @@ def resolve_kv_cache_dtype(requested: str, *, dtype: str, device: str, quantizat
     shape = (head_dim, num_heads, num_kv_heads, block_size)
     if requested == "auto":
         if (quantization is not None and device == "cpu" and dtype == "bfloat16"
-                and attention_backend in ("auto", "torch") and int8_kernels_serve(*shape)):
+                and attention_backend in ("auto", "cpu") and int8_kernels_serve(*shape)):
             return "int8"
         return dtype
     if requested == "int8":
         if device != "cpu":
             raise InvalidEngineArgsError(f"kv_cache_dtype='int8' runs on the CPU only (device={device!r}).")
         if attention_backend == "triton":
-            raise InvalidEngineArgsError("kv_cache_dtype='int8' needs the torch attention backend (the CPU kernels); "
+            raise InvalidEngineArgsError("kv_cache_dtype='int8' needs the cpu (or torch) attention backend; "
                                          "attention_backend='triton' has no int8 cache.")
-        if dtype != "bfloat16" or not int8_kernels_serve(*shape):
+        if attention_backend == "torch":
+            logger.warning("kv_cache_dtype='int8' with attention_backend='torch': the torch paths dequantize the "
+                           "cache every step (the C kernels read it in place with attention_backend='cpu' or 'auto').")
+        elif dtype != "bfloat16" or not int8_kernels_serve(*shape):
             logger.warning(
                 "kv_cache_dtype='int8': the C kernels do not take this model here (%s, head_dim %d, %d heads over "
                 "%d kv heads, block_size %d; they need bf16 on AVX512-BF16, head_dim 64 or 128, at most 64 heads "

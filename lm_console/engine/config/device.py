@@ -11,5 +11,5 @@ class DeviceConfig:
 
     device: str = "cpu"  # cpu | cuda
     num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
-    attention_backend: str = "auto"  # auto | torch | triton (lm_console/engine/attention/selector.py)
+    attention_backend: str = "auto"  # auto | cpu | torch | triton (lm_console/engine/attention/selector.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps

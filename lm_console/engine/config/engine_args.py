@@ -54,7 +54,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | cpu (C kernels) | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     enable_kv_cache_events: bool = False
     kv_events_endpoint: str | None = None  # the PUB socket's address (default: a private ipc path)
@@ -264,9 +264,12 @@ class EngineArgs:
                 fail("kv_cache_memory", f"it exceeds this machine's memory ({total} bytes)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidEngineArgsError(f"device={self.device!r} must be one of auto, cpu, cuda.")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise InvalidEngineArgsError(
-                f"attention_backend={self.attention_backend!r} must be one of auto, torch, triton.")
+                f"attention_backend={self.attention_backend!r} must be one of auto, cpu, torch, triton.")
+        if self.attention_backend == "cpu" and self.device == "cuda":
+            raise InvalidEngineArgsError(
+                "attention_backend='cpu' runs the C kernels on the CPU, not with device='cuda': use 'auto' or 'triton'.")
         if self.zmq_transport not in ("ipc", "tcp"):
             raise InvalidEngineArgsError(f"zmq_transport={self.zmq_transport!r} must be one of ipc, tcp.")
         if self.distributed_executor_backend not in ("uni", "fake", "mp", "ray"):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lm_console.engine.attention import torch_backend
+from lm_console.engine.attention.torch_backend import CpuAttentionBackend
 from lm_console.engine.forward_context import get_forward_context
 from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
 
@@ -165,7 +165,7 @@ class DecodeStack:
                or c.dtype != caches[0].dtype for c in caches):
             return False
         # one scale and soft-cap for every layer: the driver takes them once
-        if any(attn.kv_cache_group_id or attn.backend is not torch_backend or attn.scale != attn0.scale
+        if any(attn.kv_cache_group_id or not isinstance(attn.backend, CpuAttentionBackend) or attn.scale != attn0.scale
                or attn.logits_soft_cap != attn0.logits_soft_cap for attn in self._attns):
             return False
         block_size = caches[0].shape[2]

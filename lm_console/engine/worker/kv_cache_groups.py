@@ -102,6 +102,5 @@ class GroupAttentionMetadataBuilder:
                 common,
                 block_table=table.get_device_tensor(num_reqs),
                 slot_mapping=slot_mapping.copy_to_gpu(num_tokens),
-                plan=None,
-            ))
+            ))  # built before the forward: a backend's per-step state (the torch plan) is still unset
         return group_metadata

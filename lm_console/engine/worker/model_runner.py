@@ -97,6 +97,7 @@ class ModelRunner:
             logits_indices=buffer(max_num_seqs, dtype=torch.int64),
         )
         self.attention_backend = resolve_attention_backend(config.device_config.attention_backend, self.device)
+        self.attn_backend = load_attention_backend(self.attention_backend, self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
@@ -129,9 +130,7 @@ class ModelRunner:
         model_config = self.config.model_config
         self.model = load_model(Path(model_config.model_dir), model_config.hf_config, self.dtype, self.device,
                                 quantization=model_config.quantization)
-        if self.attention_backend != "torch":  # the layers default to the torch backend
-            set_attention_backend(self.model,
-                                  load_attention_backend(self.attention_backend, self.device))
+        set_attention_backend(self.model, self.attn_backend)
         self.encoder_runner = maybe_create_encoder_runner(self.model, self.config)
 
     @torch.inference_mode()
@@ -278,7 +277,8 @@ class ModelRunner:
             self, inputs: StepInputs) -> tuple[AttentionMetadata, list[AttentionMetadata] | None]:
         """Attention metadata of an eager step (and per KV cache group, for hybrid models)."""
         batch = self.input_batch
-        attn_metadata = build_attention_metadata(inputs, self.buffers, batch.block_table[0], self.block_size)
+        attn_metadata = build_attention_metadata(inputs, self.buffers, batch.block_table[0], self.block_size,
+                                                 self.attn_backend.metadata_cls)
         if inputs.inputs_embeds is not None:  # image tokens this step: Gemma3 attends both ways within one
             attn_metadata.bidirectional_spans = self.encoder_runner.bidirectional_spans(  # type: ignore[union-attr]
                 batch.states[:inputs.num_reqs], inputs.num_computed, inputs.num_scheduled)

@@ -79,10 +79,12 @@ def prepare_inputs(batch: InputBatch, buffers: InputBuffers, num_scheduled_token
 
 
 def build_attention_metadata(inputs: StepInputs, buffers: InputBuffers, block_table: BlockTable,
-                             block_size: int) -> AttentionMetadata:
-    """The metadata every attention layer reads in an eager forward (KV cache group 0's table)."""
+                             block_size: int,
+                             metadata_cls: type[AttentionMetadata] = AttentionMetadata) -> AttentionMetadata:
+    """The metadata every attention layer reads in an eager forward (KV cache group 0's table),
+    of the attention backend's own class."""
     num_reqs = inputs.num_reqs
-    return AttentionMetadata(
+    return metadata_cls(
         num_actual_tokens=inputs.num_tokens,
         num_reqs=num_reqs,
         query_start_loc=buffers.query_start_loc.copy_to_gpu(num_reqs + 1),
