@@ -90,8 +90,7 @@ class ChatSession:
 
     @property
     def multimodal(self) -> bool:
-        info = getattr(self.client, "info", None)
-        return bool(getattr(info, "multimodal", False))
+        return self.client.info.multimodal
 
     def attach_image(self, path: str) -> str:
         """Attach an image file to the next message; returns the notice to show."""

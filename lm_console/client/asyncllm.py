@@ -18,7 +18,10 @@ from lm_console.client.types import (
     EngineInfo, EngineUnavailable, GenParams, KVEventRecord, RequestTimeline, StatsSnapshot, StreamChunk,
 )
 
+from lm_console.client.protocol import ClientCapabilities
+
 if TYPE_CHECKING:
+    from lm_console.server_requests import ServerRequests
     from lm_console.engine.metrics.kv_events import KVEventBatch
     from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
     from lm_console.engine.outputs import RequestOutput
@@ -40,6 +43,8 @@ class AsyncLLMConsoleClient:
         self.info = EngineInfo(model=model or "SmolLM2-135M-Instruct")
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.num_dropped_frames = 0  # in process: nothing in between to drop frames
+        self.server_requests: ServerRequests | None = None  # no server
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
@@ -157,13 +162,17 @@ class AsyncLLMConsoleClient:
         with _dead_as_unavailable(self):
             return bool(await self._engine().reset_prefix_cache())
 
-    def decode(self, token_ids: list[int]) -> str:
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        return ClientCapabilities(request_blocks=True, decode_prompt=True)
+
+    def decode_prompt(self, token_ids: list[int]) -> str:
         """Token ids as text (the inspector shows a load request's prompt)."""
         return str(self.tokenizer.decode(token_ids)) if self.tokenizer is not None else ""
 
     @property
     def kv_events_endpoint(self) -> str | None:
-        return getattr(self.llm, "kv_events_endpoint", None)
+        return self.llm.kv_events_endpoint if self.llm is not None else None
 
     def _engine(self) -> Any:
         if self.llm is None:

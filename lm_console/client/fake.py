@@ -19,7 +19,9 @@ from lm_console.engine.metrics.kv_events import KVEventBatch
 from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
 from lm_console.engine.protocol import EngineCoreOutput, FinishReason
 from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
+from lm_console.server_requests import ServerRequests
 from lm_console.client.fake_tokenizer import WordTokenizer
+from lm_console.client.protocol import ClientCapabilities
 from lm_console.client.types import EngineInfo, EngineUnavailable, GenParams, KVEventRecord, StreamChunk
 
 _DEAD = object()  # queue sentinel: the engine died
@@ -59,6 +61,9 @@ class FakeConsoleClient:
     (tests move it by hand). With auto_step the engine steps every step_interval seconds while
     it has requests; without it, tests call step() (or push_stats / push_events) themselves.
     """
+
+    num_dropped_frames = 0  # nothing in between to drop frames
+    server_requests: ServerRequests | None = None  # no server
 
     def __init__(self, *, num_blocks: int = 512, block_size: int = 16, token_budget: int = 256,
                  max_num_seqs: int = 16, auto_step: bool = True, step_interval: float = 0.05,
@@ -160,7 +165,15 @@ class FakeConsoleClient:
         self._raise_if_dead()
         return merge_request_blocks([core.get_request_blocks(block_ids) for core in self.cores])
 
-    def decode(self, token_ids: list[int]) -> str:
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        return ClientCapabilities(request_blocks=True, decode_prompt=True)
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return None  # the events come from the in-process cores
+
+    def decode_prompt(self, token_ids: list[int]) -> str:
         """Token ids as text (the inspector shows a load request's prompt)."""
         return str(self.tokenizer.decode(token_ids))
 

@@ -33,10 +33,11 @@ from lm_console.client.types import (
     UNAVAILABLE_BLOCK_MAP, UNAVAILABLE_KV_EVENTS, UNAVAILABLE_REQUESTS, UNAVAILABLE_STEPS, EngineInfo,
     EngineUnavailable, GenParams, KVEventRecord, StatsSnapshot, StreamChunk,
 )
+from lm_console.client.protocol import ClientCapabilities
 from lm_console.server_requests import ServerRequests
 
 if TYPE_CHECKING:
-    from lm_console.engine.metrics.stats import SchedulerStats
+    from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
 
 LMC, OPENAI = "lm-console", "openai"
 NO_BLOCK_MAP = "no block map from this server (it publishes /metrics only)"
@@ -160,6 +161,17 @@ class RemoteConsoleClient:
         if self.http is not None:
             http, self.http = self.http, None
             await http.aclose()
+
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        """Over HTTP: no engine-core polls and no tokenizer; an lm-console server's request table."""
+        return ClientCapabilities(server_requests=self.server_requests is not None)
+
+    async def request_blocks(self, block_ids: list[int] | None = None) -> RequestBlocksState:
+        raise NotImplementedError("a server's engine core is not polled over HTTP (capabilities.request_blocks)")
+
+    def decode_prompt(self, token_ids: list[int]) -> str:
+        return ""  # the console holds no tokenizer for a server's model
 
     @property
     def kv_events_endpoint(self) -> str | None:

@@ -138,9 +138,9 @@ class ConsoleApp(App[None]):
         self.load = LoadGenerator(self.client, self.book, self.shape, self.info.vocab_size,
                                   seed=self.seed, clock=self.clock)
         if not self.chat_only:
-            self.server_requests = getattr(self.client, "server_requests", None)
+            self.server_requests = self.client.server_requests
             self.query_one(Dashboard).set_unavailable(self.info.unavailable, self.server_requests is not None)
-            endpoint = getattr(self.client, "kv_events_endpoint", None)
+            endpoint = self.client.kv_events_endpoint
             if endpoint:
                 self.query_one(KVEventsPanel).border_subtitle = f"lmc events --endpoint {endpoint}"
             self.run_worker(self._read_stats(), group="streams", exit_on_error=False)
@@ -205,7 +205,7 @@ class ConsoleApp(App[None]):
             self.query_one(EngineStatus).show(self.info, state)
             if not self.chat_only and not self.display_paused:
                 self.query_one(Dashboard).show(view, self.book, self.load, now, self.server_requests)
-                dropped = getattr(self.client, "num_dropped_frames", 0)
+                dropped = self.client.num_dropped_frames
                 if dropped:  # the server sampled this console's stream: it read too slowly
                     self.query_one("#scheduler").border_subtitle = f"sampled: {dropped:,} frames dropped"
                 self.query_one(KVEventsPanel).add(self.telemetry.take_events())
@@ -229,8 +229,8 @@ class ConsoleApp(App[None]):
 
     # -- the engine core's requests: table states, the inspector, block details ------------
     def _maybe_poll_core(self, now: float) -> None:
-        poll = getattr(self.client, "request_blocks", None)
-        if poll is None or self.engine_state != "serving" or self._core_polling or now - self._core_poll_at < CORE_POLL_S:
+        if (not self.client.capabilities.request_blocks or self.engine_state != "serving" or self._core_polling
+                or now - self._core_poll_at < CORE_POLL_S):
             return
         block_map = self.query_one(BlockMap) if not self.chat_only else None  # NoMatches: no poll
         self._core_poll_at, self._core_polling = now, True
@@ -238,7 +238,7 @@ class ConsoleApp(App[None]):
 
         async def read() -> None:
             try:
-                self.core_requests = await poll(extra)
+                self.core_requests = await self.client.request_blocks(extra)
                 self.book.on_core_requests(self.core_requests, self.clock())
             except Exception:  # noqa: BLE001 - the streams report a dead engine; a poll only skips
                 pass
@@ -289,7 +289,7 @@ class ConsoleApp(App[None]):
 
     def open_inspector(self, request_id: str) -> None:
         """Push the request inspector for `request_id` (drawn at once, then on every tick)."""
-        decode = getattr(self.client, "decode_prompt", None) or getattr(self.client, "decode", None)
+        decode = self.client.decode_prompt if self.client.capabilities.decode_prompt else None
         screen = RequestInspector(request_id, decode)
 
         def draw() -> None:

@@ -87,3 +87,36 @@ def test_an_unresponsive_engine_shows_as_unavailable() -> None:
         with pytest.raises(EngineUnavailable, match=str(error)):
             with _dead_as_unavailable(None):
                 raise error
+
+
+def test_every_client_declares_what_it_can_do() -> None:
+    """The console asks `capabilities`, never probes attributes: each client has every member of
+    the ConsoleClient protocol, and a member whose ability is off answers as the protocol says."""
+    import ast
+    from pathlib import Path
+
+    from lm_console.client.fake import FakeConsoleClient
+    from lm_console.client.protocol import ClientCapabilities, ConsoleClient
+    from lm_console.client.remote import RemoteConsoleClient
+
+    fake = FakeConsoleClient(auto_step=False)
+    remote = RemoteConsoleClient("http://127.0.0.1:9")
+    for client in (fake, remote):
+        assert isinstance(client, ConsoleClient), type(client).__name__
+        assert isinstance(client.capabilities, ClientCapabilities)
+    assert fake.capabilities.request_blocks and fake.capabilities.decode_prompt
+    assert not remote.capabilities.request_blocks and not remote.capabilities.server_requests
+    assert remote.decode_prompt([1, 2]) == ""
+    with pytest.raises(NotImplementedError):
+        asyncio.run(remote.request_blocks())
+    # No getattr/hasattr probing of a client anywhere in the console.
+    root = Path(__file__).resolve().parents[2] / "lm_console"
+    probes = []
+    for path in root.rglob("*.py"):
+        if "engine" in path.relative_to(root).parts[:1] or "kernels" in path.relative_to(root).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and node.args and "client" in ast.unparse(node.args[0])):
+                probes.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not probes, probes
