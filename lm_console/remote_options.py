@@ -6,11 +6,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from lm_console.engine import envs
+
 UrlOpt = Annotated[Optional[str], typer.Option(
     "--url", help="Attach to a running OpenAI-compatible server (http://HOST:PORT) instead of starting an engine: "
                   "an lm-console server in full, any other (vLLM) through /metrics and --kv-events-endpoint.")]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
-    "--api-key", envvar="LMC_API_KEY", show_envvar=True, help="The server's API key (sent as Authorization: Bearer).")]
+    "--api-key", envvar=envs.LMC_API_KEY.name, show_envvar=True, help="The server's API key (sent as Authorization: Bearer).")]
 KVEventsEndpointOpt = Annotated[Optional[str], typer.Option(
     "--kv-events-endpoint", help="With --url: the server's ZMQ PUB socket of KV events (tcp://HOST:PORT), for "
                                  "servers whose KV events do not come over HTTP (vLLM's --kv-events-config).")]

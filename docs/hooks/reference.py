@@ -6,8 +6,9 @@ A page holds a marker line and the hook puts the generated Markdown in its place
   with its type, default and the comment beside or above it, read with `ast`/`tokenize` (no import,
   so no torch);
 - `<!-- gen:config-classes -->`: the fields of the config dataclasses the engine resolves them into;
-- `<!-- gen:env-vars -->`: every environment variable the package reads (`os.environ.get`,
-  `os.getenv`, `os.environ[...]`, a Typer option's `envvar=`), where and with which default;
+- `<!-- gen:env-vars -->`: every environment variable the package reads: those declared in
+  lm_console/engine/envs.py (name, default, meaning, and where `envs.NAME` is read), then any
+  other read (`os.environ.get`, `os.getenv`, `os.environ[...]`, a Typer option's `envvar=`);
 - `<!-- gen:cli -->`: the `lmc` reference, rendered by Typer's own doc generator from the app in
   lm_console/cli.py;
 - `<!-- gen:benchmarks -->` and `<!-- gen:headline -->`: the benchmark pages, from the JSON files
@@ -211,8 +212,32 @@ def _env_reads_in(path: Path) -> list[dict[str, Any]]:
     return reads
 
 
+def declared_env_vars() -> list[dict[str, Any]]:
+    """The variables lm_console/engine/envs.py declares (`_declare(name, default, help)`), each with
+    the places that read it (`envs.NAME` anywhere in the package)."""
+    envs_path = PACKAGE / "engine" / "envs.py"
+    declared = []
+    for node in ast.walk(ast.parse(envs_path.read_text())):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "_declare":
+            name, default, help_text = (ast.literal_eval(arg) for arg in node.args[:3])
+            declared.append({"name": name, "default": repr(default) if default else "unset", "doc": help_text,
+                             "where": []})
+    by_name = {d["name"]: d for d in declared}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == envs_path:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "envs"
+                    and node.attr in by_name):
+                by_name[node.attr]["where"].append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return declared
+
+
 def env_vars_markdown() -> str:
-    reads = env_reads()
+    declared = declared_env_vars()
+    known = {d["name"] for d in declared}
+    reads = [{**d, "where": w, "rank": 0} for d in declared for w in (d["where"] or ["lm_console/engine/envs.py"])]
+    reads += [r for r in env_reads() if r["name"] not in known and not r["where"].startswith("lm_console/engine/envs.py")]
     by_name: dict[str, list[dict[str, Any]]] = {}
     for r in reads:
         by_name.setdefault(r["name"], []).append(r)

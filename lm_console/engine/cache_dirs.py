@@ -8,20 +8,21 @@ Under it: `models/` (the embedded model converted from its GGUF, packed quantize
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from lm_console.engine import envs
 
 
 def cache_root() -> Path:
     """The root of lm-console's on-disk cache (not created here)."""
-    if os.environ.get("LMC_CACHE_DIR"):
-        return Path(os.environ["LMC_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    if envs.LMC_CACHE_DIR.is_set():
+        return Path(envs.LMC_CACHE_DIR.get()).expanduser()
+    xdg = envs.XDG_CACHE_HOME.get() or str(Path.home() / ".cache")
     return Path(xdg).expanduser() / "lm-console"
 
 
 def log_dir() -> Path:
     """Where the console writes its engine logs: `$LMC_LOG_DIR`, else `logs/` under the cache root."""
-    if os.environ.get("LMC_LOG_DIR"):
-        return Path(os.environ["LMC_LOG_DIR"]).expanduser()
+    if envs.LMC_LOG_DIR.is_set():
+        return Path(envs.LMC_LOG_DIR.get()).expanduser()
     return cache_root() / "logs"

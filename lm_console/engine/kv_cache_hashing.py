@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 import cbor2
 
+from lm_console.engine import envs
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ NONE_HASH: BlockHash | None = None
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """Set NONE_HASH: random without PYTHONHASHSEED, hash_fn(seed) with it (after vLLM's NONE_HASH)."""
     global NONE_HASH
-    hash_seed = os.getenv("PYTHONHASHSEED")
+    hash_seed = envs.PYTHONHASHSEED.get() or None
     if hash_seed is None:
         if hash_fn is sha256_cbor:
             logger.warning(

@@ -32,6 +32,8 @@ import os
 import platform
 from collections.abc import Iterator
 
+from lm_console.engine import envs
+
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
 
 # mallopt parameters (glibc's malloc.h) and our values.
@@ -43,7 +45,7 @@ _TOP_PAD = 64 << 20
 
 def enabled() -> bool:
     """False when LMC_MALLOC_TUNING=0 (or the C library is not glibc)."""
-    return os.environ.get("LMC_MALLOC_TUNING", "1") != "0" and platform.libc_ver()[0] == "glibc"
+    return envs.LMC_MALLOC_TUNING.get() != "0" and platform.libc_ver()[0] == "glibc"
 
 
 @functools.cache

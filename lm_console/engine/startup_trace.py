@@ -17,13 +17,15 @@ import os
 import sys
 import time
 
-ENV_VAR = "LMC_STARTUP_TRACE"
+from lm_console.engine import envs
+
+ENV_VAR = envs.LMC_STARTUP_TRACE.name
 _seen: set[str] = set()
 
 
 def enabled() -> bool:
     """Whether marks print (LMC_STARTUP_TRACE set to anything but "", "0")."""
-    return os.environ.get(ENV_VAR, "") not in ("", "0")
+    return envs.LMC_STARTUP_TRACE.get() not in ("", "0")
 
 
 def mark(phase: str) -> None:

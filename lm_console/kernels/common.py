@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
+
+from lm_console.engine import envs
 
 # Element types the kernels accept for activations and the KV cache.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,7 +27,7 @@ def is_interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older versions read the env var
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    return envs.TRITON_INTERPRET.get().lower() in ("1", "true", "on")
 
 
 @functools.cache

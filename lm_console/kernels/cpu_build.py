@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from lm_console.engine import envs
 from lm_console.engine.cache_dirs import cache_root
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class CpuKernelBuildError(RuntimeError):
 
 def kernels_disabled() -> bool:
     """Whether LMC_CPU_KERNELS turns the C kernels off (0 / false / off)."""
-    return os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off")
+    return envs.LMC_CPU_KERNELS.is_off()
 
 
 def cache_dir() -> Path:
@@ -84,7 +85,7 @@ def load_library(sources: Path | Sequence[Path], what: str,
     """
     if kernels_disabled():
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.CC.get() or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler found: %s stay on the torch path", what)
         return None

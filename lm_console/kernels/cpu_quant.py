@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lm_console.engine import envs
 from lm_console.engine.platform import cpu_flags
 from lm_console.kernels import cpu_ops
 from lm_console.kernels.cpu_build import CpuKernelBuildError, load_library
@@ -102,7 +102,7 @@ def _cpu_has_amx() -> bool:
 # linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize + oneDNN bf16
 # matmul 300-440, so without AMX the int8 kernel runs every batch size; with AMX (not measured
 # here) oneDNN's bf16 tiles should outrun it on prefill-sized batches, so above 16 rows there.
-DENSE_ROWS = int(os.environ.get("LMC_QUANT_DENSE_ROWS", "16" if _cpu_has_amx() else str(1 << 40)))
+DENSE_ROWS = envs.LMC_QUANT_DENSE_ROWS.as_int() if envs.LMC_QUANT_DENSE_ROWS.is_set() else (16 if _cpu_has_amx() else 1 << 40)
 
 
 def dense_rows() -> int:

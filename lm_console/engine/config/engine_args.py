@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lm_console.engine import envs
 from lm_console.engine.config.cache import KV_CACHE_DTYPE_CHOICES, CacheConfig, resolve_kv_cache_dtype
 from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.engine_config import EngineConfig
@@ -65,7 +66,7 @@ class EngineArgs:
     kv_cache_metrics_sample: float = 0.01
     log_stats: bool = True
     # The engine core in its own process (default; $LMC_MULTIPROCESS=0 flips it), or in this one.
-    multiprocess: bool = field(default_factory=lambda: os.environ.get("LMC_MULTIPROCESS", "1") != "0")
+    multiprocess: bool = field(default_factory=lambda: envs.LMC_MULTIPROCESS.get() != "0")
     zmq_transport: str = "ipc"  # ipc (private 0700 temp dir) | tcp (loopback)
     # Multimodal (lm_console/engine/multimodal/config.py) and encoder-cache transfer (lm_console/engine/distributed/ec_transfer).
     mm_processor_cache_gb: float = 1.0
@@ -361,9 +362,9 @@ def resolve_quantization(requested: str | None, model_dir: str, dtype: str, devi
     if requested in (None, "auto"):
         if source is None or dtype != "bfloat16" or device != "cpu":
             return None
-        if (os.environ.get("LMC_QUANT_AUTO", "1").lower() in ("0", "false", "off", "none", "dense")
-                or os.environ.get("LMC_CPU_KERNELS", "1").lower() in ("0", "false", "off")
-                or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+        if (envs.LMC_QUANT_AUTO.is_off("none", "dense")
+                or envs.LMC_CPU_KERNELS.is_off()
+                or not (envs.CC.get() or shutil.which("cc") or shutil.which("gcc"))
                 or not cpu_has_int8_dot()):
             return None
         return "gguf"  # the loader refuses it clearly if the kernels cannot be built

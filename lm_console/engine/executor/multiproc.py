@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import socket
 import sys
 import threading
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from lm_console.engine import envs
 from lm_console.engine.distributed.message_queue import Handle, MessageQueue
 from lm_console.engine.errors import EngineDeadError, EngineStartupError, InvalidEngineArgsError
 from lm_console.engine.executor.abstract import Executor
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 BROADCAST_SLOTS = 8
 BROADCAST_CHUNK_BYTES = 4 << 20  # a SchedulerOutput is KBs; an image's pixels overflow to ZMQ
-STARTUP_TIMEOUT_S = float(os.environ.get("LMC_ENGINE_STARTUP_TIMEOUT", "900"))
+STARTUP_TIMEOUT_S = envs.LMC_ENGINE_STARTUP_TIMEOUT.as_float()
 SHUTDOWN_TIMEOUT_S = 5.0
 # Imported once by the forkserver, so every rank starts in a fraction of a second (the
 # transformers config machinery alone takes seconds: every rank reads the model's config).
@@ -301,7 +301,7 @@ def _kv_cache_spec_wire(worker: Any) -> dict[str, tuple[int, int | None]]:
 
 def _worker_context() -> Any:
     default = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    method = os.environ.get("LMC_WORKER_START_METHOD", default)
+    method = envs.LMC_WORKER_START_METHOD.get() or default
     if method not in ("forkserver", "spawn"):
         raise InvalidEngineArgsError(f"LMC_WORKER_START_METHOD={method!r} must be forkserver or spawn.")
     context = multiprocessing.get_context(method)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from lm_console.engine import envs
 from lm_console.engine.errors import EngineDeadError, EngineUnresponsiveError
 from lm_console.engine.executor.abstract import Executor
 from lm_console.engine.executor.ray_utils import (
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from lm_console.engine.model_runner_output import ModelRunnerOutput
     from lm_console.engine.scheduler_output import SchedulerOutput
 
-_START_TIMEOUT_S = float(os.environ.get("LMC_RAY_WORKER_START_TIMEOUT", "300"))
+_START_TIMEOUT_S = envs.LMC_RAY_WORKER_START_TIMEOUT.as_float()
 # A non-blocking call waiting for the waiter thread: the ranks' refs, what to keep of their
 # results, the future to resolve.
 _StepEntry = tuple[list[Any], Callable[[list[Any]], Any], Future[Any]]

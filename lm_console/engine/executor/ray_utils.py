@@ -23,10 +23,11 @@ from typing import Any
 
 import msgspec
 
+from lm_console.engine import envs
 from lm_console.engine.errors import EngineStartupError, InvalidEngineArgsError
 
 RAY_NAMESPACE = "lm-console"
-PLACEMENT_TIMEOUT_S = float(os.environ.get("LMC_RAY_PLACEMENT_TIMEOUT", "60"))
+PLACEMENT_TIMEOUT_S = envs.LMC_RAY_PLACEMENT_TIMEOUT.as_float()
 
 
 def import_ray(option: str = "distributed_executor_backend") -> Any:
@@ -53,7 +54,7 @@ def core_ray_environment() -> dict[str, str]:
     environment = {}
     ray = sys.modules.get("ray")
     address = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or envs.RAY_ADDRESS.get() or None
     if address:
         environment["RAY_ADDRESS"] = address
     # RAY_AUTH_MODE: ray.init sets it in the process that started the cluster (token auth, with
@@ -80,7 +81,7 @@ def connect(option: str = "distributed_executor_backend") -> bool:
     ray = import_ray(option)
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS")
+    address = envs.RAY_ADDRESS.get() or None
     if address:
         ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
         return False

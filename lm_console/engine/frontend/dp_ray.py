@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from lm_console.engine import envs
 from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineStartupError
 from lm_console.engine.executor.ray_utils import (
@@ -45,7 +46,7 @@ from lm_console.engine.ipc import EngineAddresses, make_engine_addresses
 
 logger = logging.getLogger(__name__)
 
-_START_TIMEOUT_S = float(os.environ.get("LMC_RAY_CORE_START_TIMEOUT", "300"))
+_START_TIMEOUT_S = envs.LMC_RAY_CORE_START_TIMEOUT.as_float()
 _OPTION = "data_parallel_backend"
 
 

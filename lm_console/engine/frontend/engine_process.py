@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from lm_console.engine import envs
 from lm_console.engine import errors as engine_errors
 from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, EngineStartupError
@@ -33,7 +34,7 @@ from lm_console.engine.protocol import (
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("LMC_ENGINE_STARTUP_TIMEOUT", "900"))
+STARTUP_TIMEOUT_S = envs.LMC_ENGINE_STARTUP_TIMEOUT.as_float()
 SHUTDOWN_TIMEOUT_S = 5.0
 # Imported once by the forkserver, so that each engine core starts in a fraction of a second.
 # (A Llama config import pulls in most of transformers' config machinery.)
@@ -45,7 +46,7 @@ _FORKSERVER_PRELOAD = ["lm_console.engine.core.engine_core_proc", "lm_console.en
 def mp_context() -> Any:
     """The multiprocessing context that starts engine cores."""
     default = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    method = os.environ.get("LMC_ENGINE_START_METHOD", default)
+    method = envs.LMC_ENGINE_START_METHOD.get() or default
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(_FORKSERVER_PRELOAD)
@@ -206,7 +207,7 @@ def _core_environment(engine_args: EngineArgs) -> dict[str, str]:
     if engine_args.data_parallel_size > 1:
         # Data parallelism over several GPUs: core i gets the i-th of CUDA_VISIBLE_DEVICES (with
         # fewer listed, the cores share them and gpu_memory_utilization must leave room for all).
-        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        visible = [d.strip() for d in envs.CUDA_VISIBLE_DEVICES.get().split(",") if d.strip()]
         if len(visible) >= engine_args.data_parallel_size:
             environment["CUDA_VISIBLE_DEVICES"] = visible[engine_args.data_parallel_rank]
     if engine_args.distributed_executor_backend == "ray":

@@ -24,12 +24,12 @@ compare their torch path op for op).
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lm_console.engine import envs
 from lm_console.engine.attention.torch_backend import CpuAttentionBackend
 from lm_console.engine.forward_context import get_forward_context
 from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
@@ -46,7 +46,7 @@ DENSE_MAX_ROWS = 8
 def _mode() -> str:
     """LMC_DECODE_STACK: "0"/"off" (never), "quant" (quantized models only), "1" (default: also
     dense bf16 models)."""
-    return os.environ.get("LMC_DECODE_STACK", "1").lower()
+    return envs.LMC_DECODE_STACK.get().lower()
 
 
 def _is_llama_forward(forward: Any, owner: str) -> bool:

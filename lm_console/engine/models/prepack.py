@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from torch import nn
 
+from lm_console.engine import envs
 from lm_console.engine.models.layers import Linear
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def onednn_packs_bf16() -> bool:
 
 def prepack_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linears of this dtype on this device get packed weights."""
-    if os.environ.get("LMC_ONEDNN_PREPACK", "1").lower() in ("0", "false", "off"):
+    if envs.LMC_ONEDNN_PREPACK.is_off():
         return False
     return device.type == "cpu" and dtype == torch.bfloat16 and onednn_packs_bf16()
 
