@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import sys
-from typing import Annotated, BinaryIO, Optional, TextIO
+from typing import IO, Annotated, Any, BinaryIO, Optional, TextIO
 
 import typer
 
@@ -50,8 +50,11 @@ def batch(
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)
 
     def write(record: dict) -> None:
-        target.write(json.dumps(record) + "\n")
-        target.flush()
+        try:
+            target.write(json.dumps(record) + "\n")
+            target.flush()
+        except OSError as error:  # a full disk, /dev/full, a closed pipe: the job cannot go on
+            raise BatchOutputError(f"cannot write {output_file}: {error.strerror or error}") from None
 
     async def main() -> tuple[int, int]:
         lines = read_input_lines(source, max_line_bytes)
@@ -71,16 +74,32 @@ def batch(
 
     try:
         num_written, num_failed = asyncio.run(main())
+    except BatchOutputError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
     except Exception as error:  # noqa: BLE001 - engine start failures, a dead engine, an unusable server
         hint = getattr(error, "hint", "")  # EngineUnavailable says what to do
         typer.echo(f"error: {type(error).__name__}: {error}" + (f"\n{hint}" if hint else ""), err=True)
         raise typer.Exit(2) from None
     finally:
-        if target is not sys.stdout:
-            target.close()
-        if source is not sys.stdin.buffer:
-            source.close()
+        _close_quietly(target, sys.stdout)
+        _close_quietly(source, sys.stdin.buffer)
     typer.echo(f"{num_written - num_failed} succeeded, {num_failed} failed -> {output_file}", err=True)
+
+
+class BatchOutputError(OSError):
+    """The output file cannot be written (full disk, closed pipe): the job stops, one error line."""
+
+
+def _close_quietly(stream: IO[Any], standard: IO[Any]) -> None:
+    """Close a file we opened; a close that fails (its buffer cannot be flushed to a full disk)
+    was already reported by the write that failed first."""
+    if stream is standard:
+        return
+    try:
+        stream.close()
+    except OSError:
+        pass
 
 
 def _open_input(path: str) -> BinaryIO:
