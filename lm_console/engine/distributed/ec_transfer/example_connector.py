@@ -6,7 +6,9 @@ sees half a file. Names are not paths: an identifier (a user's multi_modal_uuid 
 the directory name only if it is plain ([A-Za-z0-9_-], at most 128 characters); any other is
 hashed ("h." + sha256), so nothing is written outside shared_storage_path. A stored file that
 cannot be read, or holds the wrong number of embeddings, is deleted and counted
-(num_load_failures), and the worker runs the encoder instead.
+(num_load_failures), and the worker runs the encoder instead. A file's safetensors header is
+checked before its data is read (check_ec_file): one tensor "ec_cache" of [num_token, hidden],
+a file size that matches it exactly, a bounded header, so a huge or sparse file costs no memory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,58 @@ if TYPE_CHECKING:
 
 _FILE = "encoder_cache.safetensors"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_MAX_HEADER_BYTES = 64 << 10  # ours is ~120 bytes
+_MAX_HEADER_DEPTH = 3  # {"ec_cache": {"shape": [...]}}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_MAX_EMBED_DIM = 1 << 16  # when the model's hidden size is not known
+
+
+class InvalidECFileError(ValueError):
+    """A stored encoder-cache file does not hold what its request needs (the message says what)."""
+
+
+def check_ec_file(file: Path, num_token: int, hidden_size: int | None) -> None:
+    """Check a stored file's safetensors header and size before its data is read.
+
+    The file must hold exactly one tensor, "ec_cache", of [num_token, hidden_size] (hidden_size
+    None: any width up to 65536) in a float dtype, and be exactly as long as that tensor needs."""
+    import json
+    import struct
+
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise InvalidECFileError(f"it is {size} bytes, shorter than a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise InvalidECFileError(f"its header declares {header_len} bytes (file {size} bytes, at most "
+                                     f"{_MAX_HEADER_BYTES})")
+        raw = f.read(header_len)
+    depth = 0
+    for char in raw:  # bound the nesting before json recurses into it
+        depth += char in b"[{"
+        depth -= char in b"]}"
+        if depth > _MAX_HEADER_DEPTH:
+            raise InvalidECFileError(f"its header nests JSON deeper than {_MAX_HEADER_DEPTH} levels")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise InvalidECFileError(f"its header is not JSON ({error})") from None
+    entry = header.get("ec_cache") if isinstance(header, dict) else None
+    if not isinstance(entry, dict) or set(header) - {"ec_cache", "__metadata__"}:
+        raise InvalidECFileError("it does not hold exactly one tensor named ec_cache")
+    shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+    width_ok = (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int for n in shape)
+                and (shape[1] == hidden_size if hidden_size else 0 < shape[1] <= _MAX_EMBED_DIM))
+    if not width_ok or shape[0] != num_token:
+        raise InvalidECFileError(f"it holds shape {shape!r:.80}, expected [{num_token}, {hidden_size or 'hidden'}]")
+    if dtype not in _DTYPE_BYTES:
+        raise InvalidECFileError(f"its dtype {dtype!r:.40} is not one of {', '.join(_DTYPE_BYTES)}")
+    nbytes = shape[0] * shape[1] * _DTYPE_BYTES[dtype]
+    if offsets != [0, nbytes] or size != 8 + header_len + nbytes:
+        raise InvalidECFileError(f"it is {size} bytes with data offsets {offsets!r:.60}; a [{shape[0]}, "
+                                 f"{shape[1]}] {dtype} tensor needs {8 + header_len + nbytes}")
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +135,13 @@ class ECExampleConnector(ECConnectorBase):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECExampleConnectorMetadata)
         device = kwargs.get("device", "cpu")
+        hidden_size = kwargs.get("hidden_size")  # the model's embedding width, when the worker knows it
         for meta in metadata.mm_datas:
             if meta.mm_hash in encoder_cache:
                 continue
             file = self._file(meta.mm_hash)
             try:
+                check_ec_file(file, meta.num_token, hidden_size)  # before load_file allocates
                 tensor = load_file(str(file), device=str(device))["ec_cache"]
                 if tensor.dim() != 2 or tensor.shape[0] != meta.num_token:
                     raise ValueError(f"it holds shape {tuple(tensor.shape)}, expected {meta.num_token} embeddings")
