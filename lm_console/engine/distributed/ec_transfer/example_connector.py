@@ -73,7 +73,8 @@ def check_ec_file(file: Path, num_token: int, hidden_size: int | None) -> None:
     entry = header.get("ec_cache") if isinstance(header, dict) else None
     if not isinstance(entry, dict) or set(header) - {"ec_cache", "__metadata__"}:
         raise InvalidECFileError("it does not hold exactly one tensor named ec_cache")
-    shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+    shape: Any = entry.get("shape")
+    dtype, offsets = entry.get("dtype"), entry.get("data_offsets")
     width_ok = (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int for n in shape)
                 and (shape[1] == hidden_size if hidden_size else 0 < shape[1] <= _MAX_EMBED_DIM))
     if not width_ok or shape[0] != num_token:

@@ -13,7 +13,7 @@ import json
 import math
 import struct
 import zlib
-from typing import BinaryIO
+from io import BufferedIOBase
 
 import torch
 
@@ -76,7 +76,7 @@ def expected_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def read_chunk(file: BinaryIO, file_size: int, key: bytes, dtype: torch.dtype,
+def read_chunk(file: BufferedIOBase, file_size: int, key: bytes, dtype: torch.dtype,
                shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
     """(the chunk, bytes read) from an open chunk file of file_size bytes; CorruptChunkError when
     a check fails. The payload is read only once the file's size matches the expected layout."""
