@@ -12,7 +12,8 @@ import typer
 
 from lm_console.batch import DEFAULT_MAX_LINE_BYTES
 from lm_console.engine_options import (
-    DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
+    DtypeOpt, LivenessTimeoutOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
+    liveness_args,
 )
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags, refuse_local_flags
 from lm_console.extras import require
@@ -32,6 +33,7 @@ def batch(
     concurrency: Annotated[Optional[int], typer.Option(
         min=1, help="Most requests in flight at once (default: 64 with --url; a local engine takes up to "
                     "512 and schedules them itself).")] = None,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Run an OpenAI batch file (/v1/chat/completions, /v1/completions) like `vllm run-batch`.
 
@@ -48,6 +50,7 @@ def batch(
     source = _open_input(input_file)
     target = _open_output(output_file, input_file)
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)
+    args.update(liveness_args(liveness_timeout))
 
     def write(record: dict) -> None:
         try:
