@@ -218,3 +218,20 @@ def test_lmc_refuses_a_bad_gguf_with_one_line_and_exit_2(tmp_path, private_cache
         assert len(lines) == 1 and lines[0].startswith("error: ") and "context_length is 0" in lines[0], result.output
         assert "Traceback" not in result.output
     _assert_nothing_cached(private_cache)
+
+
+def test_a_model_directory_with_zero_positions_is_refused_at_load(tiny_llama_dir, tmp_path):
+    """Item 9's other door: a converted or hand-made directory whose config says 0 positions is
+    refused when the engine loads it, not by the first request (which ended the engine)."""
+    import json
+    import shutil
+
+    from lm_console.engine.config.engine_args import EngineArgs
+    from lm_console.engine.errors import InvalidModelConfigError
+
+    model = tmp_path / "zero"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 0}))
+    with pytest.raises(InvalidModelConfigError, match="max_position_embeddings=0"):
+        EngineArgs(model=str(model), multiprocess=False, dtype="float32").create_engine_config()
