@@ -56,3 +56,30 @@ def test_single_group_models_keep_their_connector(tiny_llama_dir, tiny_mistral_d
     (one_layer / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 1,
                                                         "sliding_window": 512}))
     EngineArgs(model=str(one_layer), kv_transfer_config=OFFLOAD)._verify()
+
+
+def test_a_gemma3_gguf_is_recognised_from_its_metadata(tmp_path) -> None:
+    """Without parsing its vocabulary or tensors (the layout scan's metadata)."""
+    gguf = pytest.importorskip("gguf")
+    from lm_console.engine.config.engine_args import attention_kinds
+
+    def write(arch: str, **keys: int) -> str:
+        path = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_block_count(6)
+        for key, value in keys.items():
+            writer.add_uint32(f"{arch}.{key}", value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return str(path)
+
+    hybrid = write("gemma3", **{"attention.sliding_window": 512})
+    assert attention_kinds(hybrid) == {"full_attention", "sliding_attention"}
+    with pytest.raises(InvalidEngineArgsError, match="mix full_attention and sliding_attention"):
+        EngineArgs(model=hybrid, kv_transfer_config=OFFLOAD)._verify()
+    assert attention_kinds(write("llama")) == {"full_attention"}
+    # pattern 1: every layer global (as gguf_arch reads it)
+    assert attention_kinds(write("gemma3", **{"attention.sliding_window": 512,
+                                              "attention.sliding_window_pattern": 1})) == {"full_attention"}

@@ -7,6 +7,7 @@ the frontend rebuilds its config from the core's ready handshake (create_fronten
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -396,30 +397,40 @@ def attention_kinds(model: str | None) -> set[str] | None:
         return None
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from lm_console.engine.models.gguf_check import check_gguf
-
-        _, config = check_gguf(path)  # metadata only; an invalid file is refused here, early
-    elif (path / "config.json").is_file():
+        stat = path.stat()
+        return set(_gguf_attention_kinds(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+    if (path / "config.json").is_file():
         try:
             config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return None
     else:
         return None
-    text = config.get("text_config") or config if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") or config
     if not isinstance(text, dict):
         return None
     types = text.get("layer_types")
     if str(text.get("model_type", "")).startswith("gemma3") or config.get("model_type") == "gemma3":
-        if not types:  # gemma3's default: every 6th layer global (lm_console/engine/models/gemma3.py)
-            pattern = int(text.get("sliding_window_pattern") or 6)
+        pattern, layers = text.get("sliding_window_pattern") or 6, text.get("num_hidden_layers")
+        if not types and isinstance(pattern, int) and pattern > 0 and isinstance(layers, int):
+            # gemma3's default: every 6th layer global (lm_console/engine/models/gemma3.py)
             types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                     for i in range(int(text.get("num_hidden_layers") or 0))]
+                     for i in range(min(layers, 1 << 16))]
     elif text.get("sliding_window") is None or text.get("use_sliding_window") is False:
         return {"full_attention"}  # llama-family layers ignore layer_types without a window
     if not isinstance(types, list) or not types:
         return None
     return {str(t) for t in types}
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_attention_kinds(path: str, size: int, mtime_ns: int) -> frozenset[str]:
+    """Memoized by (path, size, mtime): _verify runs in the frontend and again in the core."""
+    from lm_console.engine.models.gguf_check import attention_kinds_of_gguf
+
+    return frozenset(attention_kinds_of_gguf(path))  # the layout scan: an invalid file is refused here, early
 
 
 def _refuse_hybrid_model_with_connector(model: str | None) -> None:

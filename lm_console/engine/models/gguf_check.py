@@ -38,7 +38,9 @@ _DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: ("uint8", 1), 1: ("int8", 1), 2: ("uint16", 2), 3: ("int16", 2), 4: ("uint32", 4),
             5: ("int32", 4), 6: ("float32", 4), 7: ("bool", 1), 10: ("uint64", 8), 11: ("int64", 8),
             12: ("float64", 8)}
+_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_SMALL_ARRAY = 4096  # scalar arrays returned by the scan (per-layer patterns), not vocabularies
 _KV_MIN_BYTES = 8 + 1 + 4 + 1  # key length, a 1-byte key, type, the smallest value
 _TENSOR_INFO_MIN_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dim, type, offset
 
@@ -79,12 +81,10 @@ class _Cursor:
         return data
 
     def skip_value(self, vtype: int, what: str, depth: int = 0) -> Any:
-        """Step over one value of type vtype; returns it for scalars and strings (None for arrays)."""
+        """Step over one value of type vtype; returns it for scalars, strings and arrays of at
+        most _SMALL_ARRAY scalars (None for other arrays)."""
         if vtype in _SCALARS:
-            name, size = _SCALARS[vtype]
-            fmt = {"uint8": "B", "int8": "b", "uint16": "H", "int16": "h", "uint32": "I", "int32": "i",
-                   "float32": "f", "bool": "?", "uint64": "Q", "int64": "q", "float64": "d"}[name]
-            return self.unpack(fmt, what)
+            return self.unpack(_FORMATS[vtype], what)
         if vtype == _STRING:
             return self.string(what)
         if vtype == _ARRAY:
@@ -93,22 +93,41 @@ class _Cursor:
             item_type = self.unpack("I", f"the item type of {what}")
             count = self.unpack("Q", f"the length of {what}")
             if item_type in _SCALARS:
-                self.need(count * _SCALARS[item_type][1], f"{what} ({count} items)")
-                self.pos += count * _SCALARS[item_type][1]
-                return None
+                size = _SCALARS[item_type][1]
+                self.need(count * size, f"{what} ({count} items)")
+                values = None
+                if count <= _SMALL_ARRAY:
+                    values = list(struct.unpack_from(f"{self.endian}{count}{_FORMATS[item_type]}", self.buf, self.pos))
+                self.pos += count * size
+                return values
             if item_type not in (_STRING, _ARRAY):
                 raise invalid(self.path, f"{what} has items of unknown value type {item_type}")
             # each string or array item takes at least its 8-byte length: a count the file
             # cannot hold is refused before the loop below runs it
             self.need(count * 8, f"{what} ({count} items)")
+            if item_type == _STRING:  # a vocabulary: step over each string without copying it
+                length_of = struct.Struct(self.endian + "Q").unpack_from
+                buf, pos, size = self.buf, self.pos, self.size
+                for index in range(count):
+                    if pos + 8 > size:
+                        raise invalid(self.path, f"the length of {what}[{index}] lies past the end of the file "
+                                                 "(truncated or corrupt)")
+                    pos += 8 + length_of(buf, pos)[0]
+                    if pos > size:
+                        raise invalid(self.path, f"{what}[{index}] declares more bytes than remain "
+                                                 "(truncated or corrupt)")
+                self.pos = pos
+                return None
             for index in range(count):
                 self.skip_value(item_type, f"{what}[{index}]", depth + 1)
             return None
         raise invalid(self.path, f"{what} has unknown value type {vtype}")
 
 
-def scan_gguf_layout(path: str | os.PathLike[str]) -> None:
-    """Check the file's header, metadata and tensor table against its size (InvalidGGUFError)."""
+def scan_gguf_layout(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check the file's header, metadata and tensor table against its size (InvalidGGUFError).
+
+    Returns the metadata read on the way: scalars, strings (decoded), small scalar arrays."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     name = os.fspath(path)
@@ -118,12 +137,12 @@ def scan_gguf_layout(path: str | os.PathLike[str]) -> None:
             if size < 24:
                 raise invalid(name, f"it is {size} bytes, shorter than a GGUF header (24 bytes)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _scan(buf, name, size, GGML_QUANT_SIZES, GGMLQuantizationType)
+                return _scan(buf, name, size, GGML_QUANT_SIZES, GGMLQuantizationType)
     except OSError as error:
         raise invalid(name, f"it cannot be read ({error.strerror or error})") from None
 
 
-def _scan(buf: Any, name: str, size: int, quant_sizes: Mapping[Any, tuple[int, int]], qtype: Any) -> None:
+def _scan(buf: Any, name: str, size: int, quant_sizes: Mapping[Any, tuple[int, int]], qtype: Any) -> dict[str, Any]:
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise invalid(name, f"bad magic {bytes(buf[:4])!r} (a GGUF file starts with b'GGUF')")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -143,6 +162,7 @@ def _scan(buf: Any, name: str, size: int, quant_sizes: Mapping[Any, tuple[int, i
                             f"its {size} bytes can hold")
     alignment = _DEFAULT_ALIGNMENT
     keys: set[bytes] = set()
+    metadata: dict[str, Any] = {}
     for index in range(kv_count):
         key = cur.string(f"metadata key #{index}")
         if key in keys:
@@ -151,6 +171,9 @@ def _scan(buf: Any, name: str, size: int, quant_sizes: Mapping[Any, tuple[int, i
         what = f"metadata {key.decode('utf-8', 'replace')[:80]!r}"
         vtype = cur.unpack("I", f"the type of {what}")
         value = cur.skip_value(vtype, what)
+        if value is not None:
+            metadata[key.decode("utf-8", "replace")] = (value.decode("utf-8", "replace")
+                                                        if isinstance(value, bytes) else value)
         if key == b"general.alignment":
             if vtype != 4 or not value or value & (value - 1):
                 raise invalid(name, f"general.alignment {value!r} is not a power of two (uint32)")
@@ -184,6 +207,26 @@ def _scan(buf: Any, name: str, size: int, quant_sizes: Mapping[Any, tuple[int, i
         if offset % alignment or data_start + offset + nbytes > size:
             raise invalid(name, f"tensor {label!r} declares {nbytes} bytes at data offset {offset}, beyond "
                                 f"the file's {size} bytes (truncated or corrupt)")
+    return metadata
+
+
+def attention_kinds_of_gguf(path: str | os.PathLike[str]) -> set[str]:
+    """The attention kinds of a GGUF model's layers from its metadata alone (the layout scan, no
+    tensor or vocabulary parsing): gemma3 files mix sliding-window and global layers as
+    gguf_arch's _gemma3_fields reads them; every other architecture we load is full attention."""
+    metadata = scan_gguf_layout(path)
+    if metadata.get("general.architecture") != "gemma3":
+        return {"full_attention"}
+    layers = metadata.get("gemma3.block_count")
+    if metadata.get("gemma3.attention.sliding_window") is None or not isinstance(layers, int):
+        return {"full_attention"}
+    pattern = metadata.get("gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = pattern if isinstance(pattern, int) and pattern > 0 else 6
+        sliding = [(i + 1) % every != 0 for i in range(min(layers, 1 << 16))]
+    return {"sliding_attention" if s else "full_attention" for s in sliding}
 
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
@@ -295,4 +338,4 @@ def check_gguf(path: str | os.PathLike[str]) -> tuple[Any, dict[str, Any]]:
     return reader, config
 
 
-__all__ = ["check_gguf", "check_model_tensors", "invalid", "open_gguf", "scan_gguf_layout"]
+__all__ = ["attention_kinds_of_gguf", "check_gguf", "check_model_tensors", "invalid", "open_gguf", "scan_gguf_layout"]
