@@ -37,7 +37,7 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 # and those it takes only at their do-nothing value: anything else is refused per line, as the
 # server (`--url`) refuses it, so that no line is answered as if a field had been honoured.
 _COMMON_FIELDS = {"model", "max_tokens", "user", "stop_token_ids", "include_stop_str_in_output",
-                  "skip_special_tokens", "spaces_between_special_tokens"}
+                  "skip_special_tokens", "spaces_between_special_tokens", "priority", "cache_salt"}
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
 _URL_FIELDS = {CHAT_URL: {"messages", "max_completion_tokens"}, COMPLETIONS_URL: {"prompt"}}
@@ -47,8 +47,15 @@ _NEUTRAL_ONLY: dict[str, tuple[object, ...]] = {
     "stream": (False, None), "stream_options": (None,), "logprobs": (False, None), "top_logprobs": (0, None),
     "echo": (False, None), "prompt_logprobs": (None,), "logit_bias": (None, {}), "suffix": (None, ""),
     "best_of": (None, 1), "use_beam_search": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"), "add_special_tokens": (True,),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "length_penalty": (None, 1.0, 1),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "truncate_prompt_tokens": (None,),
+    "return_token_ids": (None, False), "return_tokens_as_token_ids": (None, False),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
 }
+# add_special_tokens: the server's default per endpoint (a chat template adds its own)
+_ADD_SPECIAL_TOKENS = {CHAT_URL: False, COMPLETIONS_URL: True}
 MAX_JSON_DEPTH = 64  # a request body nests a few levels (a JSON schema a few more)
 
 
@@ -143,8 +150,8 @@ def check_local_body(url: str, body: dict[str, Any]) -> None:
     for key, value in body.items():
         if key in allowed:
             continue
-        if key in _NEUTRAL_ONLY:
-            neutral = _NEUTRAL_ONLY[key]
+        if key in _NEUTRAL_ONLY or key == "add_special_tokens":
+            neutral = _NEUTRAL_ONLY.get(key, (_ADD_SPECIAL_TOKENS[url],))
             if any(value == n and type(value) is type(n) for n in neutral):
                 continue
             raise BatchLineError(
@@ -383,7 +390,9 @@ async def _run_line(llm: Any, line_no: int, text: str, model: str, default_max_t
         prompt = completion_prompt(item.body)
     check_context(prompt, params.max_tokens, max_model_len, tokenizer, check_text)
     final = None
-    async for output in llm.generate(prompt, params, request_id=f"batch-{line_no}-{_uid()[:8]}"):
+    # priority / cache_salt as the server passes them (given only when set: the engine checks them)
+    extra = {key: item.body[key] for key in ("priority", "cache_salt") if item.body.get(key) is not None}
+    async for output in llm.generate(prompt, params, request_id=f"batch-{line_no}-{_uid()[:8]}", **extra):
         final = output
     if final is None:
         return error_record(item.custom_id, "the engine returned no output", 500)

@@ -45,6 +45,8 @@ def test_a_deeply_nested_line_is_its_own_error_record(fake_async_llm) -> None:  
     ("/v1/completions", {"response_format": {"type": "xml"}}, r"response_format=.* is not supported"),
     ("/v1/completions", {"guided_choice": ["a"], "guided_regex": "a+"}, r"Only one output constraint"),
     ("/v1/completions", {"guided_choice": "yes"}, r"guided_choice"),
+    ("/v1/chat/completions", {"add_special_tokens": True}, r"body.add_special_tokens=true is not supported"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"x": 1}}, r"body.chat_template_kwargs="),
 ])
 def test_fields_a_local_engine_cannot_honour_are_refused_per_line(fake_async_llm, url, body, match) -> None:  # noqa: ANN001
     records = asyncio.run(run_batch(fake_async_llm(), [_line("bad", url, **body), _line("ok")], "m", progress=False))
@@ -58,22 +60,25 @@ def test_fields_a_local_engine_cannot_honour_are_refused_per_line(fake_async_llm
 def test_honoured_fields_reach_the_engine(fake_async_llm) -> None:  # noqa: ANN001
     """response_format / guided_choice become the request's constraint; do-nothing values pass."""
     llm = fake_async_llm()
-    seen = []
+    seen, seen_extra = [], []
     original = llm.generate
 
-    async def generate(prompt, params=None, request_id=None):  # noqa: ANN001, ANN202
+    async def generate(prompt, params=None, request_id=None, **extra):  # noqa: ANN001, ANN003, ANN202
         seen.append(params)
+        seen_extra.append(extra)
         async for output in original(prompt, params, request_id):
             yield output
 
     llm.generate = generate
     lines = [_line("json", "/v1/chat/completions", response_format={"type": "json_object"}, stream=False,
-                   logprobs=False, top_logprobs=0),
-             _line("choice", guided_choice=["yes", "no"], echo=False, stop_token_ids=[5])]
+                   logprobs=False, top_logprobs=0, add_special_tokens=False, add_generation_prompt=True),
+             _line("choice", guided_choice=["yes", "no"], echo=False, stop_token_ids=[5], add_special_tokens=True),
+             _line("salted", cache_salt="s1", priority=0)]
     records = asyncio.run(run_batch(llm, lines, "m", progress=False))
-    assert [r["error"] for r in records] == [None, None]
+    assert [r["error"] for r in records] == [None, None, None]
     assert seen[0].structured_outputs.json_object is True
     assert seen[1].structured_outputs.choice == ["yes", "no"] and seen[1].stop_token_ids == [5]
+    assert seen_extra[2] == {"cache_salt": "s1", "priority": 0}
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
