@@ -136,3 +136,37 @@ def test_a_valid_encoder_cache_file_still_loads(tmp_path: Path) -> None:
     cache: dict = {}
     connector.start_load_caches(cache, device="cpu", hidden_size=64)
     assert torch.equal(cache["img"], torch.ones(4, 64)) and connector.num_load_failures == 0
+
+
+def test_a_hostile_example_connector_file_is_never_loaded(make_llm, tiny_qwen3_dir, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV ExampleConnector's per-layer files: a header declaring a huge tensor over a sparse
+    file is refused before safetensors' load_file would allocate it; the request recomputes."""
+    import safetensors.torch
+
+    from lm_console.engine import SamplingParams
+
+    def config(role: str) -> dict:
+        return {"kv_connector": "ExampleConnector", "kv_role": role,
+                "kv_connector_extra_config": {"storage_path": str(tmp_path)}}
+
+    engine = dict(dtype="float32", max_model_len=256, multiprocess=False)
+    prompt = {"prompt_token_ids": list(range(10, 80))}
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = make_llm(str(tiny_qwen3_dir), **engine, kv_transfer_config=config("kv_producer")).generate(
+        [prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    (file,) = tmp_path.glob("*/layer.1.safetensors")
+    rows = 1 << 30
+    header = {"kv": {"dtype": "F32", "shape": [2, rows, 2, 16], "data_offsets": [0, 2 * rows * 2 * 16 * 4]}}
+    _safetensors_file(file, header, 8 + len(json.dumps(header)) + 2 * rows * 2 * 16 * 4)  # 256 GiB, sparse
+    loaded: list[str] = []
+    real_load = safetensors.torch.load_file
+
+    def recording_load(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        loaded.append(str(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", recording_load)
+    consumer = make_llm(str(tiny_qwen3_dir), **engine, kv_transfer_config=config("kv_consumer"))
+    assert consumer.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert str(file) not in loaded and not file.exists()

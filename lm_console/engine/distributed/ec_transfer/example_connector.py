@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lm_console.engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
+from lm_console.engine.distributed.stored_tensor_file import check_single_tensor_file
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -32,59 +33,19 @@ if TYPE_CHECKING:
 
 _FILE = "encoder_cache.safetensors"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_MAX_HEADER_BYTES = 64 << 10  # ours is ~120 bytes
-_MAX_HEADER_DEPTH = 3  # {"ec_cache": {"shape": [...]}}
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _MAX_EMBED_DIM = 1 << 16  # when the model's hidden size is not known
 
 
-class InvalidECFileError(ValueError):
-    """A stored encoder-cache file does not hold what its request needs (the message says what)."""
-
-
 def check_ec_file(file: Path, num_token: int, hidden_size: int | None) -> None:
-    """Check a stored file's safetensors header and size before its data is read.
-
-    The file must hold exactly one tensor, "ec_cache", of [num_token, hidden_size] (hidden_size
-    None: any width up to 65536) in a float dtype, and be exactly as long as that tensor needs."""
-    import json
-    import struct
-
-    with open(file, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise InvalidECFileError(f"it is {size} bytes, shorter than a safetensors header")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(_MAX_HEADER_BYTES, size - 8):
-            raise InvalidECFileError(f"its header declares {header_len} bytes (file {size} bytes, at most "
-                                     f"{_MAX_HEADER_BYTES})")
-        raw = f.read(header_len)
-    depth = 0
-    for char in raw:  # bound the nesting before json recurses into it
-        depth += char in b"[{"
-        depth -= char in b"]}"
-        if depth > _MAX_HEADER_DEPTH:
-            raise InvalidECFileError(f"its header nests JSON deeper than {_MAX_HEADER_DEPTH} levels")
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as error:
-        raise InvalidECFileError(f"its header is not JSON ({error})") from None
-    entry = header.get("ec_cache") if isinstance(header, dict) else None
-    if not isinstance(entry, dict) or set(header) - {"ec_cache", "__metadata__"}:
-        raise InvalidECFileError("it does not hold exactly one tensor named ec_cache")
-    shape: Any = entry.get("shape")
-    dtype, offsets = entry.get("dtype"), entry.get("data_offsets")
-    width_ok = (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int for n in shape)
+    """Check a stored file's safetensors header and size before its data is read: one tensor
+    "ec_cache" of [num_token, hidden_size] (hidden_size None: any width up to 65536) in a float
+    dtype, and a file exactly as long as that tensor needs (InvalidStoredFileError otherwise)."""
+    def shape_ok(shape: list[int]) -> bool:
+        return (len(shape) == 2 and shape[0] == num_token
                 and (shape[1] == hidden_size if hidden_size else 0 < shape[1] <= _MAX_EMBED_DIM))
-    if not width_ok or shape[0] != num_token:
-        raise InvalidECFileError(f"it holds shape {shape!r:.80}, expected [{num_token}, {hidden_size or 'hidden'}]")
-    if dtype not in _DTYPE_BYTES:
-        raise InvalidECFileError(f"its dtype {dtype!r:.40} is not one of {', '.join(_DTYPE_BYTES)}")
-    nbytes = shape[0] * shape[1] * _DTYPE_BYTES[dtype]
-    if offsets != [0, nbytes] or size != 8 + header_len + nbytes:
-        raise InvalidECFileError(f"it is {size} bytes with data offsets {offsets!r:.60}; a [{shape[0]}, "
-                                 f"{shape[1]}] {dtype} tensor needs {8 + header_len + nbytes}")
+
+    check_single_tensor_file(file, "ec_cache", shape_ok, f"[{num_token}, {hidden_size or 'hidden'}]")
+
 
 logger = logging.getLogger(__name__)
 
