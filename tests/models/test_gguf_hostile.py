@@ -53,9 +53,14 @@ def _tensors(layers: int = LAYERS) -> dict[str, np.ndarray]:
     return tensors
 
 
+TOKENS = ["a", "b", "ab", *(f"t{i}" for i in range(3, VOCAB))]
+
+
 def write_tiny_gguf(path: Path, meta: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None,
-                    eos: Any = 2, extra: dict[str, Any] | None = None) -> Path:
-    """A 2-layer llama GGUF; `meta` overrides llama.* keys (None drops one), `extra` adds raw keys."""
+                    eos: Any = 2, extra: dict[str, Any] | None = None, tokenizer: dict[str, Any] | None = None) -> Path:
+    """A 2-layer llama GGUF; `meta` overrides llama.* keys (None drops one), `extra` adds raw keys,
+    `tokenizer` overrides the tokenizer's model / tokens / types / merges."""
+    tok = {"model": "gpt2", "tokens": TOKENS, "types": [1] * VOCAB, "merges": ["a b"], **(tokenizer or {})}
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in {**BASE_META, **(meta or {})}.items():
         name = f"llama.{key}"
@@ -67,10 +72,10 @@ def write_tiny_gguf(path: Path, meta: dict[str, Any] | None = None, tensors: dic
             writer.add_float32(name, value)
         else:
             writer.add_uint32(name, value)
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    writer.add_token_types([1] * VOCAB)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_merges(["t 1"])
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_tokenizer_model(tok["model"])
+    writer.add_token_merges(tok["merges"])
     if isinstance(eos, str):
         writer.add_string("tokenizer.ggml.eos_token_id", eos)
     else:
@@ -106,11 +111,24 @@ def _refused(path: Path, cache: Path, match: str) -> InvalidGGUFError:
     return info.value
 
 
-def test_the_valid_base_file_passes(tmp_path):
+def test_the_valid_base_file_converts(tmp_path, private_cache):
     from lm_console.engine.models.gguf_check import check_gguf
 
     _, config = check_gguf(write_tiny_gguf(tmp_path / "ok.gguf"))
     assert config["num_hidden_layers"] == LAYERS and config["vocab_size"] == VOCAB
+    converted = resolve_model_path(str(tmp_path / "ok.gguf"))
+    assert (converted / "config.json").is_file() and (converted / "gguf_checked.json").is_file()
+
+
+@pytest.mark.parametrize(("tokenizer", "match"), [
+    ({"model": "klingon"}, r"tokenizer metadata cannot be read \(ValueError: .*'klingon'"),
+    ({"merges": ["zz qq"]}, r"tokenizer metadata cannot be read"),
+    ({"types": [1, 1, 1]}, r"tokenizer.ggml.token_type has 3 entries for 64 tokens"),
+    ({"tokens": TOKENS[:10]}, r"tokenizer.ggml.tokens has 10 tokens but token_embd has 64 rows"),
+])
+def test_an_unusable_tokenizer_is_refused_on_one_line(tmp_path, private_cache, tokenizer, match):
+    error = _refused(write_tiny_gguf(tmp_path / "bad.gguf", tokenizer=tokenizer), private_cache, match)
+    assert "\n" not in str(error)
 
 
 # -- metadata that disagrees with the tensors -------------------------------------------------

@@ -47,6 +47,7 @@ _TENSOR_INFO_MIN_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one
 
 def invalid(path: str | os.PathLike[str], what: str) -> InvalidGGUFError:
     """The error for a file that failed a check: its name, what is wrong, what to do."""
+    what = " ".join(str(what).split())  # one line, whatever a library's message held
     return InvalidGGUFError(f"{os.fspath(path)} is not a usable GGUF file: {what}. "
                             "Re-download or re-convert the model (llama.cpp's convert_hf_to_gguf.py).")
 
@@ -310,6 +311,10 @@ def check_model_tensors(reader: Any, config: Mapping[str, Any], path: str | os.P
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens.data) != vocab:
         raise invalid(path, f"tokenizer.ggml.tokens has {len(tokens.data)} tokens but token_embd has {vocab} rows")
+    for key in ("token_type", "scores"):  # one entry per token
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and tokens is not None and len(field.data) != len(tokens.data):
+            raise invalid(path, f"tokenizer.ggml.{key} has {len(field.data)} entries for {len(tokens.data)} tokens")
     for key in ("bos", "eos", "padding", "eot", "eom", "unknown"):
         field = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
         if field is None:

@@ -83,10 +83,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer_cls = PreTrainedTokenizerFast if generic else AutoTokenizer
     try:
         tokenizer = tokenizer_cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, UnicodeDecodeError) as error:
-        # transformers' GGUF tokenizer reader on metadata of the wrong shape
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        # transformers' GGUF tokenizer reader on metadata of the wrong shape or an inconsistent
+        # vocabulary (merges of tokens it lacks): the file's tokenizer cannot be built
         raise invalid(gguf_path, f"its tokenizer metadata cannot be read ({type(error).__name__}: "
-                                 f"{str(error)[:200]})") from None
+                                 f"{' '.join(str(error).split())[:200]})") from None
     tokenizer.save_pretrained(out_dir)
     _ensure_chat_template(out_dir, chat_template)
 
