@@ -170,3 +170,20 @@ def test_a_hostile_example_connector_file_is_never_loaded(make_llm, tiny_qwen3_d
     consumer = make_llm(str(tiny_qwen3_dir), **engine, kv_transfer_config=config("kv_consumer"))
     assert consumer.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert str(file) not in loaded and not file.exists()
+
+
+def test_a_packed_gguf_cache_declaring_more_than_its_file_is_removed(tmp_path: Path) -> None:
+    """quantization="gguf"'s packed-weight cache: a file declaring terabytes (sparse) is deleted
+    before any tensor is read, and the caller repacks (None)."""
+    pytest.importorskip("gguf")
+    from lm_console.engine.models.quant import _load_packed
+
+    cache = tmp_path / "gguf-v2.safetensors"
+    rows = 1 << 38
+    header = {"__metadata__": {"index": "{}"},
+              "m.qweight": {"dtype": "U8", "shape": [rows, 16], "data_offsets": [0, rows * 16]}}
+    _safetensors_file(cache, header, 8 + len(json.dumps(header)) + rows * 16)
+    assert _peak_bytes(lambda: _load_packed(cache, max_bytes=1 << 30)) < 1 << 20
+    assert not cache.exists()
+    cache.write_bytes(b"garbage")
+    assert _load_packed(cache, max_bytes=1 << 30) is None and not cache.exists()
