@@ -1,6 +1,7 @@
-"""Stored files the engine reads back (KV-offload disk chunks, encoder-cache files): a file whose
-declared sizes or header are hostile is a counted corrupt entry and is deleted, and reading it
-allocates nothing near its size (a 1 TiB sparse file, a 100k-deep JSON header)."""
+"""Stored files the engine reads back (KV-offload disk chunks, encoder-cache files, the KV
+ExampleConnector's layer files, quantization="gguf"'s packed-weight cache): a file whose declared
+sizes or header are hostile is a counted corrupt entry and is deleted, and reading it allocates
+nothing near its size (a 1 TiB sparse file, a 100k-deep JSON header)."""
 
 from __future__ import annotations
 
