@@ -253,3 +253,19 @@ def test_a_model_directory_with_zero_positions_is_refused_at_load(tiny_llama_dir
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 0}))
     with pytest.raises(InvalidModelConfigError, match="max_position_embeddings=0"):
         EngineArgs(model=str(model), multiprocess=False, dtype="float32").create_engine_config()
+
+
+def test_lmc_chat_and_batch_refuse_a_bad_gguf_without_a_traceback(tmp_path, private_cache):
+    from typer.testing import CliRunner
+
+    from lm_console.cli import app
+
+    bad = write_tiny_gguf(tmp_path / "bad.gguf", {"block_count": 1_000_000})
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    for args in (["chat", "--plain", "--model", str(bad)],
+                 ["batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(bad)]):
+        result = CliRunner().invoke(app, args, input="hi\n")
+        assert result.exit_code == 2, (args, result.output)
+        assert "Traceback" not in result.output and "block_count is 1000000" in result.output.splitlines()[0]
+    _assert_nothing_cached(private_cache)
