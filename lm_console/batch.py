@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 DEFAULT_MAX_LINE_BYTES = 8 << 20  # 8 MiB: far beyond any prompt that fits a context window
 DEFAULT_MAX_IN_FLIGHT = 512
@@ -33,8 +33,73 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
                  "ignore_eos": "ignore_eos", "min_tokens": "min_tokens"}
 
 
+# The body fields a local engine honours (besides SAMPLING_KEYS and the structured-output ones),
+# and those it takes only at their do-nothing value: anything else is refused per line, as the
+# server (`--url`) refuses it, so that no line is answered as if a field had been honoured.
+_COMMON_FIELDS = {"model", "max_tokens", "user", "stop_token_ids", "include_stop_str_in_output",
+                  "skip_special_tokens", "spaces_between_special_tokens", "priority", "cache_salt"}
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+_URL_FIELDS = {CHAT_URL: {"messages", "max_completion_tokens"}, COMPLETIONS_URL: {"prompt"}}
+# field -> its do-nothing values; any other value is refused (local batch records carry no
+# logprobs, echo or streaming; `lmc batch --url` against `lmc serve` honours them)
+_NEUTRAL_ONLY: dict[str, tuple[object, ...]] = {
+    "stream": (False, None), "stream_options": (None,), "logprobs": (False, None), "top_logprobs": (0, None),
+    "echo": (False, None), "prompt_logprobs": (None,), "logit_bias": (None, {}), "suffix": (None, ""),
+    "best_of": (None, 1), "use_beam_search": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "length_penalty": (None, 1.0, 1),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "truncate_prompt_tokens": (None,),
+    "return_token_ids": (None, False), "return_tokens_as_token_ids": (None, False),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+}
+# add_special_tokens: the server's default per endpoint (a chat template adds its own)
+_ADD_SPECIAL_TOKENS = {CHAT_URL: False, COMPLETIONS_URL: True}
+MAX_JSON_DEPTH = 64  # a request body nests a few levels (a JSON schema a few more)
+
+
 class BatchLineError(ValueError):
     """A batch line is malformed; the message says what is wrong."""
+
+
+def _json_depth_exceeds(text: str, limit: int) -> bool:
+    """Whether the JSON text nests arrays / objects deeper than limit (brackets outside strings).
+
+    Checked before json.loads, whose recursion a deeply nested line would otherwise exhaust."""
+    if text.count("[") + text.count("{") <= limit:  # the common case, at C speed
+        return False
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def _loads(text: str) -> Any:
+    """json.loads of one line; BatchLineError for invalid or too deeply nested JSON."""
+    if _json_depth_exceeds(text, MAX_JSON_DEPTH):
+        raise BatchLineError(f"the line nests JSON deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BatchLineError(f"invalid JSON: {error.msg} at column {error.colno}") from None
+    except RecursionError:  # defence in depth: the depth check above should catch it first
+        raise BatchLineError("the line nests JSON too deeply") from None
 
 
 @dataclass(slots=True)
@@ -52,10 +117,7 @@ def _uid() -> str:
 
 def parse_line(text: str) -> BatchItem:
     """Parse and check one input line; BatchLineError says what is wrong."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise BatchLineError(f"invalid JSON: {error.msg} at column {error.colno}") from None
+    data = _loads(text)
     if not isinstance(data, dict):
         raise BatchLineError("each line must be a JSON object with custom_id, method, url and body")
     custom_id = data.get("custom_id")
@@ -75,15 +137,61 @@ def parse_line(text: str) -> BatchItem:
 def custom_id_of(text: str) -> str | None:
     """The custom_id of a line, if one can be read at all (for error records)."""
     try:
-        data = json.loads(text)
-        return data.get("custom_id") if isinstance(data, dict) and isinstance(data.get("custom_id"), str) else None
-    except json.JSONDecodeError:
+        data = _loads(text)
+    except BatchLineError:
         return None
+    return data.get("custom_id") if isinstance(data, dict) and isinstance(data.get("custom_id"), str) else None
+
+
+def check_local_body(url: str, body: dict[str, Any]) -> None:
+    """Refuse a field the local engine would not honour: unknown (a misspelling), or known but
+    asking for what a local batch record cannot carry (logprobs, echo, a stream, tools)."""
+    allowed = set(SAMPLING_KEYS) | _COMMON_FIELDS | set(_STRUCTURED_FIELDS) | _URL_FIELDS[url]
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in _NEUTRAL_ONLY or key == "add_special_tokens":
+            neutral = _NEUTRAL_ONLY.get(key, (_ADD_SPECIAL_TOKENS[url],))
+            if any(value == n and type(value) is type(n) for n in neutral):
+                continue
+            raise BatchLineError(
+                f"body.{key}={json.dumps(value)[:60]} is not supported by a local `lmc batch` (its records "
+                f"carry the text only); leave it out, or run the file against `lmc serve` with --url")
+        import difflib
+
+        known = sorted(allowed | set(_NEUTRAL_ONLY))
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BatchLineError(f"body.{key} is not a known field of {url}{hint}")
+
+
+def structured_outputs_of(body: dict[str, Any]) -> Any:
+    """The body's output constraint (response_format, guided_*, structured_outputs) as
+    StructuredOutputsParams, or None; BatchLineError for a malformed or doubled one."""
+    from types import SimpleNamespace
+
+    if not any(body.get(field) is not None for field in _STRUCTURED_FIELDS):
+        return None
+    from lm_console.engine.entrypoints.openai.errors import OpenAIError
+    from lm_console.engine.entrypoints.openai.structured_outputs import to_structured_outputs_params
+
+    for field in ("response_format", "structured_outputs"):
+        if body.get(field) is not None and not isinstance(body[field], dict):
+            raise BatchLineError(f"body.{field} must be a JSON object")
+    fields = SimpleNamespace(**{field: body.get(field) for field in _STRUCTURED_FIELDS})
+    try:
+        return to_structured_outputs_params(cast(Any, fields))  # the server's reading of these fields
+    except OpenAIError as error:
+        raise BatchLineError(error.message) from None
 
 
 def sampling_kwargs(body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
     """SamplingParams keyword arguments from an OpenAI request body."""
     kwargs = {ours: body[key] for key, ours in SAMPLING_KEYS.items() if body.get(key) is not None}
+    for key in ("stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                "spaces_between_special_tokens"):
+        if body.get(key) is not None:
+            kwargs[key] = body[key]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     return kwargs
@@ -270,7 +378,9 @@ async def _run_line(llm: Any, line_no: int, text: str, model: str, default_max_t
     from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
     item = parse_line(text)
-    params = SamplingParams(**sampling_kwargs(item.body, default_max_tokens), output_kind=RequestOutputKind.FINAL_ONLY)
+    check_local_body(item.url, item.body)
+    params = SamplingParams(**sampling_kwargs(item.body, default_max_tokens), output_kind=RequestOutputKind.FINAL_ONLY,
+                            structured_outputs=structured_outputs_of(item.body))
     if item.url == CHAT_URL:
         rendered = tokenizer.apply_chat_template(chat_messages(item.body), tokenize=False, add_generation_prompt=True)
         if check_text is not None:
@@ -280,7 +390,9 @@ async def _run_line(llm: Any, line_no: int, text: str, model: str, default_max_t
         prompt = completion_prompt(item.body)
     check_context(prompt, params.max_tokens, max_model_len, tokenizer, check_text)
     final = None
-    async for output in llm.generate(prompt, params, request_id=f"batch-{line_no}-{_uid()[:8]}"):
+    # priority / cache_salt as the server passes them (given only when set: the engine checks them)
+    extra = {key: item.body[key] for key in ("priority", "cache_salt") if item.body.get(key) is not None}
+    async for output in llm.generate(prompt, params, request_id=f"batch-{line_no}-{_uid()[:8]}", **extra):
         final = output
     if final is None:
         return error_record(item.custom_id, "the engine returned no output", 500)

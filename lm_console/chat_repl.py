@@ -15,7 +15,8 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | 
                    show_stats: bool = False, images: list[str] | None = None) -> int:
     """One user turn per input line; each reply streams to stdout and ends with a newline.
 
-    /commands print their notice to stderr. Returns the exit code (1 if the engine failed).
+    /commands print their notice to stderr. Returns the exit code (2 if the engine was refused at
+    start, e.g. an invalid model file, as every `lmc` command; 1 if it failed later).
     The streams default to sys.stdin/stdout/stderr as they are at call time (not at import:
     a test runner swaps them per invocation).
     """
@@ -25,7 +26,7 @@ async def run_repl(client: ConsoleClient, session: ChatSession, stdin: TextIO | 
         await client.start()
     except EngineUnavailable as error:
         stderr.write(f"error: the engine failed to start: {error}\n{error.hint}\n")
-        return 1
+        return 2
     for path in images or ():  # `lmc chat --image PATH`: goes with the first message
         stderr.write(session.attach_image(path) + "\n")
     # Lines are read as bytes and decoded one at a time: a binary line is an error, not the end.

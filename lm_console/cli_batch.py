@@ -6,13 +6,14 @@ import asyncio
 import json
 import os
 import sys
-from typing import Annotated, BinaryIO, Optional, TextIO
+from typing import IO, Annotated, Any, BinaryIO, Optional, TextIO
 
 import typer
 
 from lm_console.batch import DEFAULT_MAX_LINE_BYTES
 from lm_console.engine_options import (
-    DtypeOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
+    DtypeOpt, LivenessTimeoutOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
+    liveness_args,
 )
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags, refuse_local_flags
 from lm_console.extras import require
@@ -32,6 +33,7 @@ def batch(
     concurrency: Annotated[Optional[int], typer.Option(
         min=1, help="Most requests in flight at once (default: 64 with --url; a local engine takes up to "
                     "512 and schedules them itself).")] = None,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Run an OpenAI batch file (/v1/chat/completions, /v1/completions) like `vllm run-batch`.
 
@@ -48,10 +50,14 @@ def batch(
     source = _open_input(input_file)
     target = _open_output(output_file, input_file)
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)
+    args.update(liveness_args(liveness_timeout))
 
     def write(record: dict) -> None:
-        target.write(json.dumps(record) + "\n")
-        target.flush()
+        try:
+            target.write(json.dumps(record) + "\n")
+            target.flush()
+        except OSError as error:  # a full disk, /dev/full, a closed pipe: the job cannot go on
+            raise BatchOutputError(f"cannot write {output_file}: {error.strerror or error}") from None
 
     async def main() -> tuple[int, int]:
         lines = read_input_lines(source, max_line_bytes)
@@ -71,16 +77,32 @@ def batch(
 
     try:
         num_written, num_failed = asyncio.run(main())
+    except BatchOutputError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
     except Exception as error:  # noqa: BLE001 - engine start failures, a dead engine, an unusable server
         hint = getattr(error, "hint", "")  # EngineUnavailable says what to do
         typer.echo(f"error: {type(error).__name__}: {error}" + (f"\n{hint}" if hint else ""), err=True)
         raise typer.Exit(2) from None
     finally:
-        if target is not sys.stdout:
-            target.close()
-        if source is not sys.stdin.buffer:
-            source.close()
+        _close_quietly(target, sys.stdout)
+        _close_quietly(source, sys.stdin.buffer)
     typer.echo(f"{num_written - num_failed} succeeded, {num_failed} failed -> {output_file}", err=True)
+
+
+class BatchOutputError(OSError):
+    """The output file cannot be written (full disk, closed pipe): the job stops, one error line."""
+
+
+def _close_quietly(stream: IO[Any], standard: IO[Any]) -> None:
+    """Close a file we opened; a close that fails (its buffer cannot be flushed to a full disk)
+    was already reported by the write that failed first."""
+    if stream is standard:
+        return
+    try:
+        stream.close()
+    except OSError:
+        pass
 
 
 def _open_input(path: str) -> BinaryIO:

@@ -9,7 +9,7 @@ import typer
 
 from lm_console.engine_options import (
     BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
-    AsyncSchedulingOpt, NumThreadsOpt, PrefixCachingOpt, engine_args,
+    AsyncSchedulingOpt, LivenessTimeoutOpt, NumThreadsOpt, PrefixCachingOpt, engine_args, liveness_args,
 )
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, refuse_local_flags
 
@@ -68,6 +68,7 @@ def throughput(
     num_prefixes: NumPrefixesOpt = 4, seed: SeedOpt = 0, save_result: SaveOpt = None,
     baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
     hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Offline throughput (engine.LLM) on a random or shared-prefix workload."""
     from lm_console.bench.runner import Workload, bench_throughput
@@ -76,6 +77,7 @@ def throughput(
                         prefix_len, suffix_len, num_prefixes, seed)
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                        enable_prefix_caching, num_threads, async_scheduling)
+    args.update(liveness_args(liveness_timeout))
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     _finish(lambda: bench_throughput(model, args, workload, hf, save_result, progress))
 
@@ -102,6 +104,7 @@ def serve(
     in_process: Annotated[bool, typer.Option(
         "--in-process", help="Send the requests straight to AsyncLLM in this process (no HTTP).")] = False,
     label: Annotated[Optional[str], typer.Option(help="A label saved with the result.")] = None,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Online serving: TTFT, TPOT, ITL and E2EL under a request rate, over HTTP like `vllm bench serve`.
 
@@ -121,6 +124,7 @@ def serve(
                         prefix_len, suffix_len, num_prefixes, seed)
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                        enable_prefix_caching, num_threads)
+    args.update(liveness_args(liveness_timeout))
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     percentiles = [float(p) for p in metric_percentiles.split(",")]
     if max_concurrency is not None and max_concurrency < 1:
@@ -158,6 +162,7 @@ def prefix(
     num_prefixes: NumPrefixesOpt = 4, output_len: OutputLenOpt = 32, seed: SeedOpt = 0,
     save_result: SaveOpt = None, baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
     hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """The same shared-prefix prompts with prefix caching on and off."""
     from lm_console.bench.runner import Workload, bench_prefix
@@ -166,6 +171,7 @@ def prefix(
                         suffix_len=suffix_len, num_prefixes=num_prefixes, seed=seed)
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                        True, num_threads)
+    args.update(liveness_args(liveness_timeout))
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     _finish(lambda: bench_prefix(model, args, workload, hf, save_result, progress))
 
@@ -203,12 +209,13 @@ def offload(
 def pd(
     model: ModelOpt = None, dtype: DtypeOpt = "auto", num_threads: NumThreadsOpt = None,
     prompt_len: PromptLenOpt = 1024, output_len: OutputLenOpt = 16, kv_chunk_size: ChunkSizeOpt = 256,
-    kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0,
+    kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0, liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Prefill/decode disaggregation: a producer engine prefills, a consumer engine loads and decodes."""
     from lm_console.bench.offload import bench_pd, pd_lines
 
     args = engine_args(dtype, num_threads=num_threads)
+    args.update(liveness_args(liveness_timeout))
 
     def run() -> int:
         result = bench_pd(model, args, prompt_len, output_len, kv_offload_disk, kv_chunk_size, seed)

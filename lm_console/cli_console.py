@@ -12,7 +12,7 @@ from lm_console.engine_options import (
     BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt,
     KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, console_threads,
-    engine_args, parallel_args, parse_range,
+    LivenessTimeoutOpt, engine_args, liveness_args, parallel_args, parse_range,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -96,7 +96,7 @@ def tui(
     distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
     data_parallel_backend: DataParallelBackendOpt = "mp",
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
-    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01,
+    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
     refuse_local_flags(ctx, url)
@@ -110,6 +110,7 @@ def tui(
                               data_parallel_routing, data_parallel_backend))
     args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
                 kv_cache_metrics_sample=kv_cache_metrics_sample)
+    args.update(liveness_args(liveness_timeout))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))
@@ -130,6 +131,7 @@ def chat(
         "--image", help="Attach an image file to the first message (repeatable; needs a VLM, e.g. "
                         "--model demo-vlm).")] = None,
     fake: FakeOpt = False, url: UrlOpt = None, api_key: ApiKeyOpt = None,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
     refuse_local_flags(ctx, url)
@@ -138,6 +140,7 @@ def chat(
 
     args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
                        num_threads=console_threads(num_threads))
+    args.update(liveness_args(liveness_timeout))
     client = make_client(fake, model, args, url, api_key, command="lmc chat")
     params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
@@ -173,6 +176,7 @@ def events(
         "--load/--no-load", help="Drive the built-in load so blocks move (default: on, off with --url).")] = None,
     rate: RateOpt = 4.0, fake: FakeOpt = False,
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
+    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Print the KV-cache event stream (BlockStored / BlockRemoved / AllBlocksCleared) as JSON lines."""
     from lm_console import events as events_mod
@@ -194,6 +198,7 @@ def events(
                 raise typer.Exit(2) from None
             return
         args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
+        args.update(liveness_args(liveness_timeout))
         client = make_client(fake, model, args, url, api_key, kv_events_endpoint, command="lmc events")
         shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
         asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,

@@ -16,10 +16,10 @@ import typer
 
 from lm_console.engine_options import (
     AsyncSchedulingOpt, BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt,
-    ExecutorBackendOpt, KVCacheDtypeOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
+    ExecutorBackendOpt, KVCacheDtypeOpt, LivenessTimeoutOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
     MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
-    parallel_args,
+    liveness_args, parallel_args,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -45,7 +45,7 @@ def serve(
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
     kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, kv_cache_prefault: KVCachePrefaultOpt = True,
-    kv_cache_dtype: KVCacheDtypeOpt = "auto",
+    kv_cache_dtype: KVCacheDtypeOpt = "auto", liveness_timeout: LivenessTimeoutOpt = 30.0,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -97,6 +97,7 @@ def serve(
     args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
                 kv_cache_metrics_sample=kv_cache_metrics_sample, kv_cache_prefault=kv_cache_prefault,
                 kv_cache_dtype=kv_cache_dtype)
+    args.update(liveness_args(liveness_timeout))
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM
 

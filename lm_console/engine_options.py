@@ -47,6 +47,20 @@ DataParallelRoutingOpt = Annotated[str, typer.Option(
     help="least_loaded | prefix (prefer the core holding the request's longest cached prefix).")]
 
 
+DEFAULT_LIVENESS_TIMEOUT_S = 30.0  # EngineArgs.liveness_timeout_s's default
+LivenessTimeoutOpt = Annotated[float, typer.Option(
+    "--liveness-timeout", min=0.0,
+    help="Seconds without a heartbeat from the engine core before it is declared dead (a stopped or hung "
+         "core: requests then fail with EngineUnresponsiveError and `lmc serve` exits 1); 0: never.")]
+
+
+def liveness_args(liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_S) -> dict[str, Any]:
+    """EngineArgs keyword arguments of --liveness-timeout ({} at the default; 0 -> None, never)."""
+    if liveness_timeout == DEFAULT_LIVENESS_TIMEOUT_S:
+        return {}
+    return {"liveness_timeout_s": liveness_timeout or None}
+
+
 def parallel_args(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                   distributed_executor_backend: str = "uni",
                   data_parallel_routing: str = "least_loaded", data_parallel_backend: str = "mp") -> dict[str, Any]:

@@ -25,7 +25,7 @@ LOCAL_ENGINE_FLAGS = frozenset({
     "kv_offload_cpu_bytes", "kv_offload_disk_bytes", "kv_chunk_size", "endpoint",
     "tensor_parallel_size", "data_parallel_size", "distributed_executor_backend", "data_parallel_routing",
     "data_parallel_backend",
-    "scheduling_policy", "kv_cache_metrics", "kv_cache_metrics_sample",
+    "scheduling_policy", "kv_cache_metrics", "kv_cache_metrics_sample", "liveness_timeout",
 })
 
 

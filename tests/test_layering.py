@@ -70,6 +70,9 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "EngineArgs.create_engine_config resolves a model name to its directory, converting the "
         "embedded GGUF or building demo-vlm on first use; it runs in the engine core's process "
         "(the frontend builds its config from the ready handshake instead)"),
+    ("lm_console.engine.config.engine_args", "lm_console.engine.models.gguf_check"): (
+        "EngineArgs validation reads a .gguf's layout (its metadata only) to refuse a KV connector on a "
+        "hybrid model before any process starts"),
     ("lm_console.engine.config.cache", "lm_console.kernels.cpu_attention"): (
         "resolve_kv_cache_dtype asks the attention kernels whether they take the model's shape on this "
         "machine (auto picks the int8 KV cache only then); it runs in the engine core's process, which "

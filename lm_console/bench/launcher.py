@@ -47,6 +47,8 @@ def serve_flags(engine_args: dict[str, Any]) -> list[str]:
                      else "--no-enable-prefix-caching")
     if engine_args.get("async_scheduling"):
         flags.append("--async-scheduling")
+    if "liveness_timeout_s" in engine_args:  # None: never (the flag's 0)
+        flags += ["--liveness-timeout", str(engine_args["liveness_timeout_s"] or 0)]
     return flags
 
 

@@ -42,6 +42,10 @@ class InvalidGGUFError(EngineError, ValueError):
     """A GGUF file lacks a metadata key or tensor its architecture needs, or holds an unusable one."""
 
 
+class InvalidModelConfigError(EngineError, ValueError):
+    """A model directory's config.json holds a value no model can run with (e.g. 0 positions)."""
+
+
 class InsufficientKVCacheError(EngineError, ValueError):
     """The KV cache budget cannot hold even one request of max_model_len tokens."""
 

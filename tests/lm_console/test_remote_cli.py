@@ -59,7 +59,7 @@ def test_chat_plain_over_http(standin) -> None:  # noqa: ANN001
 def test_chat_reports_a_refused_key() -> None:
     with ServerThread(standin_app(StandinState(api_key="sesame"))) as server:
         result = runner.invoke(app, ["chat", "--plain", "--url", server.url], input="hi\n")
-    assert result.exit_code == 1 and "refused the API key" in result.stderr and "--api-key" in result.stderr
+    assert result.exit_code == 2 and "refused the API key" in result.stderr and "--api-key" in result.stderr
 
 
 def test_batch_url_keeps_order_and_concurrency(standin, tmp_path: Path) -> None:  # noqa: ANN001

@@ -294,6 +294,15 @@ def test_gemma3_sentencepiece_tokenizer(workdir):
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    # The one layer GOOD_KEYS declare (hidden 64, 4 heads of 16, ffn 128): a file's metadata
+    # must match its tensors (gguf_check.py).
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    shapes = {"attn_q": (64, 64), "attn_k": (64, 64), "attn_v": (64, 64), "attn_output": (64, 64),
+              "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128), "attn_q_norm": (16,),
+              "attn_k_norm": (16,), "attn_norm": (64,), "post_attention_norm": (64,), "ffn_norm": (64,),
+              "post_ffw_norm": (64,)}
+    for part, shape in shapes.items():
+        writer.add_tensor(f"blk.0.{part}.weight", np.ones(shape, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

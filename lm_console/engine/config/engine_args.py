@@ -7,6 +7,7 @@ the frontend rebuilds its config from the core's ready handshake (create_fronten
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -291,6 +292,8 @@ class EngineArgs:
                 "distributed_executor_backend='fake' runs no model.")
         self._verify_data_parallel()
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
+        if self.kv_transfer_config is not None:
+            _refuse_hybrid_model_with_connector(self.model)
         for name in ("kv_transfer_config", "ec_transfer_config"):
             if self.async_scheduling and getattr(self, name) is not None:
                 raise InvalidEngineArgsError(
@@ -384,6 +387,66 @@ def _verify_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
                 f"tensor_parallel_size={tp_size} does not divide the model's {what}={count}: each rank "
                 f"holds an equal share of the heads; use a tensor_parallel_size that divides "
                 f"{model.num_attention_heads} and {model.num_kv_heads}.")
+
+
+def attention_kinds(model: str | None) -> set[str] | None:
+    """The distinct attention kinds ("full_attention", "sliding_attention") of the model's
+    layers, read from its config.json or GGUF metadata without loading weights; None when the
+    model is a known name (the embedded models are full-attention Llamas) or not found (its own
+    error comes later, from the engine core)."""
+    import json
+    from pathlib import Path
+
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        return set(_gguf_attention_kinds(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    else:
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        return None
+    types = text.get("layer_types")
+    if str(text.get("model_type", "")).startswith("gemma3") or config.get("model_type") == "gemma3":
+        pattern, layers = text.get("sliding_window_pattern") or 6, text.get("num_hidden_layers")
+        if not types and isinstance(pattern, int) and pattern > 0 and isinstance(layers, int):
+            # gemma3's default: every 6th layer global (lm_console/engine/models/gemma3.py)
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(min(layers, 1 << 16))]
+    elif text.get("sliding_window") is None or text.get("use_sliding_window") is False:
+        return {"full_attention"}  # llama-family layers ignore layer_types without a window
+    if not isinstance(types, list) or not types:
+        return None
+    return {str(t) for t in types}
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_attention_kinds(path: str, size: int, mtime_ns: int) -> frozenset[str]:
+    """Memoized by (path, size, mtime): _verify runs in the frontend and again in the core."""
+    from lm_console.engine.models.gguf_check import attention_kinds_of_gguf
+
+    return frozenset(attention_kinds_of_gguf(path))  # the layout scan: an invalid file is refused here, early
+
+
+def _refuse_hybrid_model_with_connector(model: str | None) -> None:
+    """A KV connector moves one KV cache group's blocks; a hybrid model (full and sliding-window
+    layers, e.g. Gemma3) has two, which the worker would refuse only after the processes start."""
+    kinds = attention_kinds(model)
+    if kinds is not None and len(kinds) > 1:
+        raise InvalidEngineArgsError(
+            f"kv_transfer_config cannot be used with {model!r}: its layers mix {' and '.join(sorted(kinds))} "
+            "(a hybrid KV cache of several groups), and KV connectors move a single group's blocks. "
+            "Drop kv_transfer_config (--kv-offload, --kv-transfer-config) for this model, or use a model "
+            "whose layers all share one attention kind.")
 
 
 def _physical_memory_bytes() -> int | None:

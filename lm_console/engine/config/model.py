@@ -6,7 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from lm_console.engine.errors import InvalidEngineArgsError
+from lm_console.engine.errors import InvalidEngineArgsError, InvalidModelConfigError
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,17 @@ class ModelConfig:
 
         hf_config = load_hf_config(model_dir)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        # A config without max_position_embeddings is taken as a 2048-token model.
-        model_max = int(getattr(text, "max_position_embeddings", 2048) or 2048)
+        # A config without max_position_embeddings is taken as a 2048-token model; one that says
+        # 0 (or less) is refused here: its rope tables would be empty and the first request
+        # would end the engine.
+        model_max = getattr(text, "max_position_embeddings", None)
+        model_max = 2048 if model_max is None else model_max
+        if isinstance(model_max, float) and model_max.is_integer():
+            model_max = int(model_max)
+        if isinstance(model_max, bool) or not isinstance(model_max, int) or model_max < 1:
+            raise InvalidModelConfigError(
+                f"{model_dir}/config.json has max_position_embeddings={model_max!r:.40}: it must be an integer >= 1 "
+                "(the model's context length); fix the config or re-convert the model.")
         max_model_len = max_model_len or min(model_max, 8192)
         if max_model_len > model_max:
             raise InvalidEngineArgsError(

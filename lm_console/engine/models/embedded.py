@@ -140,10 +140,48 @@ def _record_source(target: Path, gguf_path: Path) -> None:
         _write_atomically(target / GGUF_SOURCE_FILE, json.dumps({"path": path}) + "\n")
 
 
+# In a converted directory: the version of the GGUF checks (gguf_check.py) its file passed. A
+# conversion made before those checks existed is checked once more (metadata only, no tensor
+# data) before it is used, and deleted if its file fails them.
+GGUF_CHECKED_FILE = "gguf_checked.json"
+GGUF_CHECKS_VERSION = 1
+
+
+def _passed_checks(target: Path) -> bool:
+    try:
+        return json.loads((target / GGUF_CHECKED_FILE).read_text()).get("checks") == GGUF_CHECKS_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _mark_checked(target: Path) -> None:
+    _write_atomically(target / GGUF_CHECKED_FILE, json.dumps({"checks": GGUF_CHECKS_VERSION}) + "\n")
+
+
+def _recheck(target: Path, gguf_path: Path) -> None:
+    """Check the file of a conversion made before the checks; an invalid one's cache is removed."""
+    from lm_console.engine.errors import InvalidGGUFError
+    from lm_console.engine.models.gguf_check import check_gguf
+
+    try:
+        check_gguf(gguf_path)
+    except InvalidGGUFError:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    try:
+        _mark_checked(target)
+    except OSError:
+        pass  # a read-only cache: checked again next time
+
+
 def ensure_converted(gguf_path: Path, name: str | None = None) -> Path:
-    """The HF-format directory of a GGUF file, converting it once (atomically) if needed."""
+    """The HF-format directory of a GGUF file, converting it once (atomically) if needed.
+
+    A file that fails gguf_check's checks raises InvalidGGUFError and leaves nothing cached."""
     target = _converted_dir(gguf_path, name or Path(gguf_path).stem)
     if _is_model_dir(target):
+        if not _passed_checks(target):
+            _recheck(target, gguf_path)
         _record_source(target, gguf_path)
         return target
     from lm_console.engine.models.gguf_convert import convert_gguf  # numpy/transformers: only when needed
@@ -152,7 +190,8 @@ def ensure_converted(gguf_path: Path, name: str | None = None) -> Path:
     _remove_stale_temp_dirs()
     tmp = Path(tempfile.mkdtemp(dir=_models_dir(), prefix=".tmp-convert-"))
     try:
-        convert_gguf(Path(gguf_path), tmp)
+        convert_gguf(Path(gguf_path), tmp)  # checks the file first (InvalidGGUFError)
+        _mark_checked(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

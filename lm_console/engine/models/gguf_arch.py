@@ -143,7 +143,18 @@ class _Meta:
     def number(self, key: str, default: float | None = None, needed: bool = False) -> float | None:
         """A float32 key as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07)."""
         value = self.need(key) if needed else self.get(key, default)
-        return None if value is None else float(str(np.float32(value)))
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # e.g. a string "1e-6"
+            raise InvalidGGUFError(f"{self.arch.name}.{key} is {value!r:.80}, not a number")
+        return float(str(np.float32(value)))
+
+    def integer(self, key: str, default: int | None = None, needed: bool = False) -> int:
+        """An integer key (a string, float or list is refused naming the key)."""
+        value = self.need(key) if needed else self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidGGUFError(f"{self.arch.name}.{key} is {value!r:.80}, not an integer")
+        return value
 
     def need(self, key: str) -> Any:
         value = self.get(key)
@@ -165,20 +176,22 @@ def gguf_config_dict(reader: Any) -> dict[str, Any]:
     shapes = _tensor_shapes(reader)
     if "token_embd.weight" not in shapes:
         raise InvalidGGUFError("the GGUF file has no token_embd.weight tensor")
-    hidden = int(meta.need("embedding_length"))
-    num_heads = int(meta.need("attention.head_count"))
+    hidden = meta.integer("embedding_length", needed=True)
+    num_heads = meta.integer("attention.head_count", needed=True)
+    if num_heads < 1:  # the head size below divides by it
+        raise InvalidGGUFError(f"{arch.name}.attention.head_count is {num_heads}; it must be >= 1")
     config: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,
         # The embedding's rows: llama.cpp drops a padded vocabulary's unused rows (gemma3).
         "vocab_size": shapes["token_embd.weight"][0],
         "hidden_size": hidden,
-        "intermediate_size": int(meta.need("feed_forward_length")),
-        "num_hidden_layers": int(meta.need("block_count")),
+        "intermediate_size": meta.integer("feed_forward_length", needed=True),
+        "num_hidden_layers": meta.integer("block_count", needed=True),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": int(meta.get("attention.head_count_kv", num_heads)),
-        "head_dim": int(meta.get("attention.key_length", hidden // num_heads)),
-        "max_position_embeddings": int(meta.need("context_length")),
+        "num_key_value_heads": meta.integer("attention.head_count_kv", num_heads),
+        "head_dim": meta.integer("attention.key_length", hidden // num_heads),
+        "max_position_embeddings": meta.integer("context_length", needed=True),
         "rms_norm_eps": meta.number("attention.layer_norm_rms_epsilon", needed=True),
         "tie_word_embeddings": "output.weight" not in shapes,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
@@ -187,7 +200,7 @@ def gguf_config_dict(reader: Any) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     value_length = meta.get("attention.value_length")
-    if value_length is not None and int(value_length) != config["head_dim"]:
+    if value_length is not None and meta.integer("attention.value_length") != config["head_dim"]:
         raise UnsupportedArchitectureError(
             f"GGUF key_length {config['head_dim']} != value_length {value_length} is not supported")
     rope_theta = meta.number("rope.freq_base", 10000.0)

@@ -20,6 +20,7 @@ from lm_console.engine.models.gguf_arch import (  # noqa: F401 - re-exported: th
     hf_tensor_name, is_norm, permuted_rope_heads, unpermute_rope_rows,
 )
 from lm_console.engine.models.gguf_arch import _field
+from lm_console.engine.models.gguf_check import check_gguf, invalid
 
 # Tensors the file may carry that are not checkpoint weights (read as metadata instead).
 _METADATA_TENSORS = ("rope_freqs.weight",)
@@ -51,14 +52,14 @@ def gguf_state_dict(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
     gguf_path = Path(gguf_path)
+    # Every declared size and the metadata against the tensors, before anything is allocated
+    # from them (InvalidGGUFError naming the file): a bad file never becomes a cached model.
+    reader, config_dict = check_gguf(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reader = GGUFReader(str(gguf_path))
-    config_dict = gguf_config_dict(reader)
     fields = {k: v for k, v in config_dict.items() if k not in ("model_type", "architectures")}
     config = AutoConfig.for_model(config_dict["model_type"], **fields)
     config.architectures = config_dict["architectures"]
@@ -80,7 +81,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     del reader  # release the memory map before the tokenizer reads the file again
 
     tokenizer_cls = PreTrainedTokenizerFast if generic else AutoTokenizer
-    tokenizer = tokenizer_cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = tokenizer_cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        # transformers' GGUF tokenizer reader on metadata of the wrong shape or an inconsistent
+        # vocabulary (merges of tokens it lacks): the file's tokenizer cannot be built
+        raise invalid(gguf_path, f"its tokenizer metadata cannot be read ({type(error).__name__}: "
+                                 f"{' '.join(str(error).split())[:200]})") from None
     tokenizer.save_pretrained(out_dir)
     _ensure_chat_template(out_dir, chat_template)
 

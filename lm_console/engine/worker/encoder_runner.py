@@ -30,8 +30,9 @@ class EncoderRunner:
     """encoder_cache + encoder execution + embedding gather/merge for one model."""
 
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype,
-                 ec_connector: ECConnectorBase | None = None) -> None:
+                 ec_connector: ECConnectorBase | None = None, hidden_size: int | None = None) -> None:
         self.model = model
+        self.hidden_size = hidden_size  # encoder outputs' width: a stored output is checked against it
         self.device = device
         self.dtype = dtype
         self.ec_connector = ec_connector
@@ -58,7 +59,7 @@ class EncoderRunner:
         if connector is not None and scheduler_output.ec_connector_metadata is not None:
             connector.bind_connector_metadata(scheduler_output.ec_connector_metadata)
             if connector.is_consumer:
-                connector.start_load_caches(self.encoder_cache, device=self.device)
+                connector.start_load_caches(self.encoder_cache, device=self.device, hidden_size=self.hidden_size)
                 failed_loads = connector.take_failed_loads()
         try:
             by_modality: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
@@ -217,4 +218,4 @@ def maybe_create_encoder_runner(model: Any, config: Any) -> EncoderRunner | None
 
         connector = ECConnectorFactory.create_connector(config.ec_transfer_config, ECConnectorRole.WORKER)
     return EncoderRunner(model, torch_device(config.device_config.device), torch_dtype(config.model_config.dtype),
-                         connector)
+                         connector, hidden_size=getattr(config.model_config, "hidden_size", None))

@@ -6,7 +6,9 @@ sees half a file. Names are not paths: an identifier (a user's multi_modal_uuid 
 the directory name only if it is plain ([A-Za-z0-9_-], at most 128 characters); any other is
 hashed ("h." + sha256), so nothing is written outside shared_storage_path. A stored file that
 cannot be read, or holds the wrong number of embeddings, is deleted and counted
-(num_load_failures), and the worker runs the encoder instead.
+(num_load_failures), and the worker runs the encoder instead. A file's safetensors header is
+checked before its data is read (check_ec_file): one tensor "ec_cache" of [num_token, hidden],
+a file size that matches it exactly, a bounded header, so a huge or sparse file costs no memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lm_console.engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
+from lm_console.engine.distributed.stored_tensor_file import check_single_tensor_file
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -30,6 +33,19 @@ if TYPE_CHECKING:
 
 _FILE = "encoder_cache.safetensors"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_MAX_EMBED_DIM = 1 << 16  # when the model's hidden size is not known
+
+
+def check_ec_file(file: Path, num_token: int, hidden_size: int | None) -> None:
+    """Check a stored file's safetensors header and size before its data is read: one tensor
+    "ec_cache" of [num_token, hidden_size] (hidden_size None: any width up to 65536) in a float
+    dtype, and a file exactly as long as that tensor needs (InvalidStoredFileError otherwise)."""
+    def shape_ok(shape: list[int]) -> bool:
+        return (len(shape) == 2 and shape[0] == num_token
+                and (shape[1] == hidden_size if hidden_size else 0 < shape[1] <= _MAX_EMBED_DIM))
+
+    check_single_tensor_file(file, "ec_cache", shape_ok, f"[{num_token}, {hidden_size or 'hidden'}]")
+
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +97,13 @@ class ECExampleConnector(ECConnectorBase):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECExampleConnectorMetadata)
         device = kwargs.get("device", "cpu")
+        hidden_size = kwargs.get("hidden_size")  # the model's embedding width, when the worker knows it
         for meta in metadata.mm_datas:
             if meta.mm_hash in encoder_cache:
                 continue
             file = self._file(meta.mm_hash)
             try:
+                check_ec_file(file, meta.num_token, hidden_size)  # before load_file allocates
                 tensor = load_file(str(file), device=str(device))["ec_cache"]
                 if tensor.dim() != 2 or tensor.shape[0] != meta.num_token:
                     raise ValueError(f"it holds shape {tuple(tensor.shape)}, expected {meta.num_token} embeddings")

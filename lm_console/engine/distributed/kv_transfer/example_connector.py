@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lm_console.engine.distributed.stored_tensor_file import DTYPE_BYTES, check_single_tensor_file
 from lm_console.engine.distributed.kv_transfer.base import (
     KVConnectorBase, KVConnectorMetadata, KVConnectorRole, extend_tracked_block_ids,
 )
@@ -150,7 +152,13 @@ class ExampleConnector(KVConnectorBase):
         for load in list(self._open_loads):
             transfer, folder = load
             try:
-                kv = load_file(str(folder / f"{layer_name}.safetensors"))["kv"]
+                file = folder / f"{layer_name}.safetensors"
+                # the header and size first: load_file would allocate whatever the file declares
+                elements = 2 * len(transfer.block_ids) * math.prod(kv_cache.shape[2:])
+                check_single_tensor_file(file, "kv", lambda shape, n=elements: math.prod(shape) == n,
+                                         f"{elements} elements (2 x {len(transfer.block_ids)} blocks)",
+                                         dtypes=tuple(DTYPE_BYTES))
+                kv = load_file(str(file))["kv"]
                 if (kv.dtype == torch.int8) != (kv_cache.dtype == torch.int8):
                     # the int8 cache's bytes are no float values: never convert between the two
                     raise ValueError(f"the files hold a {kv.dtype} KV cache, this engine's is {kv_cache.dtype}")

@@ -121,10 +121,17 @@ def _save_packed(path: Path, weights: dict[str, QuantWeight]) -> None:
         logger.warning("could not cache the packed GGUF weights in %s: %s", path, exc)
 
 
-def _load_packed(path: Path) -> dict[str, QuantWeight] | None:
-    from safetensors import safe_open
+def _load_packed(path: Path, max_bytes: int | None = None) -> dict[str, QuantWeight] | None:
+    """The cached packed weights, or None (and the file deleted) when it is unreadable or larger
+    than max_bytes: safetensors checks that every tensor lies inside the file, so the file's size
+    bounds what loading it allocates, and a corrupt or foreign file (a sparse one declaring
+    terabytes) is refused before anything is mapped or read; the caller repacks."""
+    from safetensors import SafetensorError, safe_open
 
     try:
+        size = path.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ValueError(f"it is {size} bytes, more than the {max_bytes} its GGUF file can pack into")
         with safe_open(str(path), framework="pt", device="cpu") as f:
             index = json.loads(f.metadata()["index"])
             weights: dict[str, QuantWeight] = {}
@@ -138,8 +145,12 @@ def _load_packed(path: Path) -> dict[str, QuantWeight] | None:
             for name, entry in index.items():
                 if "alias" in entry:
                     weights[name] = weights[entry["alias"]]
-    except (OSError, ValueError, KeyError) as exc:
-        logger.warning("ignoring the packed GGUF weight cache %s: %s", path, exc)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
+        logger.warning("removing the packed GGUF weight cache %s (%s); repacking", path, exc)
+        try:
+            path.unlink()
+        except OSError:
+            pass
         return None
     return weights
 
@@ -176,7 +187,9 @@ def quantize_model(model: nn.Module, method: str, gguf_path: Path | None = None,
         if gguf_path is None:
             raise InvalidEngineArgsError("quantization='gguf' needs a model loaded from a GGUF file")
         cached = Path(cache_dir) / PACKED_CACHE if cache_dir is not None else None
-        weights = _load_packed(cached) if cached is not None and cached.is_file() else None
+        # packed blocks take at most ~3.5x their GGUF bytes (Q2_K's 2.6 bits requantized to 8 + scales)
+        limit = 4 * Path(gguf_path).stat().st_size + (1 << 20)
+        weights = _load_packed(cached, limit) if cached is not None and cached.is_file() else None
         if weights is None:
             weights = _gguf_weights(model, Path(gguf_path))
             if cached is not None:

@@ -98,12 +98,12 @@ def requantize(dense: np.ndarray, fmt: str, source: str) -> Unpacked:
 
 def read_gguf_quantized(gguf_path: Path, hf_config: Any) -> dict[str, Unpacked]:
     """HF-named unpacked tensors for every quantized 2-D tensor of the file (dense ones omitted)."""
-    from gguf import GGUFReader
+    from lm_console.engine.models.gguf_check import open_gguf
 
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    reader = GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)  # sizes checked before its tensors are viewed
     arch = gguf_architecture(reader)
     out: dict[str, Unpacked] = {}
     for t in reader.tensors:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lm_console.engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, decode, encode_header
+from lm_console.engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, encode_header, read_chunk
 from lm_console.engine.distributed.kv_transfer.offload.counters import TierCounters
 
 logger = logging.getLogger(__name__)
@@ -85,15 +85,18 @@ class DiskTier:
         """The chunk, or None when absent; CorruptChunkError (and the file deleted) when it fails its checks."""
         file = self._file(key)
         try:
-            with open(file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data = bytearray(size)
-                num_read = f.readinto(data)
+            f = open(file, "rb")
         except OSError:
             self._forget(key)
             return None
         try:
-            tensor = decode(memoryview(data)[:num_read], key, dtype, shape)
+            with f:
+                # the header and the file's size are checked before the payload is read, so a
+                # huge or sparse file costs no memory (chunk_codec.read_chunk)
+                tensor, num_read = read_chunk(f, os.fstat(f.fileno()).st_size, key, dtype, shape)
+        except OSError:
+            self._forget(key)
+            return None
         except CorruptChunkError:
             with self._lock:
                 self.counters.errors += 1
