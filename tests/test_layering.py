@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lm_console.engine.kv_cache_interface", "lm_console.engine.kv_cache_hashing",
         "lm_console.engine.scheduler_output", "lm_console.engine.model_runner_output",
         "lm_console.engine.startup_trace", "lm_console.engine.malloc_tuning", "lm_console.engine.cache_dirs",
+        "lm_console.engine.process_flags",
         "lm_console.engine.metrics", "lm_console.engine.multimodal",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "lm_console.engine.admission",
