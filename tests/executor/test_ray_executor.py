@@ -129,6 +129,18 @@ def test_bundles_that_fit_count_each_node_on_its_own() -> None:
     assert bundles_that_fit({"GPU": 1.0}, []) == 0
 
 
+def test_the_refusal_suggests_a_size_the_heads_divide_by() -> None:
+    from lm_console.engine.executor.ray_executor import _worker_remedy
+
+    two_cpus = [{"CPU": 2.0}]
+    assert _worker_remedy(3, "cpu", (9, 3), 2, two_cpus) == (
+        "use tensor_parallel_size=1, or let the 3 workers share the CPUs with the engine argument "
+        "ray_per_worker_cpus=0.66 (CPUs each worker reserves; default 1)")
+    assert _worker_remedy(4, "cuda", (8, 4), 2, [{"GPU": 2.0}]).startswith(
+        "use tensor_parallel_size=2 (or fewer that the model's heads divide by) (one GPU per rank)")
+    assert _worker_remedy(2, "cuda", (8, 4), 0, []) == "use a cluster with room for one worker (one GPU per rank)"
+
+
 def test_ray_per_worker_cpus_is_checked() -> None:
     from lm_console.engine.config import EngineArgs
     from lm_console.engine.errors import InvalidEngineArgsError
@@ -162,6 +174,6 @@ def test_a_cluster_that_can_never_hold_the_workers_is_refused_at_once(local_ray,
     message = str(refused.value)
     assert "can never place 3 workers with {'CPU': 1.0} each" in message
     assert "{'CPU': 2.0} in all, room for 2" in message
-    assert "tensor_parallel_size=2 or less" in message and "ray_per_worker_cpus=0.66" in message
+    assert "tensor_parallel_size=1" in message and "ray_per_worker_cpus=0.66" in message  # 6 heads: not 2
     assert not ray.util.list_named_actors()
     assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())

@@ -70,8 +70,10 @@ class RayDistributedExecutor(Executor):
         self.started_ray = connect()
         try:
             bundle = worker_bundle(device, parallel.ray_per_worker_cpus)
+            heads = (self.config.model_config.num_attention_heads, self.config.model_config.num_kv_heads)
             self.placement_group = make_placement_group(
-                self.world_size, bundle, remedy=lambda fit, nodes: _worker_remedy(self.world_size, device, fit, nodes))
+                self.world_size, bundle,
+                remedy=lambda fit, nodes: _worker_remedy(self.world_size, device, heads, fit, nodes))
             # The worker's calls run one at a time in submission order; the monitor's
             # never-returning call has a thread of its own.
             actor_class = ray.remote(concurrency_groups={"monitor": 1})(RayWorkerWrapper)
@@ -243,10 +245,15 @@ class RayDistributedExecutor(Executor):
             ray.shutdown()
 
 
-def _worker_remedy(world_size: int, device: str, fit: int, nodes: list[dict[str, float]]) -> str:
-    """What to change when the cluster can never hold world_size worker bundles: fewer ranks,
-    or (on the CPU) a smaller CPU request per worker that fits them all on the largest node."""
-    fewer = f"tensor_parallel_size={fit} or less" if fit >= 1 else "a cluster with room for one worker"
+def _worker_remedy(world_size: int, device: str, heads: tuple[int, int], fit: int,
+                   nodes: list[dict[str, float]]) -> str:
+    """What to change when the cluster can never hold world_size worker bundles: fewer ranks (a
+    size the model's query and KV heads divide by), or on the CPU a smaller CPU request per
+    worker that fits them all on the largest node."""
+    sizes = [size for size in range(fit, 0, -1) if all(count % size == 0 for count in heads)]
+    fewer = f"tensor_parallel_size={sizes[0]}" if sizes else "a cluster with room for one worker"
+    if sizes and sizes[0] > 1:
+        fewer += " (or fewer that the model's heads divide by)"
     if device == "cuda":
         return f"use {fewer} (one GPU per rank)"
     largest = max((node.get("CPU", 0.0) for node in nodes), default=0.0)
