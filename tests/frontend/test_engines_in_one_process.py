@@ -41,3 +41,35 @@ def test_mp_tp_then_ray_tp_then_dp_in_one_process(local_ray, tiny_llama_tp3_dir)
         assert all(len(tokens) == 8 for tokens in answers[name]), (name, answers[name])
     assert answers["ray_tp3"] == answers["mp_tp3"]  # the same three ranks' arithmetic, over Ray
     assert not ray.util.list_named_actors()  # the Ray engine's worker actors went with it
+
+
+def _engine_in_this_process(model: str, answers) -> None:  # noqa: ANN001 - a multiprocessing queue
+    """Build an LLM here (a daemonic process in the test), generate, shut down; put what came out."""
+    try:
+        llm = LLM(model, distributed_executor_backend="fake", device="cpu", max_model_len=128)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                                   use_tqdm=False)
+        finally:
+            llm.shutdown()
+        answers.put(outputs[0].outputs[0].token_ids)
+    except BaseException as error:  # noqa: BLE001 - the test shows it
+        answers.put(f"{type(error).__name__}: {error}")
+
+
+def test_an_engine_starts_in_a_daemonic_process(tiny_llama_dir) -> None:
+    """A multiprocessing.Pool or Celery worker is daemonic; multiprocessing refuses it children
+    ("daemonic processes are not allowed to have children"), yet the engine core it starts needs
+    no reaping from it (the core exits with its parent through its death pipe)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    host = context.Process(target=_engine_in_this_process, args=(str(tiny_llama_dir), answers), daemon=True)
+    host.start()
+    try:
+        answer = answers.get(timeout=300)
+    finally:
+        host.join(60)
+    assert isinstance(answer, list) and len(answer) == 3, answer
+    assert host.exitcode == 0

@@ -36,7 +36,7 @@ from lm_console.engine.errors import EngineDeadError, EngineStartupError, Invali
 from lm_console.engine.executor.abstract import Executor
 from lm_console.engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from lm_console.engine.malloc_tuning import huge_page_heap
-from lm_console.engine.process_flags import in_engine_process
+from lm_console.engine.process_flags import children_allowed, in_engine_process
 from lm_console.engine.worker.rpc_protocol import (
     ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, SampleReply, ShutdownCall, WorkerCodec,
     method_name,
@@ -368,10 +368,8 @@ def _worker_context() -> Any:
 
 @contextlib.contextmanager
 def _children_allowed() -> Iterator[None]:
-    """Let a daemonic process start workers, and keep __main__ out of them.
-
-    (An engine core drops its daemon flag at entry, process_flags; this covers an in-process
-    engine core in a user's daemonic process.)
+    """Let a daemonic process start workers (an in-process engine core in a user's daemonic
+    process; an engine core drops the flag at entry, process_flags), and keep __main__ out of them.
 
     multiprocessing refuses children to daemonic processes because it cannot reap them when the
     daemon is killed. Our workers reap themselves: each exits when its death pipe to this process
@@ -379,18 +377,14 @@ def _children_allowed() -> Iterator[None]:
     __main__: hiding it keeps a user's script without a `__main__` guard (an in-process engine
     core, multiprocess=False) from being run again in every worker.
     """
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.get("daemon")
-    config["daemon"] = False
     main = sys.modules.get("__main__")
     saved = None if main is None else (main.__dict__.pop("__file__", None), getattr(main, "__spec__", None))
     if main is not None:
         main.__spec__ = None
     try:
-        yield
+        with children_allowed():
+            yield
     finally:
-        if daemon is not None:
-            config["daemon"] = daemon
         if main is not None and saved is not None:
             if saved[0] is not None:
                 main.__file__ = saved[0]
