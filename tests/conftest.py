@@ -29,6 +29,13 @@ def tiny_llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_tp3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose heads split three ways (6 query, 3 KV heads): tensor_parallel_size=3."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama_tp3"), "llama", seed=8, hidden_size=96,
+                               intermediate_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=3)
 

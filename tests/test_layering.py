@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lm_console.engine.startup_trace", "lm_console.engine.malloc_tuning", "lm_console.engine.cache_dirs",
         "lm_console.engine.envs",
         "lm_console._lazy",
+        "lm_console.engine.process_flags",
         "lm_console.engine.metrics", "lm_console.engine.multimodal",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "lm_console.engine.admission",

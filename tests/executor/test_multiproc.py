@@ -272,3 +272,46 @@ def test_tp3_equals_tp1_on_the_embedded_model(embedded_model_dir: Path) -> None:
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == _reference(embedded_model_dir, prompts)
+
+
+def _start_a_child(worker) -> int:
+    """Start a child process from the worker (as a library's process pool would); its exit code."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=int)
+    child.start()
+    child.join(60)
+    return child.exitcode
+
+
+def test_a_worker_may_start_child_processes(tiny_llama_dir: Path) -> None:
+    """Worker processes start daemonic, which multiprocessing answers with "daemonic processes are
+    not allowed to have children" to anything in them that starts a process."""
+    from lm_console.engine.executor.abstract import Executor
+
+    config = EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+    executor = Executor.get_class(config)(config)
+    try:
+        assert executor.collective_rpc(_start_a_child) == [0, 0]
+    finally:
+        executor.shutdown()
+
+
+def test_tp3_worker_sigkill_leaves_no_engine_process_2s_after_the_error(tiny_llama_tp3_dir: Path) -> None:
+    """Issue 38: the caller's EngineDeadError came fast, but an engine process (the core's worker
+    forkserver, tearing down torch) outlived it by seconds. Now every one is gone within 2 s."""
+    from llm_helpers import sigkill_during_generate
+
+    llm = LLM(str(tiny_llama_tp3_dir), tensor_parallel_size=3, **ENGINE_ARGS)
+    try:
+        core_pid = llm.engine_core.ready_info.pid
+        workers = _workers(core_pid)
+        tree = _tree(core_pid)  # the core, its worker forkserver and the 3 workers
+        assert len(workers) == 3
+        error, _ = sigkill_during_generate(llm, lambda: llm.get_stats().num_running_reqs > 0, workers[1].pid)
+        # The clock starts once the caller's thread has its error (it returns right after).
+        _, alive = psutil.wait_procs(tree, timeout=2.0)
+        assert isinstance(error, EngineDeadError) and "worker rank" in str(error)
+        assert not alive, f"engine processes alive 2 s after the EngineDeadError: {alive}"
+    finally:
+        llm.shutdown()

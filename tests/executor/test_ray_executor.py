@@ -115,3 +115,65 @@ def test_non_blocking_calls_share_one_waiter_thread_in_order(local_ray, tiny_lla
         executor.sample_tokens(non_block=True).result(timeout=0)
     assert not _waiters()  # the waiter ended with the executor
     assert not ray.util.list_named_actors()
+
+
+def test_bundles_that_fit_count_each_node_on_its_own() -> None:
+    from lm_console.engine.executor.ray_utils import bundles_that_fit, worker_bundle
+
+    assert worker_bundle("cpu") == {"CPU": 1.0} and worker_bundle("cpu", 0.5) == {"CPU": 0.5}
+    assert worker_bundle("cuda") == {"GPU": 1.0} and worker_bundle("cuda", 2) == {"GPU": 1.0, "CPU": 2.0}
+    assert bundles_that_fit({"CPU": 1.0}, [{"CPU": 2.0}]) == 2
+    assert bundles_that_fit({"CPU": 0.6666}, [{"CPU": 2.0}]) == 3  # Ray's 1/10000 units, no float slack
+    assert bundles_that_fit({"CPU": 2.0}, [{"CPU": 3.0}, {"CPU": 3.0}]) == 2  # 4 CPUs in all, but per node
+    assert bundles_that_fit({"GPU": 1.0, "CPU": 1.0}, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 1.0}]) == 2
+    assert bundles_that_fit({"GPU": 1.0}, []) == 0
+
+
+def test_the_refusal_suggests_a_size_the_heads_divide_by() -> None:
+    from lm_console.engine.executor.ray_executor import _worker_remedy
+
+    two_cpus = [{"CPU": 2.0}]
+    assert _worker_remedy(3, "cpu", (9, 3), 2, two_cpus) == (
+        "use tensor_parallel_size=1, or let the 3 workers share the CPUs with the engine argument "
+        "ray_per_worker_cpus=0.66 (CPUs each worker reserves; default 1)")
+    assert _worker_remedy(4, "cuda", (8, 4), 2, [{"GPU": 2.0}]).startswith(
+        "use tensor_parallel_size=2 (or fewer that the model's heads divide by) (one GPU per rank)")
+    assert _worker_remedy(2, "cuda", (8, 4), 0, []) == "use a cluster with room for one worker (one GPU per rank)"
+
+
+def test_ray_per_worker_cpus_is_checked() -> None:
+    from lm_console.engine.config import EngineArgs
+    from lm_console.engine.errors import InvalidEngineArgsError
+
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(InvalidEngineArgsError, match="ray_per_worker_cpus=.* must be a finite number"):
+            EngineArgs(distributed_executor_backend="ray", ray_per_worker_cpus=bad)._verify()
+    with pytest.raises(InvalidEngineArgsError, match="needs distributed_executor_backend='ray'"):
+        EngineArgs(tensor_parallel_size=2, ray_per_worker_cpus=0.5)._verify()
+    args = EngineArgs(distributed_executor_backend="ray", ray_per_worker_cpus=1)
+    args._verify()
+    assert args.create_parallel_config().ray_per_worker_cpus == 1.0
+
+
+def test_a_cluster_that_can_never_hold_the_workers_is_refused_at_once(local_ray, tiny_llama_tp3_dir) -> None:
+    """Issue 38: 3 workers of 1 CPU on a 2-CPU cluster waited 60 s for resources that can never
+    come. Now the refusal is immediate and says what to change."""
+    import time
+
+    from lm_console.engine.config import EngineArgs
+    from lm_console.engine.errors import EngineStartupError
+    from lm_console.engine.executor.abstract import Executor
+
+    assert local_ray.cluster_resources()["CPU"] == 2.0
+    config = EngineArgs(model=str(tiny_llama_tp3_dir), distributed_executor_backend="ray", tensor_parallel_size=3,
+                        **ARGS).create_engine_config()
+    started = time.monotonic()
+    with pytest.raises(EngineStartupError) as refused:
+        Executor.get_class(config)(config)
+    assert time.monotonic() - started < 5.0
+    message = str(refused.value)
+    assert "can never place 3 workers with {'CPU': 1.0} each" in message
+    assert "{'CPU': 2.0} in all, room for 2" in message
+    assert "tensor_parallel_size=1" in message and "ray_per_worker_cpus=0.66" in message  # 6 heads: not 2
+    assert not ray.util.list_named_actors()
+    assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())

@@ -89,6 +89,10 @@ class EngineArgs:
     data_parallel_rank: int = 0
     data_parallel_backend: str = "mp"  # mp (one process per core) | ray (one Ray actor per core)
     data_parallel_routing: str = "least_loaded"  # least_loaded | prefix (prefer the longest cached prefix)
+    # CPUs each Ray worker actor reserves (distributed_executor_backend="ray"; None: 1 on the CPU,
+    # none on CUDA). A fraction lets more ranks than the cluster has CPUs share them, e.g.
+    # tensor_parallel_size=3 with 0.5 on a 2-CPU machine (the ranks' threads then share the cores).
+    ray_per_worker_cpus: float | None = None
     # Reliability (issue 18): logprobs per token a request may ask for (vLLM's max_logprobs;
     # -1: no limit), and how long the frontend waits for the engine core's heartbeat before it
     # declares the core unresponsive (EngineUnresponsiveError; None: never).
@@ -167,7 +171,9 @@ class EngineArgs:
                               data_parallel_size=self.data_parallel_size,
                               data_parallel_rank=self.data_parallel_rank,
                               data_parallel_backend=self.data_parallel_backend,
-                              distributed_executor_backend=backend)
+                              distributed_executor_backend=backend,
+                              ray_per_worker_cpus=(None if self.ray_per_worker_cpus is None
+                                                   else float(self.ray_per_worker_cpus)))
 
     def create_mm_config(self) -> MultiModalConfig:
         """The resolved MultiModalConfig (validated)."""
@@ -290,6 +296,14 @@ class EngineArgs:
             raise InvalidEngineArgsError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs real workers; "
                 "distributed_executor_backend='fake' runs no model.")
+        if self.ray_per_worker_cpus is not None:
+            if not is_number(self.ray_per_worker_cpus) or self.ray_per_worker_cpus <= 0:
+                fail("ray_per_worker_cpus", "it must be a finite number of CPUs > 0 (fractions allowed), "
+                     "or None for the default (1 on the CPU, none on CUDA)")
+            if self.distributed_executor_backend != "ray":
+                raise InvalidEngineArgsError(
+                    f"ray_per_worker_cpus={self.ray_per_worker_cpus!r} sizes Ray worker actors; it needs "
+                    f"distributed_executor_backend='ray' (got {self.distributed_executor_backend!r}).")
         self._verify_data_parallel()
         KVTransferConfig.parse(self.kv_transfer_config)  # fail in the frontend, before any process starts
         if self.kv_transfer_config is not None:

@@ -30,6 +30,7 @@ from lm_console.engine.errors import (
 )
 from lm_console.engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, is_tcp, make_socket
 from lm_console.engine.metrics.kv_events import KVEventPublisher
+from lm_console.engine.process_flags import enter_engine_process
 from lm_console.engine.protocol import (
     EngineCoreOutput, EngineCoreOutputs, EngineCoreReadyInfo, EngineCoreRequest,
     EngineCoreRequestType, EngineCoreStartupFailure, FinishReason, RequestError, UtilityCall, UtilityOutput,
@@ -287,7 +288,8 @@ class EngineCoreProc:
 
 def run_engine_core(engine_args: EngineArgs, addresses: EngineAddresses, identity: bytes,
                     death_reader: Connection | None = None) -> None:
-    """Entry point of the engine-core process: build, handshake, serve, clean up."""
+    """Entry point of the engine-core process (or Ray actor): build, handshake, serve, clean up."""
+    enter_engine_process()  # a core process starts daemonic, yet may start children: see process_flags
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
     signal.signal(signal.SIGTERM, _raise_system_exit)
     context = zmq.Context()

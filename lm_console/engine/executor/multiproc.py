@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
+import signal
 import socket
 import sys
 import threading
@@ -35,6 +37,7 @@ from lm_console.engine.errors import EngineDeadError, EngineStartupError, Invali
 from lm_console.engine.executor.abstract import Executor
 from lm_console.engine.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from lm_console.engine.malloc_tuning import huge_page_heap
+from lm_console.engine.process_flags import children_allowed, in_engine_process
 from lm_console.engine.worker.rpc_protocol import (
     ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCCall, SampleReply, ShutdownCall, WorkerCodec,
     method_name,
@@ -80,6 +83,7 @@ class MultiprocExecutor(Executor):
         self._lock = threading.RLock()
         self._pending: deque[tuple[int, _ReplyFuture]] = deque()
         self.procs: list[Any] = []
+        self._own_forkserver: int | None = None  # the worker forkserver's pid, when ours to stop
         self.response_mqs: list[MessageQueue] = []
         self._death_writers: list[Any] = []
         self.broadcast_mq = MessageQueue(self.world_size, BROADCAST_SLOTS, BROADCAST_CHUNK_BYTES)
@@ -100,6 +104,7 @@ class MultiprocExecutor(Executor):
         context = _worker_context()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ready_readers = []
+        forkserver_before = _forkserver_pid() if context.get_start_method() == "forkserver" else -1
         for rank in range(self.world_size):
             ready_reader, ready_writer = context.Pipe(duplex=False)
             death_reader, death_writer = context.Pipe(duplex=False)
@@ -114,6 +119,8 @@ class MultiprocExecutor(Executor):
             self.procs.append(proc)
             self._death_writers.append(death_writer)
             ready_readers.append(ready_reader)
+            if rank == 0 and forkserver_before is None and in_engine_process():
+                self._own_forkserver = _forkserver_pid()  # launched by this start: ours to stop
         for rank, (proc, ready_reader) in enumerate(zip(self.procs, ready_readers)):
             ready = wait_for_objects([ready_reader, proc.sentinel], STARTUP_TIMEOUT_S)
             if ready_reader not in ready or not ready_reader.poll(0):
@@ -152,6 +159,12 @@ class MultiprocExecutor(Executor):
         logger.error("The engine is dead: %s.", reason)
         self.failure_reason = reason
         self.is_failed = True
+        # The survivors cannot go on without their peer, and one blocked in a collective would
+        # notice only at the transport's timeout (a signal handler does not run inside it):
+        # end them now, before the callback tells the callers, so no worker outlives the news.
+        for other in self.procs:
+            if other.is_alive():
+                other.kill()
         for callback in self._failure_callbacks:
             try:
                 callback(reason)
@@ -266,9 +279,11 @@ class MultiprocExecutor(Executor):
         if self.procs and not self.is_failed:
             with contextlib.suppress(Exception):
                 self.broadcast_mq.enqueue(self.codec.encode(ShutdownCall()), timeout=1.0)
-        for proc in self.procs:
-            proc.join(SHUTDOWN_TIMEOUT_S if not self.is_failed else 0.5)
-        for stop in ("terminate", "kill"):
+            for proc in self.procs:
+                proc.join(SHUTDOWN_TIMEOUT_S)
+        # A failed engine's survivors get no grace: their group is broken (the monitor killed
+        # them already; this covers a failure found by a call before the monitor ran).
+        for stop in (("terminate", "kill") if not self.is_failed else ("kill",)):
             for proc in self.procs:
                 if proc.is_alive():
                     getattr(proc, stop)()
@@ -278,6 +293,20 @@ class MultiprocExecutor(Executor):
             writer.close()
         for queue in (*self.response_mqs, self.broadcast_mq):
             queue.close()
+        self._release_forkserver()
+
+    def _release_forkserver(self) -> None:
+        """Stop the worker forkserver this executor launched in an engine process.
+
+        Left alone it exits only after the last process holding its "alive" pipe (the core and
+        every worker) is gone, and then slowly: its interpreter tears down torch and the engine,
+        over a second on a busy machine, an engine process outliving the engine. Its workers are
+        all reaped by now (the joins above read their exit codes from it). Not in a user's
+        process (an in-process engine core): engine cores started there may share the server.
+        """
+        pid, self._own_forkserver = self._own_forkserver, None
+        if pid is not None:
+            _stop_forkserver(pid)
 
 
 class _ReplyFuture(Future):  # type: ignore[type-arg]
@@ -299,6 +328,34 @@ def _kv_cache_spec_wire(worker: Any) -> dict[str, tuple[int, int | None]]:
             for name, spec in worker.get_kv_cache_spec().items()}
 
 
+def _forkserver_pid() -> int | None:
+    """The pid of the forkserver this process launched (None: none, or one inherited)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+
+
+def _stop_forkserver(pid: int) -> None:
+    """SIGKILL this process's forkserver (pid) and forget it, as multiprocessing's own stop does
+    but without waiting for the server's slow exit; a later worker start launches a new one."""
+    from multiprocessing import forkserver, util
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        if server._forkserver_pid != pid:
+            return  # already replaced (it died and a later start relaunched it)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        os.close(server._forkserver_alive_fd)
+        address = server._forkserver_address
+        if address is not None and not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
 def _worker_context() -> Any:
     default = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     method = envs.LMC_WORKER_START_METHOD.get() or default
@@ -312,7 +369,8 @@ def _worker_context() -> Any:
 
 @contextlib.contextmanager
 def _children_allowed() -> Iterator[None]:
-    """Let a daemonic engine-core process start workers, and keep __main__ out of them.
+    """Let a daemonic process start workers (an in-process engine core in a user's daemonic
+    process; an engine core drops the flag at entry, process_flags), and keep __main__ out of them.
 
     multiprocessing refuses children to daemonic processes because it cannot reap them when the
     daemon is killed. Our workers reap themselves: each exits when its death pipe to this process
@@ -320,18 +378,14 @@ def _children_allowed() -> Iterator[None]:
     __main__: hiding it keeps a user's script without a `__main__` guard (an in-process engine
     core, multiprocess=False) from being run again in every worker.
     """
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.get("daemon")
-    config["daemon"] = False
     main = sys.modules.get("__main__")
     saved = None if main is None else (main.__dict__.pop("__file__", None), getattr(main, "__spec__", None))
     if main is not None:
         main.__spec__ = None
     try:
-        yield
+        with children_allowed():
+            yield
     finally:
-        if daemon is not None:
-            config["daemon"] = daemon
         if main is not None and saved is not None:
             if saved[0] is not None:
                 main.__file__ = saved[0]

@@ -21,6 +21,7 @@ EngineDeadError, never a hang.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -69,7 +70,11 @@ class RayDistributedExecutor(Executor):
         self._steps: queue.SimpleQueue[_StepEntry | None] = queue.SimpleQueue()
         self.started_ray = connect()
         try:
-            self.placement_group = make_placement_group(self.world_size, worker_bundle(device))
+            bundle = worker_bundle(device, parallel.ray_per_worker_cpus)
+            heads = (self.config.model_config.num_attention_heads, self.config.model_config.num_kv_heads)
+            self.placement_group = make_placement_group(
+                self.world_size, bundle,
+                remedy=lambda fit, nodes: _worker_remedy(self.world_size, device, heads, fit, nodes))
             # The worker's calls run one at a time in submission order; the monitor's
             # never-returning call has a thread of its own.
             actor_class = ray.remote(concurrency_groups={"monitor": 1})(RayWorkerWrapper)
@@ -77,7 +82,7 @@ class RayDistributedExecutor(Executor):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank)
                 self.workers.append(actor_class.options(
-                    num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0,
+                    num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0),
                     scheduling_strategy=strategy, namespace=RAY_NAMESPACE,
                     name=f"lmc-worker-{os.getpid()}-dp{parallel.data_parallel_rank}-tp{rank}").remote())
             infos = [msgspec.msgpack.decode(raw, type=WorkerNodeInfo)
@@ -239,6 +244,25 @@ class RayDistributedExecutor(Executor):
         if self.started_ray and ray.is_initialized():
             self.started_ray = False
             ray.shutdown()
+
+
+def _worker_remedy(world_size: int, device: str, heads: tuple[int, int], fit: int,
+                   nodes: list[dict[str, float]]) -> str:
+    """What to change when the cluster can never hold world_size worker bundles: fewer ranks (a
+    size the model's query and KV heads divide by), or on the CPU a smaller CPU request per
+    worker that fits them all on the largest node."""
+    sizes = [size for size in range(fit, 0, -1) if all(count % size == 0 for count in heads)]
+    fewer = f"tensor_parallel_size={sizes[0]}" if sizes else "a cluster with room for one worker"
+    if sizes and sizes[0] > 1:
+        fewer += " (or fewer that the model's heads divide by)"
+    if device == "cuda":
+        return f"use {fewer} (one GPU per rank)"
+    largest = max((node.get("CPU", 0.0) for node in nodes), default=0.0)
+    share = math.floor(100 * largest / world_size) / 100
+    if share <= 0:
+        return f"use {fewer}"
+    return (f"use {fewer}, or let the {world_size} workers share the CPUs with the engine argument "
+            f"ray_per_worker_cpus={share} (CPUs each worker reserves; default 1)")
 
 
 def _shut_down_error() -> EngineDeadError:

@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -94,17 +95,65 @@ def connect(option: str = "distributed_executor_backend") -> bool:
     return True
 
 
-def worker_bundle(device: str) -> dict[str, float]:
-    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+def worker_bundle(device: str, cpus: float | None = None) -> dict[str, float]:
+    """One worker actor's bundle: its GPU on CUDA (plus `cpus` when given), `cpus` CPUs on the
+    CPU (default 1: ray_per_worker_cpus)."""
+    if device == "cuda":
+        return {"GPU": 1.0, **({"CPU": float(cpus)} if cpus else {})}
+    return {"CPU": 1.0 if cpus is None else float(cpus)}
+
+
+# Ray counts resources in fixed-point units of 1/10000: so does the check, with Ray's answer.
+_RESOURCE_UNITS = 10_000
+
+
+def bundles_that_fit(bundle: dict[str, float], nodes: list[dict[str, float]]) -> int:
+    """How many copies of bundle the nodes' total resources hold, each copy on one node (a bundle
+    never spans nodes), however busy the nodes are now."""
+    fits = 0
+    for resources in nodes:
+        per_node = [round(resources.get(name, 0.0) * _RESOURCE_UNITS) // round(amount * _RESOURCE_UNITS)
+                    for name, amount in bundle.items() if round(amount * _RESOURCE_UNITS) > 0]
+        fits += min(per_node) if per_node else 0
+    return fits
+
+
+def _node_totals(ray: Any) -> list[dict[str, float]]:
+    """The total resources of each alive node of the cluster."""
+    return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
+
+
+def _summary(resources: dict[str, float], names: Any) -> dict[str, float]:
+    """The resources a bundle asks for, out of a cluster's (Ray adds memory, node ids, ...)."""
+    return {name: round(float(resources.get(name, 0.0)), 4) for name in names}
+
+
+Remedy = Callable[[int, list[dict[str, float]]], str]
 
 
 def make_placement_group(world_size: int, bundle: dict[str, float], what: str = "workers",
-                         remedy: str = "lower tensor_parallel_size") -> Any:
+                         remedy: str | Remedy = "lower tensor_parallel_size") -> Any:
     """world_size copies of bundle (one per rank: worker_bundle for the workers), reserved before
-    any actor starts; a clear error when the cluster is too small."""
+    any actor starts.
+
+    A cluster whose nodes could never hold them, even idle, is refused at once: Ray would keep
+    the group pending forever. One that could but is busy now gets PLACEMENT_TIMEOUT_S for other
+    jobs to free their share. remedy: what the user can change, or a function of (the bundles
+    that fit, each node's total resources) that says it.
+    """
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    nodes = _node_totals(ray)
+    fit = bundles_that_fit(bundle, nodes)
+    if fit < world_size:
+        advice = remedy if isinstance(remedy, str) else remedy(fit, nodes)
+        total = {name: sum(node.get(name, 0.0) for node in nodes) for name in bundle}
+        raise EngineStartupError(
+            f"The Ray cluster can never place {world_size} {what} with {bundle} each: its "
+            f"{len(nodes)} node(s) have {_summary(total, bundle)} in all, room for {fit} such bundle(s) "
+            f"(a bundle never spans nodes). To proceed: {advice}, or add nodes to the cluster (ray start "
+            "--address ...).")
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -112,8 +161,9 @@ def make_placement_group(world_size: int, bundle: dict[str, float], what: str = 
         remove_placement_group(group)
         raise EngineStartupError(
             f"The Ray cluster cannot place {world_size} {what} with {bundle} each within "
-            f"{PLACEMENT_TIMEOUT_S:.0f} s: it has {ray.cluster_resources()} in all and "
-            f"{ray.available_resources()} free. Add nodes (ray start --address ...) or {remedy}."
+            f"{PLACEMENT_TIMEOUT_S:.0f} s: it has {_summary(ray.cluster_resources(), bundle)} in all but "
+            f"only {_summary(ray.available_resources(), bundle)} free: other jobs hold the rest. Wait for "
+            f"them to end, add nodes (ray start --address ...), or start fewer {what}."
         ) from None
     return group
 

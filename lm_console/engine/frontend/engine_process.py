@@ -28,6 +28,7 @@ from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, EngineStartupError
 from lm_console.engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_engine_addresses, make_socket
 from lm_console.engine.malloc_tuning import huge_page_heap
+from lm_console.engine.process_flags import children_allowed
 from lm_console.engine.protocol import (
     EngineCoreReadyInfo, EngineCoreRequestType, EngineCoreStartupFailure,
 )
@@ -104,7 +105,8 @@ class EngineProcess:
             args=(_core_environment(self.engine_args), self.engine_args, self.addresses, self.core_identity,
                   death_reader))
         try:
-            with _main_module_hidden(), huge_page_heap():
+            # children_allowed: an LLM built in a daemonic process (a Pool worker) may start it.
+            with _main_module_hidden(), children_allowed(), huge_page_heap():
                 proc.start()
         finally:
             death_reader.close()

@@ -26,6 +26,7 @@ import msgspec
 
 from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.distributed.message_queue import Handle, MessageQueue
+from lm_console.engine.process_flags import enter_engine_process
 from lm_console.engine.worker.rpc_protocol import (
     ALL_RANKS, ExecuteModelCall, ReadyInfo, RPCReply, SampleReply, ShutdownCall, WorkerCodec,
     resolve_method,
@@ -40,6 +41,7 @@ RESPONSE_CHUNK_BYTES = 1 << 20
 def run_worker_process(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str | None,
                        broadcast_handle: Handle, ready_writer: Connection, death_reader: Connection) -> None:
     """Entry point of one worker process."""
+    enter_engine_process()  # started daemonic, yet may start children: see process_flags
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=_exit_when_parent_dies, args=(death_reader,), name="WorkerDeathWatch",
