@@ -15,22 +15,19 @@ from typing import TYPE_CHECKING
 from lm_console._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lm_console.engine.config.engine_args import EngineArgs
-    from lm_console.engine.frontend.async_llm import AsyncLLM
-    from lm_console.engine.frontend.llm import LLM
-    from lm_console.engine.outputs import CompletionOutput, RequestOutput
-    from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+    from lm_console.engine import (
+        LLM,
+        AsyncLLM,
+        CompletionOutput,
+        EngineArgs,
+        RequestOutput,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs",
            "RequestOutput", "CompletionOutput"]
 
-__getattr__ = lazy_exports(__name__, {
-    "LLM": "lm_console.engine.frontend.llm",
-    "AsyncLLM": "lm_console.engine.frontend.async_llm",
-    "EngineArgs": "lm_console.engine.config.engine_args",
-    "RequestOutput": "lm_console.engine.outputs",
-    "CompletionOutput": "lm_console.engine.outputs",
-    "SamplingParams": "lm_console.engine.sampling_params",
-    "StructuredOutputsParams": "lm_console.engine.sampling_params",
-    "RequestOutputKind": "lm_console.engine.sampling_params",
-})
+# The engine package resolves each name (lazily too): one table of where they live, there.
+__getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, "lm_console.engine"))
