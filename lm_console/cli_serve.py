@@ -49,12 +49,31 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
-        envvar="LMC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes.")] = None,
+        envvar="LMC_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+                                   "/version (/docs, /openapi.json and /redoc included); checked before the body "
+                                   "is read.")] = None,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
         help="Name(s) clients use in 'model' (repeatable; the first is the default and the metrics label).")] = None,
     allowed_local_media_path: Annotated[Optional[Path], typer.Option(
         help="Allow file:// image URLs under this directory (off by default).")] = None,
     max_request_body: Annotated[int, typer.Option(help="Largest request body in bytes (413 beyond).")] = 32 << 20,
+    header_timeout: Annotated[float, typer.Option(
+        help="Seconds a client has to send a request's headers; then the connection is closed.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(
+        help="Seconds a client has to send a request's body after its headers (408 and closed beyond).")] = 60.0,
+    max_request_work: Annotated[int, typer.Option(
+        help="Most token entries one request may ask for: per prompt n x max_tokens x (1 + logprobs), plus its "
+             "prompt tokens x (1 + prompt_logprobs) and n x its tokens with echo (400 beyond, before any work).",
+    )] = 2_000_000,
+    max_image_pixels: Annotated[int, typer.Option(
+        help="Most pixels (width x height, read from the header before decoding) an image may have.")] = 6000 * 6000,
+    allow_private_media_urls: Annotated[bool, typer.Option(
+        help="Fetch image URLs that resolve to loopback, private or link-local addresses (refused by default).",
+    )] = False,
+    max_structured_output_bytes: Annotated[int, typer.Option(
+        help="Largest output constraint (JSON schema, regex, grammar, choices) in bytes.")] = 64 << 10,
+    max_structured_output_choices: Annotated[int, typer.Option(
+        help="Most choices in a guided_choice / structured_outputs.choice constraint.")] = 1024,
     kv_events_endpoint: Annotated[Optional[str], typer.Option(
         help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557 "
              "(tcp is CURVE-authenticated: the start-up line prints the server key; ipc:// is plain).",
@@ -83,6 +102,11 @@ def serve(
                                   served_model_names=tuple(served_model_name or ()),
                                   allowed_local_media_path=allowed_local_media_path,
                                   max_request_body=max_request_body, shutdown_timeout_s=shutdown_timeout,
+                                  header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                  max_request_work=max_request_work, max_image_pixels=max_image_pixels,
+                                  allow_private_media_urls=allow_private_media_urls,
+                                  max_structured_output_bytes=max_structured_output_bytes,
+                                  max_structured_output_choices=max_structured_output_choices,
                                   log_level=log_level.lower())
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
