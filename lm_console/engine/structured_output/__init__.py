@@ -77,8 +77,7 @@ class StructuredOutputManager:
         kind, spec = params.grammar_key()
         stop_token_ids = [request.eos_token_id] if request.eos_token_id is not None else None
         future: Future[XgrammarGrammar] = Future()
-        so_request = StructuredOutputRequest(params, future, deadline=time.monotonic() + self._timeout_s,
-                                             timeout_s=self._timeout_s, on_give_up=self.give_up)
+        so_request = StructuredOutputRequest(params, future, timeout_s=self._timeout_s, on_give_up=self.give_up)
         request.structured_output_request = so_request
         request.status = RequestStatus.WAITING_FOR_FSM
         if self.num_abandoned >= MAX_ABANDONED:
@@ -88,15 +87,19 @@ class StructuredOutputManager:
             return
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
-        threading.Thread(target=self._run, args=(future, kind, spec, stop_token_ids), name="lmc-grammar",
-                         daemon=True).start()
+        threading.Thread(target=self._run, args=(so_request, future, kind, spec, stop_token_ids),
+                         name="lmc-grammar", daemon=True).start()
 
-    def _run(self, future: Future[XgrammarGrammar], kind: str, spec: str, stop_token_ids: list[int] | None) -> None:
+    def _run(self, so_request: StructuredOutputRequest, future: Future[XgrammarGrammar], kind: str, spec: str,
+             stop_token_ids: list[int] | None) -> None:
         """One compile: wait for a slot, compile, hand the result over (in its own thread)."""
         self._slots.acquire()
         if not future.set_running_or_notify_cancel():  # cancelled while it waited for a slot
             self._slots.release()
             return
+        # The deadline runs from the compile's start: time spent waiting for a slot is bounded by
+        # the deadlines of the compiles ahead of it, and is no fault of this constraint.
+        so_request.deadline = time.monotonic() + self._timeout_s
         try:
             result = self._get_backend().compile(kind, spec, stop_token_ids)
         except BaseException as error:  # noqa: BLE001 - the request's error, not the thread's

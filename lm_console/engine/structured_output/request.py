@@ -33,7 +33,7 @@ class StructuredOutputRequest:
     grammar: XgrammarGrammar | None = None
     # Why the constraint did not compile: (engine.errors class name, message) for the frontend.
     error: tuple[str, str] | None = None
-    deadline: float | None = None  # time.monotonic() by which the compile must have finished
+    deadline: float | None = None  # time.monotonic() by which the compile must finish (set when it starts)
     timeout_s: float = 0.0
     on_give_up: Callable[[Future], None] | None = None  # the manager's: the compile is no longer awaited
 

@@ -67,13 +67,10 @@ class MediaLoader:
             # One deadline for the whole fetch: a server sending a byte every few seconds cannot
             # hold the request past it (httpx's timeout is per read).
             return await asyncio.wait_for(self._fetch_following(url), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise bad_request(f"fetching image URL {_show(url)} did not finish within {self.timeout_s:g} s.",
-                              "messages", "image_fetch_failed") from None
-        except httpx.HTTPError:
-            # No detail: whether a port refused or stayed silent is the network's business.
-            raise bad_request(f"could not fetch image URL {_show(url)}: no response.", "messages",
-                              "image_fetch_failed") from None
+        except (asyncio.TimeoutError, httpx.HTTPError, httpx.InvalidURL, UnicodeError):
+            # One text for a refused, a silent and a dropped connection: how the network behind
+            # the server answered is not the client's business.
+            raise self._no_image(url) from None
 
     async def _fetch_following(self, url: str) -> bytes:
         current = url
@@ -113,10 +110,10 @@ class MediaLoader:
         if not host:
             raise bad_request(f"image URL {_show(url)} has no host.", "messages", "invalid_image_url")
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, parsed.port or 443, type=socket.SOCK_STREAM)
+            port = parsed.port or 443
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError, ValueError):
-            raise bad_request(f"could not fetch image URL {_show(url)}: no response.", "messages",
-                              "image_fetch_failed") from None
+            raise self._no_image(url) from None
         for info in infos:
             if not _is_public(str(info[4][0])):
                 raise bad_request(
@@ -172,6 +169,10 @@ class MediaLoader:
         except OSError as error:
             raise bad_request(f"file:// URL {_show(url)} cannot be read: {error.strerror or 'I/O error'}.",
                               "messages", "image_not_found") from None
+
+    def _no_image(self, url: str) -> Exception:
+        return bad_request(f"could not fetch image URL {_show(url)}: no complete image arrived within "
+                           f"{self.timeout_s:g} s.", "messages", "image_fetch_failed")
 
     def _too_large(self, url: str) -> Exception:
         return bad_request(f"the image at {_show(url)} is larger than {self.max_bytes} bytes.", "messages",
