@@ -8,7 +8,7 @@ ServerGate is a plain ASGI middleware (not BaseHTTPMiddleware, which would buffe
 - a body over max_request_body gets 413 before it is read into memory: a Content-Length over
   the limit is refused unread, and a chunked body is refused as soon as it passes the limit;
 - a body that does not arrive within body_timeout_s gets 408 and the connection is closed (a slow
-  client cannot hold a connection and its partial body; protocol.py bounds the headers);
+  client cannot hold a connection and its partial body; http_guard.py bounds the headers);
 - it counts requests in flight, which the drain waits for (not the `uncounted` paths: long-lived
   streams that hold no engine request, such as the console stream).
 The body (at most the limit) is handed to the app in one message; later receive() calls reach
