@@ -66,7 +66,8 @@ def serve(
              "prompt tokens x (1 + prompt_logprobs) and n x its tokens with echo (400 beyond, before any work).",
     )] = 2_000_000,
     max_image_pixels: Annotated[int, typer.Option(
-        help="Most pixels (width x height, read from the header before decoding) an image may have.")] = 6000 * 6000,
+        help="Most pixels (width x height, read from the header before decoding) an image may have; at most "
+             "36000000, the engine's own cap.")] = 6000 * 6000,
     allow_private_media_urls: Annotated[bool, typer.Option(
         help="Fetch image URLs that resolve to loopback, private or link-local addresses (refused by default).",
     )] = False,
@@ -94,6 +95,11 @@ def serve(
                                  f"got {kv_events_endpoint!r}.")
     if allowed_local_media_path is not None and not allowed_local_media_path.is_dir():
         raise typer.BadParameter(f"--allowed-local-media-path {str(allowed_local_media_path)!r} is not a directory.")
+    from lm_console.engine.multimodal.image import MAX_IMAGE_PIXELS
+
+    if max_image_pixels > MAX_IMAGE_PIXELS:
+        raise typer.BadParameter(f"--max-image-pixels {max_image_pixels} is over the engine's cap of "
+                                 f"{MAX_IMAGE_PIXELS} pixels, which it enforces on every image.")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
