@@ -41,10 +41,10 @@ async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, a
     The text is measured before the template runs, and the template, the tokenizer and the image
     headers run in the serving pool: none of it is done on the event loop.
     """
-    messages = [message.as_template_message() for message in request.messages]
+    # Proportional to the number of messages, which only the body size bounds: in the pool too.
+    messages, num_chars = await ctx.offload(_template_messages, request)
     limit = ctx.engine.input_processor.max_prompt_chars
     if limit is not None:
-        num_chars = sum(_text_length(message["content"]) for message in messages)
         if num_chars > limit:
             raise bad_request(
                 f"The messages have {num_chars} characters of text: more than max_model_len={ctx.max_model_len} "
@@ -79,6 +79,12 @@ def _render(ctx: ServingContext, request: ChatTemplateFields, messages: list[dic
     if request.add_special_tokens:
         prompt["prompt_token_ids"] = ctx.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
     return prompt
+
+
+def _template_messages(request: ChatTemplateFields) -> tuple[list[dict[str, Any]], int]:
+    """The messages as the chat template takes them, and their characters of text."""
+    messages = [message.as_template_message() for message in request.messages]
+    return messages, sum(_text_length(message["content"]) for message in messages)
 
 
 def _text_length(content: Any) -> int:

@@ -43,7 +43,11 @@ class OpenAIServingTokenization:
         ctx = self.ctx
         ctx.model_name(request.model)
         vocab_size = ctx.engine.config.model_config.vocab_size
-        bad = [token for token in request.tokens if token >= vocab_size]
-        if bad:
-            raise bad_request(f"tokens must be ids in [0, {vocab_size}); got {bad[:5]}.", "tokens")
-        return DetokenizeResponse(prompt=await ctx.offload(ctx.tokenizer.decode, request.tokens))
+
+        def decode() -> str:  # in the pool: as long as the client's list of ids
+            bad = [token for token in request.tokens if token >= vocab_size]
+            if bad:
+                raise bad_request(f"tokens must be ids in [0, {vocab_size}); got {bad[:5]}.", "tokens")
+            return ctx.tokenizer.decode(request.tokens)
+
+        return DetokenizeResponse(prompt=await ctx.offload(decode))
