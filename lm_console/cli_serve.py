@@ -68,6 +68,8 @@ def serve(
     max_image_pixels: Annotated[int, typer.Option(
         help="Most pixels (width x height, read from the header before decoding) an image may have; at most "
              "36000000, the engine's own cap.")] = 6000 * 6000,
+    media_fetch_timeout: Annotated[float, typer.Option(
+        help="Seconds an http(s) image URL's whole fetch may take, redirects included.")] = 10.0,
     allow_private_media_urls: Annotated[bool, typer.Option(
         help="Fetch image URLs that resolve to loopback, private or link-local addresses (refused by default).",
     )] = False,
@@ -111,6 +113,7 @@ def serve(
                                   header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                   max_request_work=max_request_work, max_image_pixels=max_image_pixels,
                                   allow_private_media_urls=allow_private_media_urls,
+                                  media_fetch_timeout_s=media_fetch_timeout,
                                   max_structured_output_bytes=max_structured_output_bytes,
                                   max_structured_output_choices=max_structured_output_choices,
                                   log_level=log_level.lower())
