@@ -316,6 +316,7 @@ def test_choice_with_unreachable_min_tokens_is_a_clear_400(http_client) -> None:
 
 
 # -- item 10: image URLs: no private addresses, one deadline, texts that say nothing of the network --
+SEEN_HOSTS: list[str] = []  # the Host header of each request the image host got
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
     """/cat.png, /redirect (a redirect), /trickle (a byte every 0.3 s), /silent (no answer)."""
@@ -323,6 +324,7 @@ def image_host() -> Iterator[str]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            SEEN_HOSTS.append(self.headers.get("Host", ""))
             if self.path == "/cat.png":
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(payload)))
@@ -412,6 +414,24 @@ def test_each_redirect_hop_is_checked(image_host, monkeypatch) -> None:
     with pytest.raises(OpenAIError, match="private") as caught:
         fetch(loader(), image_host + "/redirect")
     assert len(checked) == 2 and "localhost" in checked[1], (checked, caught.value.message)
+
+
+def test_a_fetch_connects_to_the_address_it_checked(image_host, monkeypatch) -> None:
+    """No second DNS answer is trusted: the checked address is dialled, with the URL's own Host."""
+    from lm_console.engine.entrypoints.openai import media
+
+    checked: list[str] = []
+
+    def is_public(address: str) -> bool:
+        checked.append(address)
+        return True  # stand-in: a test cannot reach a public address
+
+    monkeypatch.setattr(media, "_is_public", is_public)
+    port = image_host.rsplit(":", 1)[1]
+    SEEN_HOSTS.clear()
+    raw = fetch(loader(), f"http://localhost:{port}/cat.png")  # may resolve to ::1 first: the next is tried
+    assert raw == png_bytes(make_image(5))
+    assert "127.0.0.1" in checked and SEEN_HOSTS == [f"localhost:{port}"], (checked, SEEN_HOSTS)
 
 
 def test_fetch_errors_do_not_tell_a_closed_port_from_a_silent_one(image_host) -> None:

@@ -3,7 +3,8 @@
 data: URLs are size-checked and base64-decoded; http(s) URLs are fetched under one deadline for
 the whole fetch (redirects included) and a byte cap, and only from public addresses: a URL
 whose host resolves to a loopback, private, link-local or otherwise non-public address is
-refused, at every redirect, unless --allow-private-media-urls is set; file:// URLs are read only
+refused, at every redirect, unless --allow-private-media-urls is set, and the fetch dials the
+address that was checked (a second DNS answer cannot point it elsewhere); file:// URLs are read only
 under --allowed-local-media-path (symlinks resolved first, so a link cannot lead outside it).
 Anything else is refused. Every failure is a 400 naming the URL, so a client sees why its image
 was not used, but never how the network behind the server answered (a refused port and a silent
@@ -73,38 +74,65 @@ class MediaLoader:
             raise self._no_image(url) from None
 
     async def _fetch_following(self, url: str) -> bytes:
+        import httpx
+
         current = url
         for _ in range(MAX_REDIRECTS + 1):
-            await self._check_host(url, current)
-            async with self._client.stream("GET", current) as response:
-                if response.is_redirect:
-                    location = response.headers.get("location", "")
-                    current = urllib.parse.urljoin(current, location)
-                    if urllib.parse.urlparse(current).scheme not in ("http", "https"):
-                        raise bad_request(f"image URL {_show(url)} redirects to a non-http(s) URL.", "messages",
-                                          "image_fetch_failed")
-                    continue
-                if response.status_code != 200:
-                    raise bad_request(f"fetching image URL {_show(url)} returned HTTP {response.status_code}.",
-                                      "messages", "image_fetch_failed")
-                declared = response.headers.get("content-length")
-                if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-                    raise self._too_large(url)
-                chunks: list[bytes] = []
-                total = 0
-                async for chunk in response.aiter_bytes():
-                    total += len(chunk)
-                    if total > self.max_bytes:
-                        raise self._too_large(url)
-                    chunks.append(chunk)
-                return b"".join(chunks)
+            addresses = await self._check_host(url, current)
+            candidates: list[str | None] = list(addresses) if addresses is not None else [None]
+            for index, address in enumerate(candidates):
+                try:
+                    result = await self._get(url, current, address)
+                    break
+                except httpx.ConnectError:  # the next address, as a browser would
+                    if index == len(candidates) - 1:
+                        raise
+            if isinstance(result, bytes):
+                return result
+            current = result  # a redirect: its address is checked like the first one
         raise bad_request(f"image URL {_show(url)} redirects more than {MAX_REDIRECTS} times.", "messages",
                           "image_fetch_failed")
 
-    async def _check_host(self, url: str, current: str) -> None:
-        """Refuse a URL whose host resolves to a non-public address (unless allowed)."""
+    async def _get(self, url: str, current: str, address: str | None) -> bytes | str:
+        """One GET of `current` (from `address` when given): the image's bytes, or where it redirects."""
+        target, headers, extensions = current, {}, {}
+        if address is not None:
+            # Connect to the address just checked, not to whatever a second DNS answer says (DNS
+            # rebinding); the Host header and the TLS name stay the URL's own.
+            parsed = urllib.parse.urlsplit(current)
+            host = f"[{address}]" if ":" in address else address
+            userinfo, at, hostport = parsed.netloc.rpartition("@")
+            netloc = userinfo + at + host + (f":{parsed.port}" if parsed.port else "")
+            target = urllib.parse.urlunsplit(parsed._replace(netloc=netloc))
+            headers = {"Host": hostport}
+            extensions = {"sni_hostname": parsed.hostname}
+        async with self._client.stream("GET", target, headers=headers, extensions=extensions) as response:
+            if response.is_redirect:
+                location = urllib.parse.urljoin(current, response.headers.get("location", ""))
+                if urllib.parse.urlparse(location).scheme not in ("http", "https"):
+                    raise bad_request(f"image URL {_show(url)} redirects to a non-http(s) URL.", "messages",
+                                      "image_fetch_failed")
+                return location
+            if response.status_code != 200:
+                raise bad_request(f"fetching image URL {_show(url)} returned HTTP {response.status_code}.",
+                                  "messages", "image_fetch_failed")
+            declared = response.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+                raise self._too_large(url)
+            chunks: list[bytes] = []
+            total = 0
+            async for chunk in response.aiter_bytes():
+                total += len(chunk)
+                if total > self.max_bytes:
+                    raise self._too_large(url)
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    async def _check_host(self, url: str, current: str) -> list[str] | None:
+        """The public addresses to fetch `current` from (tried in order); 400 when its host resolves
+        to any non-public address. None when private addresses are allowed (fetched as it is)."""
         if self.allow_private:
-            return
+            return None
         parsed = urllib.parse.urlparse(current)
         host = parsed.hostname
         if not host:
@@ -114,12 +142,13 @@ class MediaLoader:
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError, ValueError):
             raise self._no_image(url) from None
-        for info in infos:
-            if not _is_public(str(info[4][0])):
-                raise bad_request(
-                    f"image URL {_show(url)} leads to a loopback, private or link-local address, which the "
-                    "server does not fetch from (--allow-private-media-urls allows it).", "messages",
-                    "image_url_not_allowed")
+        addresses = [str(info[4][0]).split("%", 1)[0] for info in infos]
+        if not addresses or not all(_is_public(address) for address in addresses):
+            raise bad_request(
+                f"image URL {_show(url)} leads to a loopback, private or link-local address, which the "
+                "server does not fetch from (--allow-private-media-urls allows it).", "messages",
+                "image_url_not_allowed")
+        return addresses
 
     def check_image(self, source: str | bytes) -> bytes:
         """The image's bytes, once its header says it has at most max_pixels pixels (no pixel
