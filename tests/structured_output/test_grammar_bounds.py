@@ -56,7 +56,7 @@ def wait_ready(request: Any, timeout_s: float = 10.0) -> None:
 def test_a_compile_past_its_deadline_fails_and_others_do_not_wait_for_it(monkeypatch) -> None:
     manager, backend = make_manager(monkeypatch, timeout_s=0.3)
     try:
-        slow = [structured_request(f"slow{i}") for i in range(manager._num_threads)]  # every slot taken
+        slow = [structured_request(f"slow{i}") for i in range(manager._num_slots)]  # every slot taken
         for request in slow:
             manager.grammar_init(request)
         fast = structured_request("fast")
@@ -76,10 +76,26 @@ def test_a_compile_past_its_deadline_fails_and_others_do_not_wait_for_it(monkeyp
     assert manager.num_abandoned == 0  # finished unobserved, and counted out
 
 
+def test_a_constraint_that_compiled_before_does_not_wait_for_a_slot(monkeypatch) -> None:
+    manager, backend = make_manager(monkeypatch, timeout_s=60)
+    try:
+        first = structured_request("known")
+        manager.grammar_init(first)
+        wait_ready(first)
+        for i in range(manager._num_slots):  # every slot taken by a slow stranger
+            manager.grammar_init(structured_request(f"slow{i}"))
+        again = structured_request("known")
+        manager.grammar_init(again)
+        wait_ready(again, timeout_s=5)
+        assert again.structured_output_request.grammar is not None
+    finally:
+        backend.release.set()
+
+
 def test_ending_a_request_cancels_its_compile(monkeypatch) -> None:
     manager, backend = make_manager(monkeypatch, timeout_s=60)
     try:
-        running = [structured_request(f"slow{i}") for i in range(manager._num_threads)]
+        running = [structured_request(f"slow{i}") for i in range(manager._num_slots)]
         for request in running:
             manager.grammar_init(request)
             manager.add_request(request)

@@ -5,7 +5,8 @@ constraint compiles in a thread of its own; at most a few compile at once (the c
 The scheduler admits it once the grammar is ready, or fails that one request if it does not
 compile or is still compiling after compile_timeout_s. xgrammar cannot interrupt a compile, so
 a timed-out (or aborted) compile gives its slot back at once and finishes unobserved: other
-requests' compiles never wait behind it. At most MAX_ABANDONED such compiles may run at once;
+requests' compiles never wait behind it, and a constraint that compiled before (json_object, a
+schema a client repeats) skips the slots altogether. At most MAX_ABANDONED such compiles may run at once;
 past that, new structured requests are refused until they end. The compiled grammars are cached
 up to cache_bytes. Each step, the manager fills one token bitmask
 row for every structured request that samples a token; the worker masks those logits rows
@@ -16,10 +17,12 @@ a step skips the bitmask scan when the engine holds none.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["StructuredOutputManager", "StructuredOutputRequest"]
 
 MAX_ABANDONED = 4  # timed-out or aborted compiles still running; past this, new constraints are refused
+MAX_KNOWN = 1024  # constraints that compiled before (hashes): they compile without waiting for a slot
 
 
 class StructuredOutputManager:
@@ -57,12 +61,18 @@ class StructuredOutputManager:
         self._num_threads = max(1, min(2, (os.cpu_count() or 2) // 2))
         self._timeout_s = config.structured_outputs_config.compile_timeout_s
         self._cache_bytes = config.structured_outputs_config.cache_bytes
-        self._slots = threading.Semaphore(self._num_threads)
+        self._num_slots = max(2, self._num_threads)
+        self._slots = threading.Semaphore(self._num_slots)
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the three sets below and the known hashes
         self._pending: set[Future[XgrammarGrammar]] = set()
-        self._released: set[Future[XgrammarGrammar]] = set()  # running, but their slot was given back
+        self._holders: set[Future[XgrammarGrammar]] = set()  # compiles holding a slot
+        self._abandoned: set[Future[XgrammarGrammar]] = set()  # running, but nobody waits for them
+        # Hashes of constraints that compiled before: xgrammar likely has them cached, and they
+        # compiled in bounded time once, so they skip the slots (a json_object request never
+        # waits behind a stranger's slow compile).
+        self._known: OrderedDict[bytes, None] = OrderedDict()
         self.num_abandoned = 0
         self.num_structured_requests = 0
 
@@ -87,15 +97,25 @@ class StructuredOutputManager:
             return
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
-        threading.Thread(target=self._run, args=(so_request, future, kind, spec, stop_token_ids),
+        key = hashlib.sha256(f"{kind}\0{spec}".encode("utf-8", "surrogatepass")).digest()
+        with self._lock:
+            known = key in self._known
+        threading.Thread(target=self._run, args=(so_request, future, kind, spec, stop_token_ids, key, known),
                          name="lmc-grammar", daemon=True).start()
 
     def _run(self, so_request: StructuredOutputRequest, future: Future[XgrammarGrammar], kind: str, spec: str,
-             stop_token_ids: list[int] | None) -> None:
-        """One compile: wait for a slot, compile, hand the result over (in its own thread)."""
-        self._slots.acquire()
-        if not future.set_running_or_notify_cancel():  # cancelled while it waited for a slot
-            self._slots.release()
+             stop_token_ids: list[int] | None, key: bytes, known: bool) -> None:
+        """One compile: wait for a slot (unless the constraint is known), compile, hand the result
+        over (in its own thread)."""
+        if not known:
+            self._slots.acquire()
+        with self._lock:  # with give_up(): a compile is either cancelled, or running and counted
+            started = future.set_running_or_notify_cancel()
+            if started and not known:
+                self._holders.add(future)
+        if not started:  # cancelled while it waited for a slot
+            if not known:
+                self._slots.release()
             return
         # The deadline runs from the compile's start: time spent waiting for a slot is bounded by
         # the deadlines of the compiles ahead of it, and is no fault of this constraint.
@@ -105,14 +125,20 @@ class StructuredOutputManager:
         except BaseException as error:  # noqa: BLE001 - the request's error, not the thread's
             future.set_exception(error)
         else:
+            with self._lock:
+                self._known[key] = None
+                self._known.move_to_end(key)
+                while len(self._known) > MAX_KNOWN:
+                    self._known.popitem(last=False)
             future.set_result(result)
         finally:
             with self._lock:
-                released = future in self._released
-                self._released.discard(future)
-                if released:
+                held = future in self._holders
+                self._holders.discard(future)
+                if future in self._abandoned:
+                    self._abandoned.discard(future)
                     self.num_abandoned -= 1
-            if not released:
+            if held:
                 self._slots.release()
 
     def give_up(self, future: Future[XgrammarGrammar]) -> None:
@@ -121,11 +147,14 @@ class StructuredOutputManager:
         if future.cancel():
             return
         with self._lock:
-            if future.done() or future in self._released:
+            if future.done() or future in self._abandoned:
                 return
-            self._released.add(future)
+            self._abandoned.add(future)
             self.num_abandoned += 1
-        self._slots.release()
+            held = future in self._holders
+            self._holders.discard(future)
+        if held:
+            self._slots.release()
         self._pending.discard(future)
 
     def _get_backend(self) -> XgrammarBackend:

@@ -46,7 +46,7 @@ class FakeManager(StructuredOutputManager):
         self.num_structured_requests = 0  # the real manager's count, kept by the scheduler
         # What give_up() touches when a request ends while its compile runs.
         self._lock, self._slots = threading.Lock(), threading.Semaphore(1)
-        self._released, self._pending, self.num_abandoned = set(), set(), 0
+        self._holders, self._abandoned, self._pending, self.num_abandoned = set(), set(), set(), 0
         self.num_bitmask_scans = 0  # spy: calls of add_grammar_bitmask
 
     def add_grammar_bitmask(self, scheduler_output, requests) -> None:
