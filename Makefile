@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup lock run test test-fast test-latest lint package-check docs bench clean
+.PHONY: setup lock run test test-fast test-hostile test-latest lint package-check docs bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,12 @@ test: $(STAMP)
 # check while working; `make test` (and CI) runs everything.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# Hostile input and slow clients against a real server (huge prompts, hostile JSON, decompression
+# bombs, slow headers and bodies, oversized constraints, private image URLs): each must get a clear
+# 4xx while /health keeps answering. `make test` runs them too.
+test-hostile: $(STAMP)
+	$(PY) -m pytest -q -m hostile
 
 # ruff and mypy, configured in pyproject.toml (installed by the [test] extra).
 lint: $(STAMP)

@@ -49,12 +49,34 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
-        envvar="LMC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes.")] = None,
+        envvar="LMC_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+                                   "/version (/docs, /openapi.json and /redoc included); checked before the body "
+                                   "is read.")] = None,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
         help="Name(s) clients use in 'model' (repeatable; the first is the default and the metrics label).")] = None,
     allowed_local_media_path: Annotated[Optional[Path], typer.Option(
         help="Allow file:// image URLs under this directory (off by default).")] = None,
     max_request_body: Annotated[int, typer.Option(help="Largest request body in bytes (413 beyond).")] = 32 << 20,
+    header_timeout: Annotated[float, typer.Option(
+        help="Seconds a client has to send a request's headers; then the connection is closed.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(
+        help="Seconds a client has to send a request's body after its headers (408 and closed beyond).")] = 60.0,
+    max_request_work: Annotated[int, typer.Option(
+        help="Most token entries one request may ask for: per prompt n x max_tokens x (1 + logprobs), plus its "
+             "prompt tokens x (1 + prompt_logprobs) and n x its tokens with echo (400 beyond, before any work).",
+    )] = 2_000_000,
+    max_image_pixels: Annotated[int, typer.Option(
+        help="Most pixels (width x height, read from the header before decoding) an image may have; at most "
+             "36000000, the engine's own cap.")] = 6000 * 6000,
+    media_fetch_timeout: Annotated[float, typer.Option(
+        help="Seconds an http(s) image URL's whole fetch may take, redirects included.")] = 10.0,
+    allow_private_media_urls: Annotated[bool, typer.Option(
+        help="Fetch image URLs that resolve to loopback, private or link-local addresses (refused by default).",
+    )] = False,
+    max_structured_output_bytes: Annotated[int, typer.Option(
+        help="Largest output constraint (JSON schema, regex, grammar, choices) in bytes.")] = 64 << 10,
+    max_structured_output_choices: Annotated[int, typer.Option(
+        help="Most choices in a guided_choice / structured_outputs.choice constraint.")] = 1024,
     kv_events_endpoint: Annotated[Optional[str], typer.Option(
         help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557 "
              "(tcp is CURVE-authenticated: the start-up line prints the server key; ipc:// is plain).",
@@ -75,6 +97,11 @@ def serve(
                                  f"got {kv_events_endpoint!r}.")
     if allowed_local_media_path is not None and not allowed_local_media_path.is_dir():
         raise typer.BadParameter(f"--allowed-local-media-path {str(allowed_local_media_path)!r} is not a directory.")
+    from lm_console.engine.multimodal.image import MAX_IMAGE_PIXELS
+
+    if max_image_pixels > MAX_IMAGE_PIXELS:
+        raise typer.BadParameter(f"--max-image-pixels {max_image_pixels} is over the engine's cap of "
+                                 f"{MAX_IMAGE_PIXELS} pixels, which it enforces on every image.")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
@@ -83,6 +110,12 @@ def serve(
                                   served_model_names=tuple(served_model_name or ()),
                                   allowed_local_media_path=allowed_local_media_path,
                                   max_request_body=max_request_body, shutdown_timeout_s=shutdown_timeout,
+                                  header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                  max_request_work=max_request_work, max_image_pixels=max_image_pixels,
+                                  allow_private_media_urls=allow_private_media_urls,
+                                  media_fetch_timeout_s=media_fetch_timeout,
+                                  max_structured_output_bytes=max_structured_output_bytes,
+                                  max_structured_output_choices=max_structured_output_choices,
                                   log_level=log_level.lower())
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error

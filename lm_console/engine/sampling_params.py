@@ -249,6 +249,17 @@ class SamplingParams:
                 fail("structured_outputs", self.structured_outputs,
                      "structured_outputs must be a StructuredOutputsParams (or a dict of its fields) or None")
             self.structured_outputs.verify()
+            choices = self.structured_outputs.choice
+            if choices and self.min_tokens > 0:
+                # A choice ends the output once it is complete: at most one token per byte of the
+                # longest choice before the stop token, which min_tokens masks until that many
+                # tokens are out. More is a request that cannot be met (the grammar would then
+                # allow only the masked stop token).
+                most = max(len(choice.encode("utf-8")) for choice in choices)
+                if self.min_tokens > most:
+                    fail("min_tokens", self.min_tokens,
+                         f"with a choice constraint at most {most} tokens come before the stop token (one per "
+                         f"byte of its longest choice), so min_tokens must be <= {most}")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", self.output_kind, "output_kind must be a RequestOutputKind")
 

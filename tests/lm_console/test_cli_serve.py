@@ -52,6 +52,21 @@ def test_serve_passes_engine_and_server_flags(captured: dict[str, Any], tmp_path
     assert settings.shutdown_timeout_s == 3.0 and settings.host == "127.0.0.1"
 
 
+def test_serve_passes_the_hostile_input_limits(captured: dict[str, Any]) -> None:
+    result = runner.invoke(app, [
+        "serve", "--port", "0", "--header-timeout", "3", "--body-timeout", "7", "--max-request-work", "5000",
+        "--max-image-pixels", "1000000", "--allow-private-media-urls", "--max-structured-output-bytes", "2048",
+        "--max-structured-output-choices", "16", "--media-fetch-timeout", "4"])
+    assert result.exit_code == 0, result.output
+    settings = captured["settings"]
+    assert settings.header_timeout_s == 3.0 and settings.body_timeout_s == 7.0
+    assert settings.max_request_work == 5000 and settings.max_image_pixels == 1_000_000
+    assert settings.allow_private_media_urls is True and settings.media_fetch_timeout_s == 4.0
+    assert settings.max_structured_output_bytes == 2048 and settings.max_structured_output_choices == 16
+    assert runner.invoke(app, ["serve", "--port", "0"]).exit_code == 0
+    assert captured["settings"].allow_private_media_urls is False  # refused unless asked for
+
+
 def test_serve_async_scheduling_flag(captured: dict[str, Any]) -> None:
     from lm_console.bench.launcher import serve_flags
     from lm_console.engine_options import engine_args
@@ -77,6 +92,8 @@ def test_serve_reads_the_api_key_from_the_environment(captured: dict[str, Any]) 
     (["serve", "--allowed-local-media-path", "/no/such/dir"], "not a directory"),
     (["serve", "--port", "70000"], "port"),
     (["serve", "--max-request-body", "0"], "max_request_body"),
+    (["serve", "--header-timeout", "0"], "header_timeout_s"),
+    (["serve", "--max-image-pixels", "40000000"], "engine's cap"),
 ])
 def test_serve_refuses_bad_flags(captured: dict[str, Any], argv: list[str], message: str) -> None:
     result = runner.invoke(app, argv)

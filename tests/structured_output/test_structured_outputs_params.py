@@ -64,3 +64,12 @@ def test_grammar_keys_separate_whitespace_modes_and_normalise_dicts() -> None:
     assert StructuredOutputsParams(json=schema).grammar_key() == ("json", '{"a": 2, "b": 1}')
     assert StructuredOutputsParams(json=schema, disable_any_whitespace=True).grammar_key()[0] == "json:compact"
     assert StructuredOutputsParams(choice=["x"]).grammar_key() == ("choice", '["x"]')
+
+
+def test_a_choice_with_a_min_tokens_it_cannot_reach_is_refused() -> None:
+    """The stop token comes after at most one token per byte of the longest choice; min_tokens masks
+    it until then, so more than that can never be met (["yes"] with min_tokens 6 was "an engine bug")."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    SamplingParams(structured_outputs=choice, min_tokens=3, max_tokens=16)
+    with pytest.raises(InvalidSamplingParamsError, match=r"min_tokens.*<= 3"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), min_tokens=4, max_tokens=16)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ class AsyncLLM:
         self._output_handler: asyncio.Task | None = None
         self._stats_logging: asyncio.Task | None = None
         self._handler_loop: asyncio.AbstractEventLoop | None = None
+        self._input_executor: ThreadPoolExecutor | None = None
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -110,7 +112,17 @@ class AsyncLLM:
         """Validate and send one request (n children when n > 1); returns its collector."""
         self._check_alive()
         self._ensure_output_handler()
-        children = self.input_processor.process_request(request_id, prompt, params, cache_salt, priority)
+        if _needs_processing(prompt):
+            # Decoding images and tokenising text cost time in proportion to the input: one
+            # thread does it (the multimodal processor and its cache are not shared across
+            # threads), so the event loop keeps serving the other requests meanwhile.
+            if self._input_executor is None:
+                self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmc-input")
+            children = await asyncio.get_running_loop().run_in_executor(
+                self._input_executor, self.input_processor.process_request, request_id, prompt, params,
+                cache_salt, priority)
+        else:
+            children = self.input_processor.process_request(request_id, prompt, params, cache_salt, priority)
         collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
         self.output_processor.add_requests(children, queue=collector)  # all or none
         try:
@@ -225,6 +237,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the engine core and end every stream (idempotent, any thread)."""
         self.engine_core.shutdown()
+        if self._input_executor is not None:
+            self._input_executor.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -286,3 +300,11 @@ class AsyncLLM:
             await asyncio.sleep(interval)
             for stat_logger in self.stat_loggers:
                 stat_logger.log()
+
+
+def _needs_processing(prompt: Any) -> bool:
+    """Whether turning the prompt into token ids takes work in proportion to it (images to
+    decode, text to tokenise), as opposed to token ids given as they are."""
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, dict) and ("multi_modal_data" in prompt or "prompt_token_ids" not in prompt)

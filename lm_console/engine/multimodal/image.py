@@ -17,6 +17,9 @@ from lm_console.engine.errors import ImageNotFoundError, InvalidImageError
 
 # Formats PIL decodes that make sense for a vision model (no PDF, EPS, animated-only ones).
 SUPPORTED_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "PPM", "ICO")
+# The most pixels an image may declare; checked on its header, before a pixel is decoded (a 20 KB
+# PNG can declare 13000x13000 pixels: gigabytes once decoded). Vision models resize to well below.
+MAX_IMAGE_PIXELS = 6000 * 6000
 
 
 @dataclass(slots=True)
@@ -91,6 +94,10 @@ def _decode(raw: bytes, source: str) -> ImageItem:
                 raise InvalidImageError(
                     f"{source}: image format {image_format} is not supported; use one of "
                     f"{', '.join(SUPPORTED_FORMATS)}.")
+            if opened.width * opened.height > MAX_IMAGE_PIXELS:
+                raise InvalidImageError(
+                    f"{source}: the image is {opened.width}x{opened.height} pixels, more than "
+                    f"{MAX_IMAGE_PIXELS} to decode; send a smaller image.")
             opened.load()  # decodes every pixel: a truncated file fails here, not later
             image = _to_rgb(opened, source)
     except InvalidImageError:

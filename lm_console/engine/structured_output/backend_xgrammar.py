@@ -1,7 +1,7 @@
 """The xgrammar backend: compiles a constraint into a grammar and runs one matcher a request.
 
 xgrammar compiles a JSON schema, regex or EBNF grammar against the tokenizer's vocabulary once
-(compiled grammars are cached by the compiler); a GrammarMatcher then tracks one request's
+(compiled grammars are cached by the compiler, up to cache_bytes); a GrammarMatcher then tracks one request's
 position and fills its row of the token bitmask (bit t of row r: token t is allowed).
 """
 
@@ -39,7 +39,7 @@ class XgrammarGrammar:
 class XgrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it (thread-safe)."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, max_threads: int = 2, cache_bytes: int = 64 << 20) -> None:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
@@ -48,7 +48,9 @@ class XgrammarBackend:
         # (padding rows of the embedding) are never allowed.
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
+        # A bounded cache: each distinct constraint adds a compiled grammar, and clients choose them.
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True,
+                                            cache_limit_bytes=cache_bytes)
         self._xgr = xgr
 
     def compile(self, kind: str, spec: str, stop_token_ids: list[int] | None) -> XgrammarGrammar:

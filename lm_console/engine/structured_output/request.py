@@ -6,6 +6,8 @@ Torch-free (the scheduler touches it): the grammar object comes from the backend
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,17 +33,31 @@ class StructuredOutputRequest:
     grammar: XgrammarGrammar | None = None
     # Why the constraint did not compile: (engine.errors class name, message) for the frontend.
     error: tuple[str, str] | None = None
+    deadline: float | None = None  # time.monotonic() by which the compile must finish (set when it starts)
+    timeout_s: float = 0.0
+    on_give_up: Callable[[Future], None] | None = None  # the manager's: the compile is no longer awaited
 
     def is_grammar_ready(self) -> bool:
         """Whether the compile has finished (successfully: grammar set; or not: compile_error set)."""
         if self.grammar is not None or self.error is not None:
             return True
         future = self.future
-        if future is None or not future.done():
+        if future is None:
             return False
+        if not future.done():
+            if self.deadline is None or time.monotonic() < self.deadline:
+                return False
+            self.future = None
+            if self.on_give_up is not None:
+                self.on_give_up(future)
+            self.error = ("InvalidStructuredOutputError",
+                          f"the structured output constraint ({self.params.kind}) did not compile within "
+                          f"{self.timeout_s:g} s; use a simpler or smaller constraint")
+            return True
         self.future = None
-        error = future.exception()
-        if error is None:
+        if future.cancelled():
+            self.error = ("InvalidStructuredOutputError", "the structured output compile was cancelled")
+        elif (error := future.exception()) is None:
             self.grammar = future.result()
         else:
             reason = str(error).strip() or type(error).__name__

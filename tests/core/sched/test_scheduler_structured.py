@@ -4,6 +4,7 @@ scan in a step while no structured request is in the scheduler."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -43,6 +44,9 @@ class FakeManager(StructuredOutputManager):
                                   fill_bitmask=lambda grammars, bitmask: bitmask.extend(grammars))
         self._get_backend = lambda: backend
         self.num_structured_requests = 0  # the real manager's count, kept by the scheduler
+        # What give_up() touches when a request ends while its compile runs.
+        self._lock, self._slots = threading.Lock(), threading.Semaphore(1)
+        self._holders, self._abandoned, self._pending, self.num_abandoned = set(), set(), set(), 0
         self.num_bitmask_scans = 0  # spy: calls of add_grammar_bitmask
 
     def add_grammar_bitmask(self, scheduler_output, requests) -> None:
@@ -114,6 +118,7 @@ def test_abort_while_compiling_frees_everything_and_a_late_grammar_is_ignored() 
     scheduler = make_scheduler()
     scheduler.structured_output_manager = FakeManager()
     future: Future = Future()
+    future.set_running_or_notify_cancel()  # its compile is under way (a queued one is cancelled instead)
     scheduler.add_request(structured_request("s", [1, 2, 3], future))
     run_step(scheduler)
     scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)

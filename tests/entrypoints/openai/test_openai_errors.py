@@ -39,7 +39,8 @@ def server(tiny_idefics3_dir, media_dir):
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
     settings = ServerSettings(served_model_names=("vlm",), max_request_body=MAX_BODY,
-                              allowed_local_media_path=media_dir / "allowed", media_fetch_timeout_s=5.0)
+                              allowed_local_media_path=media_dir / "allowed", media_fetch_timeout_s=5.0,
+                              allow_private_media_urls=True)  # the test image host is on 127.0.0.1
     srv = ThreadServer(str(tiny_idefics3_dir), settings, **ENGINE_ARGS)
     yield srv
     srv.stop()

@@ -502,6 +502,12 @@ class Scheduler:
             ended = so_request.accept_token(request.output_token_ids[-1])
             if ended is not None:
                 request.status, request.error = ended
+                if request.error is not None and request.num_output_tokens <= request.sampling_params.min_tokens:
+                    # Not an engine bug: the grammar allowed only a stop token, which min_tokens masked.
+                    request.error = ("RequestRejectedError", (
+                        f"structured output: the constraint allowed only the stop token after "
+                        f"{request.num_output_tokens - 1} tokens, but min_tokens="
+                        f"{request.sampling_params.min_tokens} forbids stopping before then; lower min_tokens."))
                 return True
         params = request.sampling_params
         if request.num_tokens >= self.max_model_len or (

@@ -3,8 +3,9 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, the console stream's /lmc/v1/... (lm_console/engine/entrypoints/console_stream.py; all
 behind require_api_key), and the open GET /health, /version, /metrics.
-ServerGate (gate.py) answers 413 / 503 before a route runs; the routes parse their own bodies
-(422 for not-JSON, 400 naming the field), and every exception becomes an OpenAI-shaped error.
+ServerGate (gate.py) answers 401 / 408 / 413 / 503 before a route runs (the key is checked
+before the body is read); the routes parse their own bodies off the event loop (422 for not-JSON,
+400 naming the field or the limit), and every exception becomes an OpenAI-shaped error.
 A watchdog task marks the server dead within 0.1 s of the engine core's death; lifecycle.py
 then stops it with exit code 1, and drains it on SIGINT / SIGTERM.
 """
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -53,22 +55,51 @@ WATCHDOG_INTERVAL_S = 0.1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 
-async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+# Bodies up to this size are parsed on the event loop (a thread hop costs more); larger ones in
+# the serving pool, so that no client's megabytes of JSON stall the other requests.
+INLINE_PARSE_BYTES = 64 << 10
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]],
+                     ctx: ServingContext) -> Any:
     """The JSON body as `model` (or as the model chosen from the decoded object): 422 when it is
-    not JSON, 400 when a field is wrong."""
+    not JSON, 400 when a field is wrong or the JSON is hostile (too deep, huge numbers, lone
+    surrogates)."""
     body = await raw_request.body()
+    if len(body) <= INLINE_PARSE_BYTES:
+        return decode_body(body, model)
+    return await ctx.offload(decode_body, body, model)
+
+
+def decode_body(body: bytes, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+    """parse_body's work, callable from any thread."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise OpenAIError(HTTPStatus.UNPROCESSABLE_ENTITY, f"The request body is not valid JSON: {error}.",
                           code="invalid_json") from error
+    except RecursionError:
+        raise errors.bad_request("The request body's JSON is nested too deeply.", code="invalid_json") from None
+    except ValueError as error:  # an integer beyond Python's digit limit (sys.get_int_max_str_digits)
+        raise errors.bad_request(f"The request body has a number too long to read: {error}.",
+                                 code="invalid_json") from None
     if not isinstance(data, dict):
         raise errors.bad_request("The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(body):  # escaped UTF-16 halves: fine in pairs, not alone
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise errors.bad_request(
+                "The request body has a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is "
+                f"not text: {error.reason}.", code="invalid_json") from None
     chosen: type[BaseModel] = model if isinstance(model, type) else model(data)
     try:
         return chosen.model_validate(data)
     except ValidationError as error:
         raise errors.from_validation_error(error) from error
+    except RecursionError:
+        raise errors.bad_request("The request body's JSON is nested too deeply.", code="invalid_json") from None
 
 
 async def answer(work: Any, prompt_param: str = "prompt") -> Any:
@@ -103,6 +134,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             watchdog.cancel()
             console.console_hub.close()  # type: ignore[attr-defined]
             await ctx.media.aclose()
+            ctx.close()
 
     app = FastAPI(title="lm-console OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.settings = settings
@@ -141,24 +173,24 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @api.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, CompletionRequest)
+        request = await parse_body(raw_request, CompletionRequest, ctx)
         return await answer(completion.create(request, raw_request))
 
     @api.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, ChatCompletionRequest)
+        request = await parse_body(raw_request, ChatCompletionRequest, ctx)
         return await answer(chat.create(request, raw_request), prompt_param="messages")
 
     @api.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
         request = await parse_body(
-            raw_request, lambda data: TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+            raw_request, lambda data: TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, ctx)
         result = await answer(tokenization.tokenize(request))
         return Response(result.model_dump_json(), media_type="application/json")
 
     @api.post("/detokenize")
     async def detokenize(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, DetokenizeRequest)
+        request = await parse_body(raw_request, DetokenizeRequest, ctx)
         result = await answer(tokenization.detokenize(request))
         return Response(result.model_dump_json(), media_type="application/json")
 
@@ -166,7 +198,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.include_router(console, dependencies=[Depends(require_api_key)])
     # A console stream holds no engine request: a drain does not wait for it (the server closes
     # the console hub when it stops, which ends the streams).
-    app.add_middleware(ServerGate, state=state, max_body=settings.max_request_body, uncounted=frozenset({STREAM_PATH}))
+    app.add_middleware(ServerGate, state=state, max_body=settings.max_request_body, uncounted=frozenset({STREAM_PATH}),
+                       api_key=settings.api_key, body_timeout_s=settings.body_timeout_s)
     return app
 
 

@@ -3,8 +3,12 @@
 ServerGate is a plain ASGI middleware (not BaseHTTPMiddleware, which would buffer streams):
 - while the server drains or after the engine died, a new request gets 503 at once
   (/metrics and /version stay open; /health says 503 too);
+- with an API key, every path but /health, /metrics and /version (so /docs, /openapi.json and
+  /redoc too) gets 401 before a byte of its body is read: a client without the key holds no memory;
 - a body over max_request_body gets 413 before it is read into memory: a Content-Length over
   the limit is refused unread, and a chunked body is refused as soon as it passes the limit;
+- a body that does not arrive within body_timeout_s gets 408 and the connection is closed (a slow
+  client cannot hold a connection and its partial body; http_guard.py bounds the headers);
 - it counts requests in flight, which the drain waits for (not the `uncounted` paths: long-lived
   streams that hold no engine request, such as the console stream).
 The body (at most the limit) is handed to the app in one message; later receive() calls reach
@@ -20,6 +24,7 @@ from http import HTTPStatus
 from typing import Any, Awaitable, Callable
 
 from lm_console.engine.entrypoints.openai import errors
+from lm_console.engine.entrypoints.openai.auth import unauthorized
 from lm_console.engine.entrypoints.openai.errors import OpenAIError
 
 Scope = dict[str, Any]
@@ -28,6 +33,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 OPEN_WHEN_DOWN = frozenset({"/metrics", "/version"})
+OPEN_WITHOUT_KEY = frozenset({"/health", "/metrics", "/version"})  # probes and Prometheus need no secret
 
 
 @dataclass(slots=True)
@@ -78,13 +84,16 @@ class ServerState:
 
 
 class ServerGate:
-    """ASGI middleware: refuse when down, cap the body, count requests in flight."""
+    """ASGI middleware: refuse when down, check the key, cap and time the body, count requests in flight."""
 
-    def __init__(self, app: Any, state: ServerState, max_body: int, uncounted: frozenset[str] = frozenset()) -> None:
+    def __init__(self, app: Any, state: ServerState, max_body: int, uncounted: frozenset[str] = frozenset(),
+                 api_key: str | None = None, body_timeout_s: float = 60.0) -> None:
         self.app = app
         self.state = state
         self.max_body = max_body
         self.uncounted = uncounted
+        self.api_key = api_key
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,6 +103,11 @@ class ServerGate:
         if refusal is not None and scope["path"] not in OPEN_WHEN_DOWN:
             await send_error(send, refusal)
             return
+        if self.api_key is not None and scope["path"] not in OPEN_WITHOUT_KEY:
+            refused = unauthorized(self.api_key, _header(scope, b"authorization"))
+            if refused is not None:  # before the body: like the 413 below, the rest is discarded unread
+                await send_error(send, refused)
+                return
         declared = _content_length(scope)
         if declared == -1:
             await send_error(send, errors.bad_request("Content-Length is not a number.", code="invalid_header"))
@@ -104,7 +118,14 @@ class ServerGate:
         if declared is not None and declared > self.max_body:
             await send_error(send, self._too_large(declared))
             return
-        body = await self._read_body(receive)
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            # Closed, not kept alive: the rest of a body that trickles in must not hold the connection.
+            await send_error(send, OpenAIError(
+                HTTPStatus.REQUEST_TIMEOUT, f"The request body did not arrive within {self.body_timeout_s:g} s "
+                "(--body-timeout).", code="request_timeout"), close=True)
+            return
         if body is None:
             return  # the client left before sending its body
         if isinstance(body, OpenAIError):
@@ -152,15 +173,25 @@ class ServerGate:
 
 def _content_length(scope: Scope) -> int | None:
     """The declared body size; None when not declared, -1 when malformed."""
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            return int(value) if value.isdigit() else -1
+    value = _header(scope, b"content-length")
+    if value is None:
+        return None
+    # At most 19 digits: a 5,000-digit Content-Length is malformed, not a huge int to convert.
+    return int(value) if value.isdigit() and len(value) <= 19 else -1
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
     return None
 
 
-async def send_error(send: Send, error: OpenAIError) -> None:
-    """Send an OpenAI-shaped error response directly on the ASGI channel."""
+async def send_error(send: Send, error: OpenAIError, close: bool = False) -> None:
+    """Send an OpenAI-shaped error response directly on the ASGI channel (close: end the connection)."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

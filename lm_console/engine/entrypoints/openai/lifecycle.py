@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from lm_console.engine.entrypoints.openai.gate import ServerState
+from lm_console.engine.entrypoints.openai.http_guard import guarded_protocol
 from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,10 @@ class ApiServer:
         self.state: ServerState = app.state.server_state
         self.sock = sock if sock is not None else bind_socket(settings.host, settings.port)
         self.url = server_url(self.sock)
+        # The guarded h11 protocol: read deadlines on headers and bodies (http_guard.py).
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=max(int(settings.shutdown_timeout_s), 1))
+                                timeout_graceful_shutdown=max(int(settings.shutdown_timeout_s), 1),
+                                http=guarded_protocol(settings.header_timeout_s, settings.body_timeout_s))
         self.server = _UvicornServer(config, self)
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None

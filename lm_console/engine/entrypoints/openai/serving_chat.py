@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
-from lm_console.engine.entrypoints.openai.errors import bad_request
+from lm_console.engine.entrypoints.openai.errors import OpenAIError, bad_request
 from lm_console.engine.entrypoints.openai.logprobs_format import TokenText, chat_logprobs
 from lm_console.engine.entrypoints.openai.protocol import make_usage, prompt_logprobs_json, random_id
 from lm_console.engine.entrypoints.openai.protocol_chat import (
@@ -22,9 +22,10 @@ from lm_console.engine.entrypoints.openai.protocol_chat import (
     ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTemplateFields,
     DeltaMessage,
 )
+from lm_console.engine.entrypoints.openai.structured_outputs import check_constraint_size, has_constraint
 from lm_console.engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, fit_prompt, make_sampling_params, sse,
-    until_disconnect,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, check_work, fit_prompt, make_sampling_params,
+    sse, until_disconnect,
 )
 from lm_console.engine.errors import EngineError
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
@@ -35,10 +36,20 @@ if TYPE_CHECKING:
 
 async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, allow_images: bool = True
                              ) -> dict[str, Any]:
-    """The engine prompt dict ("prompt", "prompt_token_ids", maybe "multi_modal_data")."""
-    from lm_console.engine.multimodal.chat import build_chat_prompt
+    """The engine prompt dict ("prompt", "prompt_token_ids", maybe "multi_modal_data").
 
-    messages = [message.as_template_message() for message in request.messages]
+    The text is measured before the template runs, and the template, the tokenizer and the image
+    headers run in the serving pool: none of it is done on the event loop.
+    """
+    # Proportional to the number of messages, which only the body size bounds: in the pool too.
+    messages, num_chars = await ctx.offload(_template_messages, request)
+    limit = ctx.engine.input_processor.max_prompt_chars
+    if limit is not None:
+        if num_chars > limit:
+            raise bad_request(
+                f"The messages have {num_chars} characters of text: more than max_model_len={ctx.max_model_len} "
+                f"tokens can hold with this tokenizer (at most {limit} characters); shorten them.",
+                "messages", "context_length_exceeded")
     image_parts = [part for message in messages if isinstance(message["content"], list)
                    for part in message["content"] if part.get("type") == "image_url"]
     if image_parts:
@@ -49,17 +60,37 @@ async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, a
             raise bad_request("this model is text-only: it cannot take image content parts; serve a "
                               "vision-language model (e.g. demo-vlm).", "messages", "invalid_image")
         for part in image_parts:
-            part["image_url"] = {"url": await ctx.media.load(part["image_url"]["url"])}
+            source = await ctx.media.load(part["image_url"]["url"])
+            part["image_url"] = {"url": await ctx.offload(ctx.media.check_image, source)}
+    return await ctx.offload(_render, ctx, request, messages)
+
+
+def _render(ctx: ServingContext, request: ChatTemplateFields, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    from lm_console.engine.multimodal.chat import build_chat_prompt
+
     try:
         prompt = build_chat_prompt(ctx.tokenizer, ctx.engine.input_processor.mm_processor, messages,
-                                   request.add_generation_prompt, request.template_kwargs())
-    except EngineError:
+                                   request.add_generation_prompt, request.template_kwargs(),
+                                   check_text=lambda text: ctx.check_prompt_text(text, "messages"))
+    except (EngineError, OpenAIError):
         raise
     except Exception as error:  # noqa: BLE001 - jinja and the HF template code raise anything
         raise bad_request(f"the chat template could not render these messages: {error}", "messages") from error
     if request.add_special_tokens:
         prompt["prompt_token_ids"] = ctx.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
     return prompt
+
+
+def _template_messages(request: ChatTemplateFields) -> tuple[list[dict[str, Any]], int]:
+    """The messages as the chat template takes them, and their characters of text."""
+    messages = [message.as_template_message() for message in request.messages]
+    return messages, sum(_text_length(message["content"]) for message in messages)
+
+
+def _text_length(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
 
 
 class OpenAIServingChat:
@@ -72,6 +103,9 @@ class OpenAIServingChat:
         ctx, settings = self.ctx, self.ctx.settings
         request.check(settings.max_logprobs, settings.max_stop_strings, settings.max_n)
         model = ctx.model_name(request.model)
+        if has_constraint(request):
+            await ctx.offload(check_constraint_size, request, settings.max_structured_output_bytes,
+                              settings.max_structured_output_choices)
         prompt = await render_chat_prompt(ctx, request)
         max_tokens = request.requested_max_tokens
         if "multi_modal_data" not in prompt:
@@ -80,8 +114,9 @@ class OpenAIServingChat:
         elif request.truncate_prompt_tokens is not None:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images (it would cut an image's "
                               "placeholder tokens).", "truncate_prompt_tokens")
-        params = make_sampling_params(request, max_tokens=max_tokens,
-                                      logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        check_work(ctx, [len(prompt["prompt_token_ids"])], max_tokens, request.n, logprobs, request.prompt_logprobs)
+        params = make_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                       stream=bool(request.stream))
         request_id = random_id("chatcmpl")
         engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0)

@@ -19,9 +19,10 @@ from lm_console.engine.entrypoints.openai.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionResponseStreamChoice, CompletionStreamResponse, make_usage, prompt_logprobs_json, random_id,
 )
+from lm_console.engine.entrypoints.openai.structured_outputs import check_constraint_size, has_constraint
 from lm_console.engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, close_all, fit_prompt, make_sampling_params,
-    merge, sse, start_all, until_disconnect,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, check_work, close_all, fit_prompt,
+    make_sampling_params, merge, sse, start_all, until_disconnect,
 )
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
 
@@ -39,13 +40,22 @@ class OpenAIServingCompletion:
         ctx, settings = self.ctx, self.ctx.settings
         request.check(settings.max_logprobs, settings.max_stop_strings, settings.max_n, settings.max_prompts)
         model = ctx.model_name(request.model)
+        if has_constraint(request):
+            await ctx.offload(check_constraint_size, request, settings.max_structured_output_bytes,
+                              settings.max_structured_output_choices)
         request_id = random_id("cmpl")
         engine_requests: list[EngineRequest] = []
         prompt_texts: list[str] = []
-        for index, prompt in enumerate(request.prompts()):
-            engine_prompt, echo_text = self._prepare(prompt, request)
+        prompts = request.prompts()
+        check_prompt_sizes(ctx, prompts)
+        # Tokenising (and decoding for echo) costs time in proportion to the text: in the pool.
+        prepared = await ctx.offload(lambda: [self._prepare(prompt, request) for prompt in prompts])
+        echo_logprobs = request.logprobs if request.echo and request.prompt_logprobs is None else None
+        check_work(ctx, [len(p["prompt_token_ids"]) for p, _ in prepared], request.max_tokens, request.n,
+                   request.logprobs, request.prompt_logprobs if echo_logprobs is None else echo_logprobs,
+                   bool(request.echo))
+        for index, (engine_prompt, echo_text) in enumerate(prepared):
             # echo + logprobs lists the prompt tokens' logprobs too (vLLM): they are prompt logprobs.
-            echo_logprobs = request.logprobs if request.echo and request.prompt_logprobs is None else None
             params = make_sampling_params(request, max_tokens=engine_prompt.pop("max_tokens"),
                                           logprobs=request.logprobs, stream=bool(request.stream),
                                           prompt_logprobs=echo_logprobs)
@@ -69,7 +79,7 @@ class OpenAIServingCompletion:
         """(engine prompt with "max_tokens", the prompt text echo would send back)."""
         tokenizer = self.ctx.tokenizer
         if isinstance(prompt, str):
-            token_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+            token_ids = self.ctx.encode(prompt, request.add_special_tokens, "prompt")
         else:
             token_ids = list(prompt)
         kept, max_tokens = fit_prompt(self.ctx, token_ids, request.truncate_prompt_tokens, request.max_tokens,
@@ -189,3 +199,11 @@ class _ChoiceView:
 
     def usage(self) -> Any:
         return make_usage(sum(self.num_prompt_tokens), sum(self.num_completion_tokens), sum(self.num_cached_tokens))
+
+
+def check_prompt_sizes(ctx: ServingContext, prompts: list[str | list[int]]) -> None:
+    """Refuse, before any tokenising, a text prompt too long to fit the context and a token-id
+    prompt that cannot fit it either (both cheap: len() only)."""
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ctx.check_prompt_text(prompt, "prompt")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
@@ -24,6 +26,7 @@ from lm_console.engine.entrypoints.openai.protocol import SamplingFields, check_
 from lm_console.engine.entrypoints.openai.settings import ServerSettings
 from lm_console.engine.outputs import RequestOutput
 from lm_console.engine.entrypoints.openai.structured_outputs import to_structured_outputs_params
+from lm_console.engine.errors import InvalidPromptError
 from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +36,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
+# Threads for the work whose cost grows with a client's input (JSON parsing, tokenising, chat
+# templates, image decoding): never on the event loop, and at most this many at once, so a burst
+# of large requests queues here instead of taking every core and the memory of each at once.
+SERVING_POOL_THREADS = 2
 
 
 class ClientDisconnected(Exception):
@@ -47,6 +54,7 @@ class ServingContext:
         self.settings = settings
         self.state = state
         self.media = MediaLoader(settings)
+        self.pool = ThreadPoolExecutor(max_workers=SERVING_POOL_THREADS, thread_name_prefix="lmc-serve")
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len: int = engine.config.model_config.max_model_len
         self.served_model_names = list(settings.served_model_names) or [engine.config.model_config.model_name]
@@ -56,6 +64,25 @@ class ServingContext:
 
     def model_name(self, requested: str | None) -> str:
         return check_model(requested, self.served_model_names)
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) in the serving pool (off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    def check_prompt_text(self, text: str, param: str) -> None:
+        """Refuse a text that cannot fit max_model_len tokens, untokenised (the engine's bound; 400)."""
+        try:
+            self.engine.input_processor.check_prompt_text(text)
+        except InvalidPromptError as error:
+            raise bad_request(str(error), param, "context_length_exceeded") from None
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenise after the length check (call it in the pool: offload)."""
+        self.check_prompt_text(text, param)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def count_aborted(self, num_requests: int) -> None:
         if self.on_aborted is not None:
@@ -283,3 +310,37 @@ def fit_prompt(ctx: ServingContext, token_ids: list[int], truncate: int | None, 
             "max_tokens", "context_length_exceeded")
     return token_ids, max_tokens
 
+
+def check_work(ctx: ServingContext, prompt_lengths: list[int], max_tokens: int | None, n: int,
+               logprobs: int | None, prompt_logprobs: int | None, echo: bool = False) -> None:
+    """Refuse up front (400 naming --max-request-work) a request whose outputs could exceed the
+    server's budget of token entries: each limit alone (n, logprobs, prompts, max_tokens) is
+    checked elsewhere, but their product is what the engine computes and the response carries.
+
+    Per prompt: n x max_tokens x (1 + logprobs) entries for the completions (max_tokens None: up
+    to the context), its tokens x (1 + prompt_logprobs) when prompt logprobs are asked for, and
+    n x its tokens again when echo sends the prompt back with each choice.
+    """
+    limit = ctx.settings.max_request_work
+    per_token = 1 + (logprobs or 0) + (1 if logprobs is not None else 0)  # the token, its alternatives, its own
+    total = 0
+    for length in prompt_lengths:
+        completion = max_tokens if max_tokens is not None else max(ctx.max_model_len - length, 0)
+        total += n * completion * per_token
+        if prompt_logprobs is not None:
+            total += length * (1 + prompt_logprobs + 1)
+        if echo:
+            total += n * length
+    if total > limit:
+        parts = [f"{len(prompt_lengths)} prompt(s)", f"n={n}",
+                 f"max_tokens={max_tokens if max_tokens is not None else 'up to the context'}"]
+        if logprobs is not None:
+            parts.append(f"logprobs={logprobs}")
+        if prompt_logprobs is not None:
+            parts.append(f"prompt_logprobs={prompt_logprobs}")
+        if echo:
+            parts.append("echo")
+        raise bad_request(
+            f"This request asks for up to {total} token entries ({', '.join(parts)}), more than the server's "
+            f"limit of {limit} per request (--max-request-work); lower n, max_tokens, logprobs or the number "
+            "of prompts, or split the request.", "n" if n > 1 else "max_tokens", "request_too_large")

@@ -31,8 +31,11 @@ class OpenAIServingTokenization:
             prompt: dict[str, Any] = await render_chat_prompt(ctx, request, allow_images=False)
             token_ids = list(prompt["prompt_token_ids"])
         else:
-            token_ids = ctx.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+            ctx.check_prompt_text(request.prompt, "prompt")  # refused untokenised when it cannot fit
+            token_ids = await ctx.offload(ctx.encode, request.prompt, request.add_special_tokens, "prompt")
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = await ctx.offload(ctx.tokenizer.convert_ids_to_tokens, token_ids)
         return TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids,
                                 token_strs=token_strs)
 
@@ -40,7 +43,11 @@ class OpenAIServingTokenization:
         ctx = self.ctx
         ctx.model_name(request.model)
         vocab_size = ctx.engine.config.model_config.vocab_size
-        bad = [token for token in request.tokens if token >= vocab_size]
-        if bad:
-            raise bad_request(f"tokens must be ids in [0, {vocab_size}); got {bad[:5]}.", "tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))
+
+        def decode() -> str:  # in the pool: as long as the client's list of ids
+            bad = [token for token in request.tokens if token >= vocab_size]
+            if bad:
+                raise bad_request(f"tokens must be ids in [0, {vocab_size}); got {bad[:5]}.", "tokens")
+            return ctx.tokenizer.decode(request.tokens)
+
+        return DetokenizeResponse(prompt=await ctx.offload(decode))

@@ -9,6 +9,7 @@ a malformed one is a 400 naming the field.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from lm_console.engine.entrypoints.openai.errors import bad_request
@@ -48,6 +49,34 @@ def to_structured_outputs_params(request: SamplingFields) -> StructuredOutputsPa
         names = ", ".join(name for name, _ in given)
         raise bad_request(f"Only one output constraint may be given per request; got {names}.", given[1][0])
     return given[0][1] if given else None
+
+
+def has_constraint(request: SamplingFields) -> bool:
+    return any(getattr(request, name) is not None for name in ("response_format", "structured_outputs", *_LEGACY))
+
+
+def check_constraint_size(request: SamplingFields, max_bytes: int, max_choices: int) -> None:
+    """Refuse (400 naming the limit) a constraint too large to compile in bounded time and memory:
+    compile time grows faster than its size (10,000 choices took over a minute). Serialises JSON
+    schemas to measure them: run it in the serving pool."""
+    constraints: list[tuple[str, Any]] = []
+    if isinstance(request.response_format, dict):
+        constraints.append(("response_format", request.response_format.get("json_schema")))
+    for key, value in (request.structured_outputs or {}).items():
+        constraints.append((f"structured_outputs.{key}", value))
+    for field in _LEGACY:
+        constraints.append((field, getattr(request, field)))
+    for field, value in constraints:
+        if value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, list) and len(value) > max_choices:
+            raise bad_request(f"{field} has {len(value)} choices; at most {max_choices} are allowed "
+                              "(--max-structured-output-choices).", field.split(".")[0], "constraint_too_large")
+        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(
+            json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise bad_request(f"{field} is {size} bytes; a constraint may have at most {max_bytes} bytes "
+                              "(--max-structured-output-bytes).", field.split(".")[0], "constraint_too_large")
 
 
 def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:
