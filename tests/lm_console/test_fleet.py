@@ -1,0 +1,187 @@
+"""The fleet over three live `lmc serve` apps (build_app over a tiny model, 127.0.0.1): the fleet tab
+(Pilot) with a decode stall, a server stopped and replaced on its URL, and drill-down; `lmc top --once`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from console_helpers import DEADLINE_S, SIZE, text_of, until
+from http_helpers import API_KEY, ServerThread, lmc_app
+
+from lm_console.fleet.alerts import DECODE_STALL, DOWN
+from lm_console.fleet.metrics import ITL, TTFT, histogram_quantile, parse_reading
+from lm_console.fleet.monitor import UP
+
+NAMES = ("a", "b", "c")
+
+
+@pytest.fixture(scope="module")
+def fleet_servers(tiny_llama_dir):  # noqa: ANN001, ANN201
+    """Three engines, each behind the real server app; `servers` is replaced when a test restarts one."""
+    from lm_console.engine import AsyncLLM
+
+    llms = [AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+                     max_num_seqs=2, stat_loggers=[]) for _ in NAMES]
+    state = SimpleNamespace(llms=dict(zip(NAMES, llms)), servers={})
+    try:
+        for name, llm in state.llms.items():
+            state.servers[name] = ServerThread(lmc_app(llm, idle_snapshot_s=0.2)).start()
+        yield state
+    finally:
+        for server in state.servers.values():
+            server.stop()
+        for llm in llms:
+            llm.shutdown()
+
+
+def write_fleet(path: Path, servers: dict, alerts: str = "") -> Path:
+    entries = "".join(f'[[server]]\nname = "{name}"\nurl = "{server.url}"\napi_key = "{API_KEY}"\n\n'
+                      for name, server in servers.items())
+    # Short polls and a short stall threshold keep the test quick; a long latency window keeps
+    # every request of the test in it, so the quantiles equal the servers' whole histograms.
+    path.write_text(f"poll_interval_s = 0.25\nlatency_window_s = 3600\n\n{entries}[alerts]\n{alerts}\n")
+    return path
+
+
+def metrics_of(url: str) -> str:
+    return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+
+
+def test_the_fleet_view_tracks_live_servers_alerts_and_a_server_that_goes_away(fleet_servers, tmp_path) -> None:  # noqa: ANN001
+    from lm_console.engine import RequestOutputKind, SamplingParams
+    from lm_console.fleet.config import load_fleet
+    from lm_console.tui.fleet_app import FleetConsoleApp
+    from lm_console.tui.widgets.fleet_view import AlertLog, FleetTable
+
+    servers, llm = fleet_servers.servers, fleet_servers.llms["a"]
+    config = load_fleet(write_fleet(tmp_path / "fleet.toml", servers,
+                                    "decode_stall_s = 1.0\ndown_after_failures = 1\n"))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=200, output_kind=RequestOutputKind.DELTA)
+    ids = [f"fleet-{i}" for i in range(4)]
+    tasks: list[asyncio.Task] = []
+
+    async def submit() -> None:
+        async def one(request_id: str) -> None:
+            async for _ in llm.generate(f"{request_id} asks about the history of tea", params, request_id):
+                pass
+
+        tasks.extend(asyncio.get_running_loop().create_task(one(i)) for i in ids)
+
+    def row(app: FleetConsoleApp, name: str):  # noqa: ANN202
+        return next(r for r in app.rows if r.name == name)
+
+    async def scenario() -> dict:
+        app = FleetConsoleApp(config, tick_hz=0)
+        seen: dict = {}
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, app, lambda: len(app.rows) == 3 and all(r.state == UP for r in app.rows), "3 up")
+            seen["kinds"] = {r.name: r.kind for r in app.rows}
+            # Load on a; once tokens flow, a's engine sleeps with requests running: a decode stall.
+            server_a = servers["a"]
+            server_a.call(submit)
+            await until(pilot, app, lambda: row(app, "a").figures.gen_tps > 0 and row(app, "a").figures.running == 2,
+                        "a generating")
+            server_a.call(lambda: llm.sleep(1))
+            await until(pilot, app, lambda: DECODE_STALL in row(app, "a").alerts, "a's decode stall alert")
+            polls = app.fleet.num_polls
+            await until(pilot, app, lambda: app.fleet.num_polls >= polls + 2, "two polls of the sleeping engine")
+            # The engine holds still: the row and a fresh /metrics describe the same moment.
+            seen["rows"] = {r.name: r for r in app.rows}
+            seen["metrics"] = {name: metrics_of(server.url) for name, server in servers.items()}
+            seen["header_stall"] = text_of(app.query_one("#fleet-alerts"))
+            seen["table_a"] = [str(c) for c in app.query_one(FleetTable).get_row("a")]
+            server_a.call(lambda: llm.wake_up())
+            await until(pilot, app, lambda: DECODE_STALL not in row(app, "a").alerts, "the stall cleared")
+            server_a.call(lambda: llm.abort(ids))
+
+            # c goes away: a DOWN row and a `down` alert, the console keeps running.
+            port = servers["c"].port
+            servers["c"].stop()
+            await until(pilot, app, lambda: row(app, "c").state == "down", "c down")
+            seen["header_down"] = text_of(app.query_one("#fleet-alerts"))
+            seen["c_down"] = row(app, "c")
+            # A replacement answers on the same URL: c is up again and its alert clears.
+            servers["c"] = ServerThread(lmc_app(fleet_servers.llms["c"], idle_snapshot_s=0.2), port=port).start()
+            await until(pilot, app, lambda: row(app, "c").state == UP and not row(app, "c").alerts, "c back")
+            seen["header_back"] = text_of(app.query_one("#fleet-alerts"))
+            seen["log"] = [(e.server, e.kind, e.fired) for e in app.fleet.alerts.log]
+            seen["log_lines"] = len(app.query_one(AlertLog).lines)
+
+            # Drill-down: enter on b's row attaches the dashboard to b.
+            table = app.query_one(FleetTable)
+            table.focus()
+            table.move_cursor(row=table.get_row_index("b"))
+            await pilot.press("enter")
+            await until(pilot, app, lambda: app.engine_state == "serving" and app.attached == "b", "b's dashboard")
+            app.tick()  # the header is drawn on the tick
+            seen["tab"] = app.query_one("#tabs").active
+            seen["header"] = text_of(app.query_one("#engine-status"))
+            await pilot.press("q")
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S * 2))
+
+    async def finish() -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    servers["a"].call(finish)
+    assert seen["kinds"] == {"a": "lm-console", "b": "lm-console", "c": "lm-console"}
+    for name, text in seen["metrics"].items():
+        reading, shown = parse_reading(text, 0.0), seen["rows"][name].figures
+        assert shown.running == reading.gauges["vllm:num_requests_running"]
+        assert shown.waiting == reading.gauges["vllm:num_requests_waiting"]
+        assert shown.kv_usage == pytest.approx(reading.gauges["vllm:kv_cache_usage_perc"])
+        for p50, p99, histogram in ((shown.ttft_p50, shown.ttft_p99, TTFT), (shown.itl_p50, shown.itl_p99, ITL)):
+            assert p50 == histogram_quantile(0.5, reading.buckets[histogram])
+            assert p99 == histogram_quantile(0.99, reading.buckets[histogram])
+        queries = reading.counters.get("vllm:prefix_cache_queries_total", 0.0)
+        hits = reading.counters.get("vllm:prefix_cache_hits_total", 0.0)
+        assert shown.prefix_hit_rate == (pytest.approx(hits / queries) if queries else None)
+    a = seen["rows"]["a"].figures
+    assert (a.running, a.waiting) == (2, 2) and a.kv_usage > 0 and a.ttft_p50 is not None and a.itl_p99 is not None
+    assert a.decode_stall_s >= 1.0 and "decode_stall" in seen["table_a"][-1]
+    assert "a decode_stall" in seen["header_stall"]
+    assert seen["c_down"].figures is None and DOWN in seen["c_down"].alerts
+    assert "1 down" in seen["header_down"] and "c down" in seen["header_down"]
+    assert "no alerts" in seen["header_back"]
+    log = seen["log"]
+    assert log.index(("a", DECODE_STALL, True)) < log.index(("a", DECODE_STALL, False))
+    assert log.index(("c", DOWN, True)) < log.index(("c", DOWN, False))
+    assert seen["log_lines"] == len(log)
+    assert seen["tab"] == "dashboard" and servers["b"].url in seen["header"]
+
+
+def test_top_once_json_exits_1_while_an_alert_fires(fleet_servers, tmp_path) -> None:  # noqa: ANN001
+    from typer.testing import CliRunner
+
+    from lm_console.cli import app
+
+    servers = {name: fleet_servers.servers[name] for name in ("a", "b")}
+    quiet = write_fleet(tmp_path / "quiet.toml", servers)
+    result = CliRunner().invoke(app, ["top", "--once", "--json", "--fleet", str(quiet), "--interval", "0.3"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert [s["name"] for s in document["servers"]] == ["a", "b"] and document["alerts"] == []
+    assert all(s["state"] == "up" and s["figures"]["running"] == 0 for s in document["servers"])
+
+    # Thresholds from the file: a KV-usage alert at 0 fires on an idle server.
+    strict = write_fleet(tmp_path / "strict.toml", servers, "kv_usage = 0\n")
+    result = CliRunner().invoke(app, ["top", "--once", "--json", "--fleet", str(strict), "--interval", "0.3"])
+    assert result.exit_code == 1, result.output
+    document = json.loads(result.stdout)
+    assert {(a["server"], a["kind"]) for a in document["alerts"]} == {("a", "kv_usage"), ("b", "kv_usage")}
+    assert document["thresholds"]["kv_usage"] == 0
+
+    # A server that does not answer: down, exit 1; the others still reported.
+    result = CliRunner().invoke(app, ["top", "--once", "--json", "--fleet", str(quiet), "--url",
+                                      "gone=http://127.0.0.1:9", "--interval", "0.3"])
+    assert result.exit_code == 1, result.output
+    document = json.loads(result.stdout)
+    states = {s["name"]: s["state"] for s in document["servers"]}
+    assert states == {"a": "up", "b": "up", "gone": "down"}
+    assert [(a["server"], a["kind"]) for a in document["alerts"]] == [("gone", "down")]
