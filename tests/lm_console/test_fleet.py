@@ -185,3 +185,58 @@ def test_top_once_json_exits_1_while_an_alert_fires(fleet_servers, tmp_path) -> 
     states = {s["name"]: s["state"] for s in document["servers"]}
     assert states == {"a": "up", "b": "up", "gone": "down"}
     assert [(a["server"], a["kind"]) for a in document["alerts"]] == [("gone", "down")]
+
+
+VLLM_METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 3.0
+vllm:num_requests_running{{engine="1",model_name="m"}} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 2.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{{engine="0",model_name="m"}} 0.5
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {gen}
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{{engine="0",model_name="m"}} {preempted}
+# TYPE vllm:request_success counter
+vllm:request_success_total{{engine="0",finished_reason="stop",model_name="m"}} 7.0
+vllm:request_success_total{{engine="0",finished_reason="error",model_name="m"}} {failed}
+# TYPE http_requests counter
+http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} 9.0
+http_requests_total{{handler="/v1/completions",method="POST",status="5xx"}} {http5xx}
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_bucket{{engine="0",le="0.1",model_name="m"}} {fast}
+vllm:time_per_output_token_seconds_bucket{{engine="0",le="0.5",model_name="m"}} {slow}
+vllm:time_per_output_token_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {slow}
+vllm:time_per_output_token_seconds_count{{engine="0",model_name="m"}} {slow}
+vllm:time_per_output_token_seconds_sum{{engine="0",model_name="m"}} 1.0
+"""
+
+
+def test_a_vllm_servers_metrics_become_figures_and_alerts() -> None:
+    """vLLM's text (older names, two engines, HTTP 5xx and `error` finishes): rates over the window,
+    quantiles of the window's buckets, a restart starting the counters over, and the alerts."""
+    from lm_console.fleet.alerts import ERRORS, KV_USAGE, PREEMPTIONS, Thresholds, firing_kinds
+    from lm_console.fleet.metrics import compute_figures, restarted
+
+    def reading(t: float, **values: float):  # noqa: ANN202
+        fields = {"gen": 100.0, "preempted": 0.0, "failed": 0.0, "http5xx": 0.0, "fast": 0.0, "slow": 0.0,
+                  **values}
+        return parse_reading(VLLM_METRICS.format(**fields), t)
+
+    first, second = reading(0.0), reading(2.0, gen=300.0, preempted=4.0, failed=1.0, http5xx=1.0, fast=4.0,
+                            slow=10.0)
+    assert not first.is_ours and first.model == "m"
+    figures = compute_figures([first, second], rate_window_s=10.0, latency_window_s=60.0)
+    assert (figures.running, figures.waiting, figures.kv_usage) == (4, 2, 0.5)  # summed over engines
+    assert (figures.gen_tps, figures.preemptions_per_s, figures.errors_per_s) == (100.0, 2.0, 1.0)
+    # The window's ITL observations: 4 under 0.1 s, 6 in (0.1, 0.5]: p50 interpolates in the second bucket.
+    assert figures.itl_p50 == pytest.approx(0.1 + 0.4 * (5 - 4) / 6)
+    firing = firing_kinds(figures, False, Thresholds(kv_usage=0.5))
+    assert set(firing) == {KV_USAGE, PREEMPTIONS, ERRORS}
+    assert set(firing_kinds(figures, False, Thresholds())) == {PREEMPTIONS, ERRORS}
+    # The server restarted: its counters went down, so what it counts now is all new.
+    third = reading(3.0, gen=50.0)
+    assert restarted(third, second)
+    assert compute_figures([second, third], rate_window_s=10.0, latency_window_s=None).gen_tps == 50.0
