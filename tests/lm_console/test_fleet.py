@@ -25,8 +25,9 @@ def fleet_servers(tiny_llama_dir):  # noqa: ANN001, ANN201
     """Three engines, each behind the real server app; `servers` is replaced when a test restarts one."""
     from lm_console.engine import AsyncLLM
 
+    # a runs two requests at a time (four make two wait); b and c take a trace's bursts.
     llms = [AsyncLLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-                     max_num_seqs=2, stat_loggers=[]) for _ in NAMES]
+                     max_num_seqs=2 if name == "a" else 16, stat_loggers=[]) for name in NAMES]
     state = SimpleNamespace(llms=dict(zip(NAMES, llms)), servers={})
     try:
         for name, llm in state.llms.items():
@@ -240,3 +241,41 @@ def test_a_vllm_servers_metrics_become_figures_and_alerts() -> None:
     third = reading(3.0, gen=50.0)
     assert restarted(third, second)
     assert compute_figures([second, third], rate_window_s=10.0, latency_window_s=None).gen_tps == 50.0
+
+
+def test_a_recorded_trace_replays_against_another_server_at_its_pace(fleet_servers, tmp_path) -> None:  # noqa: ANN001
+    """200 requests to b, recorded with --save-trace; replayed to c with --replay-trace (and recorded
+    again): the same lengths in the same order, and the recorded arrival times."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from lm_console.bench.trace import load_trace
+    from lm_console.cli import app
+
+    b, c = fleet_servers.servers["b"].url, fleet_servers.servers["c"].url
+    recorded, replayed = tmp_path / "recorded.jsonl", tmp_path / "replayed.jsonl"
+    common = ["bench", "serve", "--api-key", API_KEY, "--no-progress"]
+    result = CliRunner().invoke(app, [*common, "--url", b, "--num-prompts", "200", "--random-input-len", "12",
+                                      "--random-output-len", "2", "--request-rate", "40", "--seed", "3",
+                                      "--save-trace", str(recorded)])
+    assert result.exit_code == 0, result.output
+    # The replay runs in a process of its own, as it would against a remote server: here the
+    # servers' threads share this process (and its GIL) with any client in it.
+    root = Path(__file__).resolve().parents[2]
+    replay = subprocess.run([sys.executable, "-m", "lm_console.cli", *common, "--url", c, "--replay-trace",
+                             str(recorded), "--save-trace", str(replayed)], cwd=root, capture_output=True, text=True,
+                            timeout=DEADLINE_S)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    first, second = load_trace(recorded), load_trace(replayed)
+    assert len(first) == len(second) == 200
+    assert [(r.input_length, r.output_length) for r in first] == [(r.input_length, r.output_length) for r in second]
+    assert len({r.input_length for r in first}) > 1 and len({r.output_length for r in first}) > 1  # not constant
+    span = first[-1].timestamp_ms
+    assert span > 2000  # 200 requests at 40/s: several seconds of Poisson arrivals
+    assert abs(second[-1].timestamp_ms - span) <= 0.05 * span
+    # Each arrival within 5% of the span, for 95% of them: on a shared 2-core machine the client can
+    # be descheduled for a moment, and the replay then catches up (it paces against its start).
+    offs = sorted(abs(x.timestamp_ms - y.timestamp_ms) for x, y in zip(first, second))
+    assert offs[int(0.95 * len(offs)) - 1] <= 0.05 * span, f"arrivals off by (ms): {offs[-20:]}"
