@@ -187,6 +187,14 @@ def test_top_once_json_exits_1_while_an_alert_fires(fleet_servers, tmp_path) -> 
     assert states == {"a": "up", "b": "up", "gone": "down"}
     assert [(a["server"], a["kind"]) for a in document["alerts"]] == [("gone", "down")]
 
+    # The same fleet file is what `lmc tui --fleet` reads: a bad one is refused before any screen.
+    (tmp_path / "typo.toml").write_text('[[server]]\nurl = "http://127.0.0.1:9"\n[alerts]\nkv_usag = 0.5\n')
+    refused = CliRunner().invoke(app, ["tui", "--fleet", str(tmp_path / "typo.toml")])
+    assert refused.exit_code == 2 and "unknown alert 'kv_usag'" in refused.output
+    refused = CliRunner().invoke(app, ["tui", "--url", servers["a"].url, "--url", servers["b"].url,
+                                       "--num-blocks", "8"])
+    assert refused.exit_code == 2 and "--num-blocks" in refused.output
+
 
 VLLM_METRICS = """\
 # TYPE vllm:num_requests_running gauge
