@@ -21,6 +21,7 @@ from pathlib import Path
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static, TabbedContent, TabPane
 
@@ -32,6 +33,7 @@ from lm_console.fleet.monitor import Fleet, ServerRow
 from lm_console.load_generator import LoadShape
 from lm_console.request_book import RequestBook
 from lm_console.tui.app import ConsoleApp
+from lm_console.tui.screens.help import HelpScreen, help_text
 from lm_console.tui.telemetry import Telemetry
 from lm_console.tui.widgets.charts_view import ChartsView
 from lm_console.tui.widgets.chat_view import ChatView
@@ -40,6 +42,21 @@ from lm_console.tui.widgets.engine_status import EngineStatus
 from lm_console.tui.widgets.fleet_view import AlertLog, FleetTable, FleetView, alert_line
 
 DETACH_TIMEOUT_S = 10.0  # a server that does not close our streams in time is left to its timeouts
+
+
+FLEET_HELP = ("[b #61afef]fleet[/]\n"
+              "  [b #e5c07b]0 or f                [/] the fleet tab: one row per server\n"
+              "  [b #e5c07b]↑↓, enter (or a click)[/] open that server in the dashboard, chat and charts tabs\n"
+              "  Rows in red have an alert firing (listed in the header); the log below the table says when "
+              "each fired and cleared.\n\n")
+
+
+class FleetHelpScreen(HelpScreen):
+    """The console's help with the fleet's keys first."""
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box"):
+            yield Static(FLEET_HELP + help_text())
 
 
 class FleetPolled(Message):
@@ -180,6 +197,9 @@ class FleetConsoleApp(ConsoleApp):
             self.load.stop()
         self.query_one(EngineStatus).show(self.info, self.engine_state)
         self.notify(f"{self.attached}: {error}", severity="error", timeout=6)
+
+    def action_help(self) -> None:
+        self.push_screen(FleetHelpScreen())
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "show_tab":
