@@ -100,10 +100,14 @@ def test_the_fleet_view_tracks_live_servers_alerts_and_a_server_that_goes_away(f
             await until(pilot, app, lambda: DECODE_STALL not in row(app, "a").alerts, "the stall cleared")
             server_a.call(lambda: llm.abort(ids))
 
-            # c goes away: a DOWN row and a `down` alert, the console keeps running.
+            # c, whose dashboard is open, goes away: a DOWN row and a `down` alert; the dashboard
+            # says dead, and the console keeps running (no modal over the fleet).
+            await app.drill_down("c")
+            await until(pilot, app, lambda: app.engine_state == "serving" and app.attached == "c", "c's dashboard")
             port = servers["c"].port
             servers["c"].stop()
-            await until(pilot, app, lambda: row(app, "c").state == "down", "c down")
+            await until(pilot, app, lambda: row(app, "c").state == "down" and app.engine_state == "dead", "c down")
+            seen["screen_down"] = type(app.screen).__name__
             seen["header_down"] = text_of(app.query_one("#fleet-alerts"))
             seen["c_down"] = row(app, "c")
             # A replacement answers on the same URL: c is up again and its alert clears.
@@ -149,6 +153,7 @@ def test_the_fleet_view_tracks_live_servers_alerts_and_a_server_that_goes_away(f
     assert "a decode_stall" in seen["header_stall"]
     assert seen["c_down"].figures is None and DOWN in seen["c_down"].alerts
     assert "1 down" in seen["header_down"] and "c down" in seen["header_down"]
+    assert seen["screen_down"] != "EngineDeadScreen"
     assert "no alerts" in seen["header_back"]
     log = seen["log"]
     assert log.index(("a", DECODE_STALL, True)) < log.index(("a", DECODE_STALL, False))
