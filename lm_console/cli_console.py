@@ -113,7 +113,7 @@ def tui(
     a fleet of servers (--url repeated, or --fleet FILE)."""
     urls = list(url or [])
     if fleet is not None or len(urls) > 1:
-        refuse_local_flags(ctx, "fleet")
+        refuse_local_flags(ctx, "fleet")  # as with --url: engine flags would configure nothing
         _run_fleet(urls, fleet, api_key, kv_events_endpoint, model, fake)
         return
     single = urls[0] if urls else None
