@@ -132,11 +132,13 @@ def _register_commands() -> None:
     from lm_console.cli_bench import bench_app
     from lm_console.cli_console import register
     from lm_console.cli_serve import serve
+    from lm_console.cli_top import top
 
     register(app)
     app.add_typer(bench_app, name="bench")
     app.command()(batch)
     app.command()(serve)
+    app.command()(top)
 
 
 _register_commands()

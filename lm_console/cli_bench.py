@@ -105,6 +105,12 @@ def serve(
         "--in-process", help="Send the requests straight to AsyncLLM in this process (no HTTP).")] = False,
     label: Annotated[Optional[str], typer.Option(help="A label saved with the result.")] = None,
     liveness_timeout: LivenessTimeoutOpt = 30.0,
+    save_trace: Annotated[Optional[str], typer.Option(
+        "--save-trace", help="Write the requests sent as a Mooncake-style JSONL trace (arrival ms, input and "
+                             "output lengths, prompt block hash ids) for --replay-trace.")] = None,
+    replay_trace: Annotated[Optional[str], typer.Option(
+        "--replay-trace", help="Send a JSONL trace's requests (Mooncake's keys) at its recorded pace, with its "
+                               "lengths and shared prefixes, instead of the dataset and --request-rate.")] = None,
 ) -> None:
     """Online serving: TTFT, TPOT, ITL and E2EL under a request rate, over HTTP like `vllm bench serve`.
 
@@ -129,7 +135,17 @@ def serve(
     percentiles = [float(p) for p in metric_percentiles.split(",")]
     if max_concurrency is not None and max_concurrency < 1:
         raise typer.BadParameter("--max-concurrency must be >= 1")
+    replay = None
+    if replay_trace is not None:
+        from lm_console.bench.trace import TraceError, load_trace
+
+        try:
+            replay = load_trace(replay_trace)
+        except TraceError as error:
+            raise typer.BadParameter(str(error)) from None
     if in_process:
+        if save_trace is not None or replay is not None:
+            raise typer.BadParameter("--save-trace and --replay-trace go over HTTP; drop --in-process.")
         if url is not None:
             raise typer.BadParameter("--in-process measures this process's engine; --url a server. Pick one.")
         _finish(lambda: bench_serve(model, args, workload, hf, save_result, request_rate, burstiness,
@@ -142,13 +158,13 @@ def serve(
     def over_http() -> int:
         if url is not None:
             return bench_serve_http(url, api_key, model, workload, save_result, request_rate, burstiness,
-                                    max_concurrency, metrics, percentiles, progress, label)
+                                    max_concurrency, metrics, percentiles, progress, label, save_trace, replay)
         from lm_console.bench.launcher import ServeProcess, free_port, serve_command
 
         port = free_port()
         with ServeProcess(serve_command(model, port, args), port, api_key) as server_url:
             return bench_serve_http(server_url, api_key, None, workload, save_result, request_rate, burstiness,
-                                    max_concurrency, metrics, percentiles, progress, label)
+                                    max_concurrency, metrics, percentiles, progress, label, save_trace, replay)
 
     _finish(over_http)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -79,6 +80,15 @@ def make_shape(rate: float, prompt_len: str, output_len: str, shared_prefix: flo
                      shared_prefix_share=min(max(shared_prefix, 0.0), 1.0), prefix_len=max(prefix_len, 1))
 
 
+TuiUrlsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--url", help="Attach to a running OpenAI-compatible server (http://HOST:PORT) instead of starting an engine: "
+                  "an lm-console server in full, any other (vLLM) through /metrics and --kv-events-endpoint. "
+                  "Repeat it (NAME=URL names a server) for the fleet view of several servers.")]
+FleetFileOpt = Annotated[Optional[Path], typer.Option(
+    "--fleet", help="A fleet file (TOML: [[server]] tables with name and url, [alerts] thresholds): the fleet view "
+                    "of its servers (and of any --url).", dir_okay=False)]
+
+
 def tui(
     ctx: typer.Context,
     model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
@@ -91,15 +101,23 @@ def tui(
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
-    url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
+    url: TuiUrlsOpt = None, fleet: FleetFileOpt = None, api_key: ApiKeyOpt = None,
+    kv_events_endpoint: KVEventsEndpointOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
     distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
     data_parallel_backend: DataParallelBackendOpt = "mp",
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
     kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
-    """The operator console: a live dashboard and a chat, of its own engine or of a server (--url)."""
-    refuse_local_flags(ctx, url)
+    """The operator console: a live dashboard and a chat, of its own engine, of a server (--url), or of
+    a fleet of servers (--url repeated, or --fleet FILE)."""
+    urls = list(url or [])
+    if fleet is not None or len(urls) > 1:
+        refuse_local_flags(ctx, "fleet")  # as with --url: engine flags would configure nothing
+        _run_fleet(urls, fleet, api_key, kv_events_endpoint, model, fake)
+        return
+    single = urls[0] if urls else None
+    refuse_local_flags(ctx, single)
     from lm_console.tui.app import ConsoleApp
 
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
@@ -112,8 +130,29 @@ def tui(
                 kv_cache_metrics_sample=kv_cache_metrics_sample)
     args.update(liveness_args(liveness_timeout))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
-    client = make_client(fake, model, args, url, api_key, kv_events_endpoint)
+    client = make_client(fake, model, args, single, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))
+
+
+def _run_fleet(urls: list[str], fleet: Path | None, api_key: str | None, kv_events_endpoint: str | None,
+               model: str | None, fake: bool) -> None:
+    """`lmc tui` over several servers: the fleet tab, and the dashboard of one server at a time."""
+    from lm_console.fleet.config import FleetConfigError, fleet_config
+
+    if model is not None or fake or kv_events_endpoint is not None:
+        raise typer.BadParameter("the fleet view watches running servers: --model, --fake and --kv-events-endpoint "
+                                 "go with a single --url (or none).")
+    try:
+        config = fleet_config(urls, fleet, api_key)
+    except FleetConfigError as error:
+        raise typer.BadParameter(str(error)) from None
+    from lm_console.tui.fleet_app import FleetConsoleApp
+    from lm_console.tui.stderr_capture import stderr_to_log
+
+    log_path = default_log_path()
+    app = FleetConsoleApp(config, log_path=log_path)
+    with stderr_to_log(log_path):
+        app.run()
 
 
 def chat(

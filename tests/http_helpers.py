@@ -17,13 +17,13 @@ API_KEY = "test-key"
 class ServerThread:
     """Serves an ASGI app on a free 127.0.0.1 port from a thread with its own event loop."""
 
-    def __init__(self, app: Any, sndbuf: int | None = None) -> None:
+    def __init__(self, app: Any, sndbuf: int | None = None, port: int = 0) -> None:
         self.app = app
         self.sndbuf = sndbuf  # accepted sockets inherit it: a small one makes a non-reading client block sends
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
-        self.port = 0
+        self.port = port  # 0: a free one; a given one serves a replacement on a stopped server's URL
 
     @property
     def url(self) -> str:
@@ -34,7 +34,7 @@ class ServerThread:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if self.sndbuf:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sndbuf)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
         # lifespan on: the real app's watchdog runs, and its shutdown closes the console hub.
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)

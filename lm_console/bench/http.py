@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from lm_console.bench.datasets import BenchRequest
+from lm_console.bench.trace import TraceRecord, replay_requests, save_trace, trace_of
 from lm_console.bench.serve import RequestResult, Send, run_requests, serve_metrics, serve_summary
 from lm_console.client.openai_http import auth_headers, error_message
 from lm_console.client.sse import iter_sse
@@ -76,37 +77,50 @@ async def server_facts(http: httpx.AsyncClient, base_url: str) -> tuple[str, int
 
 
 async def measure_http(base_url: str, api_key: str | None, model: str | None, workload: Any, rate: float,
-                       burstiness: float, max_concurrency: int | None,
-                       progress: bool) -> tuple[str, list[BenchRequest], list[RequestResult], float]:
-    """Warm up with two requests, then run the workload; (model, requests, results, duration)."""
+                       burstiness: float, max_concurrency: int | None, progress: bool,
+                       replay: list[TraceRecord] | None = None,
+                       ) -> tuple[str, list[BenchRequest], list[RequestResult], float]:
+    """Warm up with two requests, then run the workload (or replay the trace at its pace);
+    (model, requests, results, duration)."""
     base_url = base_url.rstrip("/")
-    connections = max_concurrency or max(workload.num_prompts, 1)
+    connections = max_concurrency or max(len(replay) if replay else workload.num_prompts, 1)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), limits=limits,
                                  headers=auth_headers(api_key)) as http:
         served, vocab_size = await server_facts(http, base_url)
         model = model or served
-        requests = workload.build(vocab_size)
+        offsets = None
+        if replay is not None:
+            requests, offsets = replay_requests(replay, vocab_size)
+        else:
+            requests = workload.build(vocab_size)
         send = http_sender(http, base_url, model)
         await run_requests(send, requests[:2], float("inf"), 1.0, None, progress=False)  # warm-up
         results, duration = await run_requests(send, requests, rate, burstiness, max_concurrency, workload.seed,
-                                               progress)
+                                               progress, offsets)
     return model, requests, results, duration
 
 
 def bench_serve_http(base_url: str, api_key: str | None, model: str | None, workload: Any, save_path: str | None,
                      rate: float, burstiness: float, max_concurrency: int | None, percentile_metrics: list[str],
-                     percentiles: list[float], progress: bool = True, label: str | None = None) -> int:
-    """The serving benchmark against `base_url`; prints vLLM's summary, saves its JSON keys; returns failures."""
+                     percentiles: list[float], progress: bool = True, label: str | None = None,
+                     save_trace_path: str | None = None, replay: list[TraceRecord] | None = None) -> int:
+    """The serving benchmark against `base_url`; prints vLLM's summary, saves its JSON keys (and the
+    requests' trace with save_trace_path); returns failures. `replay`: a trace's requests at its pace."""
     from lm_console.bench.report import save_result
 
     served, requests, results, duration = asyncio.run(measure_http(
-        base_url, api_key, model, workload, rate, burstiness, max_concurrency, progress))
+        base_url, api_key, model, workload, rate, burstiness, max_concurrency, progress, replay))
+    if save_trace_path:
+        # What was sent and when; the output lengths the server generated (the asked ones if it failed).
+        save_trace(save_trace_path, trace_of(requests, [r.arrival_time for r in results],
+                                             [r.output_len or q.output_len for r, q in zip(results, requests)]))
     metrics = serve_metrics(results, duration, percentile_metrics, percentiles)
     print("\n".join(serve_summary(metrics, max_concurrency, rate, percentile_metrics, percentiles)), flush=True)
     result = {"endpoint_type": "openai", "backend": "openai", "label": label, "base_url": base_url,
               "model_id": served, "tokenizer_id": served, "num_prompts": len(requests),
               "request_rate": rate if rate != float("inf") else "inf", "burstiness": burstiness,
-              "max_concurrency": max_concurrency, "dataset_name": workload.dataset_name, **metrics}
+              "max_concurrency": max_concurrency,
+              "dataset_name": "trace" if replay is not None else workload.dataset_name, **metrics}
     save_result(save_path, result)
     return metrics["failed"]

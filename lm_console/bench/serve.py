@@ -40,6 +40,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     queue_time: float = 0.0  # waiting for a --max-concurrency slot (vLLM: client_queue_time)
+    arrival_time: float = 0.0  # when it arrived, before any --max-concurrency wait (--save-trace)
 
     def record_tokens(self, now: float) -> None:
         """Tokens arrived at `now`: the first sets TTFT, later ones add an inter-token latency."""
@@ -50,9 +51,21 @@ class RequestResult:
         self.token_times.append(now)
 
 
-async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
-                   seed: int) -> AsyncIterator[tuple[int, BenchRequest]]:
-    """Yield requests at `rate` per second: gamma intervals (shape = burstiness; 1 is Poisson)."""
+async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float, seed: int,
+                   offsets: list[float] | None = None) -> AsyncIterator[tuple[int, BenchRequest]]:
+    """Yield requests at `rate` per second: gamma intervals (shape = burstiness; 1 is Poisson).
+
+    With `offsets` (a replayed trace), request i arrives offsets[i] seconds after the first instead.
+    """
+    if offsets is not None:
+        # Against the start, not the previous arrival: a late wake-up does not push the rest late.
+        start = time.perf_counter()
+        for index, request in enumerate(requests):
+            delay = start + offsets[index] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield index, request
+        return
     rng = np.random.default_rng(seed)
     for index, request in enumerate(requests):
         yield index, request
@@ -97,9 +110,10 @@ async def run_serve(llm: Any, requests: list[BenchRequest], rate: float, burstin
 
 
 async def run_requests(send: Send, requests: list[BenchRequest], rate: float, burstiness: float,
-                       max_concurrency: int | None, seed: int = 0,
-                       progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send every request with `send` at the arrival rate; results in input order, and the duration."""
+                       max_concurrency: int | None, seed: int = 0, progress: bool = True,
+                       offsets: list[float] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request with `send` at the arrival rate (or at `offsets`, a trace's pace); results
+    in input order, and the duration."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(requests), file=sys.stderr, disable=not progress, desc="Requests")
@@ -108,7 +122,7 @@ async def run_requests(send: Send, requests: list[BenchRequest], rate: float, bu
 
     async def one(index: int, request: BenchRequest) -> None:
         result = results[index]
-        arrived = time.perf_counter()
+        arrived = result.arrival_time = time.perf_counter()
         if limit is not None:
             await limit.acquire()
         result.queue_time = time.perf_counter() - arrived
@@ -124,7 +138,7 @@ async def run_requests(send: Send, requests: list[BenchRequest], rate: float, bu
 
     start = time.perf_counter()
     tasks = []
-    async for index, request in arrivals(requests, rate, burstiness, seed):
+    async for index, request in arrivals(requests, rate, burstiness, seed, offsets):
         tasks.append(asyncio.create_task(one(index, request)))
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - start

@@ -59,6 +59,12 @@ class EnvVar:
 VARIABLES: list[EnvVar] = []
 
 
+def read_named(name: str) -> str | None:
+    """A variable the user names in a config file (a fleet server's `api_key_env`): not one of
+    ours, so not declared; None when unset or empty."""
+    return os.environ.get(name) or None
+
+
 def _declare(name: str, default: str, help: str) -> EnvVar:
     variable = EnvVar(name, default, help)
     VARIABLES.append(variable)
@@ -70,6 +76,9 @@ LMC_CACHE_DIR = _declare(
     "LMC_CACHE_DIR", "", "the root of lm-console's cache (converted models, packed weights, compiled kernels, "
     "logs); default $XDG_CACHE_HOME/lm-console or ~/.cache/lm-console")
 XDG_CACHE_HOME = _declare("XDG_CACHE_HOME", "", "the user's cache directory (freedesktop), when LMC_CACHE_DIR is unset")
+XDG_CONFIG_HOME = _declare(
+    "XDG_CONFIG_HOME", "", "the user's config directory (freedesktop): the fleet file lm-console/fleet.toml; "
+    "default ~/.config")
 LMC_LOG_DIR = _declare("LMC_LOG_DIR", "", "where the console writes its engine logs; default logs/ under the cache root")
 
 # -- CPU kernels and the model's fast paths -------------------------------------------------

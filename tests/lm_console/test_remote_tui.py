@@ -206,7 +206,7 @@ def test_chat_url_streams_the_servers_reply(served) -> None:  # noqa: ANN001
     reply = direct.json()["choices"][0]["message"]["content"]
     assert reply and result.stdout == reply + "\n"
     refused = CliRunner().invoke(app, ["chat", "--plain", "--url", server.url], input="hi\n")
-    assert refused.exit_code == 1 and "refused the API key" in refused.stderr
+    assert refused.exit_code == 2 and "refused the API key" in refused.stderr  # refused at start: exit 2, as every command
 
 
 def test_batch_url_runs_on_the_server_in_order(served, tmp_path) -> None:  # noqa: ANN001

@@ -113,6 +113,18 @@ def test_counters_move_with_finished_requests_and_agree_with_the_engine(server) 
         assert delta(name, "_count") == 9, name
     assert delta("vllm:inter_token_latency_seconds", "_count") == completion_tokens - 9
     assert delta("vllm:iteration_tokens_total", "_sum") == prompt_tokens + completion_tokens
+    # vLLM's HTTP counter, status grouped; a refused request is a 4xx (the fleet's errors/s reads 5xx).
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+    http_after = scrape(server)
+
+    def http_count(families: dict, status: str) -> float:  # 0 before the first such request
+        return sum(s.value for s in families["http_requests"].samples if s.name == "http_requests_total"
+                   and s.labels == {"handler": "/v1/completions", "method": "POST", "status": status})
+
+    assert http_count(http_after, "2xx") - http_count(before, "2xx") == 9
+    assert http_count(http_after, "4xx") - http_count(before, "4xx") == 1
+    assert not [s for s in http_after["http_requests"].samples if s.labels.get("handler") == "/metrics"]
 
     stats = server.call(server.engine.get_stats())
     assert sample_value(after, "vllm:num_requests_running", **LABELS) == stats.num_running_reqs == 0

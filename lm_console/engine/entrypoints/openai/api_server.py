@@ -34,7 +34,7 @@ from lm_console.engine.entrypoints.openai.auth import require_api_key
 from lm_console.engine.entrypoints.openai.errors import OpenAIError
 from lm_console.engine.entrypoints.openai.gate import ServerGate, ServerState
 from lm_console.engine.entrypoints.openai.lifecycle import ApiServer
-from lm_console.engine.entrypoints.openai.metrics import make_stat_logger
+from lm_console.engine.entrypoints.openai.metrics import HttpRequestsMiddleware, make_stat_logger
 from lm_console.engine.entrypoints.openai.protocol import (
     CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
 )
@@ -200,6 +200,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     # the console hub when it stops, which ends the streams).
     app.add_middleware(ServerGate, state=state, max_body=settings.max_request_body, uncounted=frozenset({STREAM_PATH}),
                        api_key=settings.api_key, body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(HttpRequestsMiddleware, registry=stat_logger.registry)  # added last: outermost
     return app
 
 

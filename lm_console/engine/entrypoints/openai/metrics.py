@@ -258,6 +258,44 @@ def _tier_families(stats: SchedulerStats, names: list[str], values: list[str]) -
             yield family
 
 
+# vLLM's HTTP instrumentation (prometheus-fastapi-instrumentator) leaves these out, and so do we.
+HTTP_UNCOUNTED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
+
+
+class HttpRequestsMiddleware:
+    """ASGI middleware: vLLM's http_requests_total{handler, method, status} (status grouped: 2xx, 4xx, 5xx).
+
+    Outermost, so a refusal by the server's gate (503 while draining or after the engine died)
+    counts too: the fleet view's errors/s reads the 5xx. Pure ASGI (no BaseHTTPMiddleware), so
+    streamed responses and client disconnects pass through untouched.
+    """
+
+    def __init__(self, app: Any, registry: CollectorRegistry) -> None:
+        self.app = app
+        self.counter = Counter("http_requests", "Total number of requests by method, status and handler.",
+                               ["handler", "method", "status"], registry=registry)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in HTTP_UNCOUNTED:
+            await self.app(scope, receive, send)
+            return
+        status = 500  # an exception before the response started is a server error
+
+        async def send_counted(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            # The route's template, not the path (bounded cardinality); "none" when no route matched.
+            route = scope.get("route")
+            handler = getattr(route, "path", None) or "none"
+            self.counter.labels(handler, scope.get("method", "?"), f"{status // 100}xx").inc()
+
+
 def _cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """The KV cache's element type as resolved ("int8", or the model's dtype for "auto")."""
     return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
