@@ -167,3 +167,45 @@ def test_hashes_reproducible_across_processes_with_pythonhashseed(fn: str) -> No
 def test_hashes_random_without_pythonhashseed() -> None:
     # NONE_HASH comes from os.urandom, so two processes disagree.
     assert _hashes_in_subprocess("sha256_cbor", None) != _hashes_in_subprocess("sha256_cbor", None)
+
+
+# -- every token counts: a hash that reads part of a block must fail these -----------------------
+def _drop_12_of_16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation: block hashes that read every 4th token only (12 of 16 ignored)."""
+    real = hashing.hash_block_tokens
+
+    def lossy(fn, parent, tokens, extra_keys=None):  # type: ignore[no-untyped-def]
+        return real(fn, parent, list(tokens)[::4], extra_keys)
+
+    monkeypatch.setattr(hashing, "hash_block_tokens", lossy)
+
+
+def _assert_every_token_changes_its_blocks_hash(make_request) -> None:  # type: ignore[no-untyped-def]
+    """Changing any one of 48 prompt tokens (blocks of 16) changes the hash of its block and of
+    every later block, and of no earlier block."""
+    base = list(range(100, 148))
+    ref = make_request("ref", base, block_size=16).block_hashes
+    assert len(ref) == 3
+    for pos in range(len(base)):
+        tokens = list(base)
+        tokens[pos] += 1000
+        hashes = make_request(f"p{pos}", tokens, block_size=16).block_hashes
+        block = pos // 16
+        assert hashes[:block] == ref[:block], f"token {pos} changed an earlier block's hash"
+        assert all(h != r for h, r in zip(hashes[block:], ref[block:])), \
+            f"token {pos} left the hash of its block or a later one unchanged"
+    for pos in range(16):
+        tokens = list(range(16))
+        tokens[pos] = 999
+        assert hashing.hash_block_tokens(sha256_cbor, None, tokens) != \
+            hashing.hash_block_tokens(sha256_cbor, None, list(range(16))), f"token {pos} ignored"
+
+
+def test_every_token_of_a_block_enters_its_hash(make_request) -> None:  # type: ignore[no-untyped-def]
+    _assert_every_token_changes_its_blocks_hash(make_request)
+
+
+def test_negative_control_a_hash_that_drops_tokens_is_caught(make_request, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _drop_12_of_16(monkeypatch)
+    with pytest.raises(AssertionError, match="unchanged|ignored"):
+        _assert_every_token_changes_its_blocks_hash(make_request)
