@@ -15,8 +15,11 @@ import pytest
 
 from sensitivity import last_token_repeat, load, measure
 
-TINY_TEXT_MODELS = ["tiny_llama_dir", "tiny_llama3_rope_dir", "tiny_mistral_dir", "tiny_llama_d64_dir",
-                    "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gemma3_dir"]
+# The Llama most tests use in `make test-fast`; the others (5-20 s each on 2 cores) with the slow tests.
+TINY_TEXT_MODELS = ["tiny_llama_dir"] + [
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("tiny_llama3_rope_dir", "tiny_mistral_dir", "tiny_llama_d64_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
+                 "tiny_gemma3_dir")]
 MIN_CHANGED = 0.8
 MAX_REPEAT = 0.1
 
