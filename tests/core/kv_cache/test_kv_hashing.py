@@ -108,6 +108,10 @@ def test_mm_extra_keys_overlap(make_request) -> None:  # type: ignore[no-untyped
     assert generate_block_hash_extra_keys(request, 12, 16, 1) == (("img1",), 2)
     assert generate_block_hash_extra_keys(request, 16, 20, 2) == (None, 2)
     assert generate_block_hash_extra_keys(request, 12, 16, -1) == (("img1",), 2)  # -1: last item
+    # Scanning from item 0 skips the items that end before the block.
+    assert generate_block_hash_extra_keys(request, 8, 12, 0) == (("img1",), 1)
+    # -1 starts at the last item even where an earlier one overlaps the block too.
+    assert generate_block_hash_extra_keys(request, 4, 12, -1) == (("img1",), 1)
     # A different image in the same place changes the hash of its blocks and everything after.
     other = make_request("n", list(range(16)), mm_features=[features[0], MultiModalFeatureSpec("imgX", 9, 6)])
     assert request.block_hashes[:2] == other.block_hashes[:2]
@@ -209,3 +213,12 @@ def test_negative_control_a_hash_that_drops_tokens_is_caught(make_request, monke
     _drop_12_of_16(monkeypatch)
     with pytest.raises(AssertionError, match="unchanged|ignored"):
         _assert_every_token_changes_its_blocks_hash(make_request)
+
+
+def test_hash_values_are_pinned() -> None:
+    """Both encodings are a contract: hashes are shared with KV connectors and across processes,
+    so a change of encoding (a tag, a length prefix's width) must be deliberate. Golden digests of
+    a value with every kind the block hashes carry (bytes, token ids, str, int, None, a big int)."""
+    value = (b"parent", (1, 2, 3), ("salt", 7, None, 2**70))
+    assert sha256(value).hex() == "c50172991d0b002d67381727bbb3a71fb2a365349e46f98f99fa7f0c37e2e2fd"
+    assert sha256_cbor(value).hex() == "32aa3520476538bd19d5cde25e789a15daadcd600025c2c7d1e395070a62c116"
