@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup lock run test test-fast test-hostile test-latest lint package-check docs bench clean
+.PHONY: setup lock run test test-fast test-hostile test-latest lint package-check docs bench mutation clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+
+# Mutation testing (cosmic-ray) of the KV cache, the block hashing, the scheduler, the sampler and
+# the detokenizer against their tests; reports in mutation/. Not in CI (hours on 2 cores):
+# MUTATION_MODULES=kv_cache_hashing MUTATION_SAMPLE=80 make mutation runs a part (tools/mutation.sh).
+mutation: $(STAMP)
+	PY=$(abspath $(PY)) tools/mutation.sh
 
 clean:
 	rm -rf $(VENV) .venv-latest site

@@ -9,6 +9,15 @@ import pytest
 from model_factory import LLAMA3_ROPE, make_tiny_model_dir
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The random order's seed at the end of the run, `-q` included (pytest-randomly prints it in
+    the header, which -q hides): the way to rerun a failure in the same order."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"test order: --randomly-seed={seed} (rerun it with -p randomly "
+                                    f"--randomly-seed={seed}; -p no:randomly for file order)")
+
+
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """The converted embedded default model (converted once, then cached on disk)."""

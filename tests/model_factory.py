@@ -28,14 +28,14 @@ TOKENIZER_FILES = (
 
 _ARCHS = {
     # arch: (config class name, per-arch config fields)
-    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": 24}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
-    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "attention_bias": False}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "attention_bias": False}),
     # Gemma3 text (gemma-3-1b style): a small window so that prompts of a few blocks cross it,
     # query_pre_attn_scalar != head_dim, distinct RoPE bases for global and local layers.
     "gemma3": ("Gemma3TextConfig", {
-        "tie_word_embeddings": True, "sliding_window": 24, "query_pre_attn_scalar": 24,
+        "tie_word_embeddings": False, "sliding_window": 24, "query_pre_attn_scalar": 24,
         "num_hidden_layers": 6,  # the default 5:1 pattern: layers 0-4 local, layer 5 global
         "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},

@@ -37,6 +37,8 @@ from llm_helpers import text_prompts
 ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=128)
 MAX_TOKENS = 10
 TOP = 5  # logprobs per position for the near-tie rule
+MIN_EXACT = 3  # of the 4 outputs, at least 3 exactly equal to TP=1 sync
+NEAR_TIE_GAP = 0.01  # a near tie: TP=1's fp32 logprobs of the two tokens within this
 
 RAY = dict(distributed_executor_backend="ray")
 MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
@@ -95,7 +97,7 @@ class Reference:
     prompts: list[list[int]]
     params: list[SamplingParams]
     token_ids: list[list[int]]
-    top: list[list[set[int]]]  # each position's top-TOP logprob ids
+    top: list[list[dict[int, float]]]  # each position's top-TOP ids and their fp32 logprobs
     finish_reasons: list[str]
 
 
@@ -127,7 +129,7 @@ def _reference(model: str, model_dir: Path) -> Reference:
             llm.shutdown()
         completions = [o.outputs[0] for o in outputs]
         _REFERENCES[model] = Reference(prompts, params, [c.token_ids for c in completions],
-                                       [[set(d) for d in c.logprobs] for c in completions],
+                                       [[{t: lp.logprob for t, lp in d.items()} for d in c.logprobs] for c in completions],
                                        [c.finish_reason for c in completions])
         assert _REFERENCES[model].finish_reasons[1] == "stop"
         assert len({tuple(t) for t in _REFERENCES[model].token_ids[1:]}) > 1  # not a degenerate model
@@ -135,8 +137,9 @@ def _reference(model: str, model_dir: Path) -> Reference:
 
 
 def _assert_close(completions: list[Any], ref: Reference) -> int:
-    """Equal token ids, or at the first difference each side's token is in the other's top-5
-    (a near tie; the rest of that output is not compared). Returns the number of exact matches."""
+    """Equal token ids, or at the first difference each side's token is in the other's top-5 and
+    TP=1's logprobs of the two are within NEAR_TIE_GAP (a near tie; the rest of that output is not
+    compared); and at least MIN_EXACT outputs exactly equal. Returns the number of exact matches."""
     exact = 0
     for i, completion in enumerate(completions):
         ours, theirs = completion.token_ids, ref.token_ids[i]
@@ -146,9 +149,28 @@ def _assert_close(completions: list[Any], ref: Reference) -> int:
             continue
         pos = next((p for p, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         assert pos is not None, f"prompt {i}: lengths differ ({len(ours)} vs {len(theirs)})"
-        assert ours[pos] in ref.top[i][pos] and theirs[pos] in set(completion.logprobs[pos]), \
-            f"prompt {i}: token {pos} differs ({ours[pos]} vs {theirs[pos]}), not a near tie"
+        top = ref.top[i][pos]
+        gap = top[theirs[pos]] - top[ours[pos]] if ours[pos] in top else float("inf")
+        assert gap <= NEAR_TIE_GAP and theirs[pos] in set(completion.logprobs[pos]), \
+            f"prompt {i}: token {pos} differs ({ours[pos]} vs {theirs[pos]}), not a near tie (gap {gap:.4g})"
+    assert exact >= MIN_EXACT, f"only {exact}/{len(completions)} outputs exactly equal to TP=1 sync"
     return exact
+
+
+def test_negative_control_rank1_attention_zeroed_fails_assert_close(tiny_qwen3_dir: Path) -> None:
+    """_assert_close on the output of an engine whose rank-1 heads lost their attention
+    (tests/broken_variants.py, in-process) must fail."""
+    from broken_variants import rank1_attention_zeroed
+
+    ref = _reference("qwen3", tiny_qwen3_dir)
+    with rank1_attention_zeroed():
+        engine = LLM(str(tiny_qwen3_dir), multiprocess=False, **ARGS)
+        try:
+            completions = _generate(engine, ref)
+        finally:
+            engine.shutdown()
+    with pytest.raises(AssertionError, match="not a near tie|exactly equal"):
+        _assert_close(completions, ref)
 
 
 # -- processes ------------------------------------------------------------------------------------

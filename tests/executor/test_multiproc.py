@@ -17,7 +17,8 @@ import pytest
 from lm_console.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError
 from lm_console.engine.worker.rpc_protocol import method_name
-from llm_helpers import assert_no_leaked_blocks, text_prompts
+from broken_variants import rank1_attention_zeroed
+from llm_helpers import assert_all_equal, assert_no_leaked_blocks, text_prompts
 
 ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=256)
 MAX_TOKENS = 12
@@ -84,9 +85,20 @@ def test_tp2_equals_tp1_on_llama_and_no_block_leaks(llama_tp2, tiny_llama_dir: P
     assert llm.config.parallel_config.distributed_executor_backend == "mp"  # tp > 1 switched uni to mp
     prompts = _prompts(tiny_llama_dir)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == _reference(tiny_llama_dir, prompts)
+    assert_all_equal([o.outputs[0].token_ids for o in outputs], _reference(tiny_llama_dir, prompts), "TP=2 vs TP=1")
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) > 1  # not a degenerate model
     assert_no_leaked_blocks(llm)
+
+
+def test_negative_control_rank1_attention_zeroed_fails_the_tp_check(tiny_llama_dir: Path) -> None:
+    """The TP check (assert_all_equal against TP=1) on the output of an engine whose rank-1 heads
+    lost their attention (tests/broken_variants.py, emulated in-process) must fail."""
+    prompts = _prompts(tiny_llama_dir)
+    reference = _reference(tiny_llama_dir, prompts)
+    with rank1_attention_zeroed():
+        broken = _reference(tiny_llama_dir, prompts)
+    with pytest.raises(AssertionError, match="exactly equal"):
+        assert_all_equal(broken, reference, "TP=2 vs TP=1")
 
 
 def test_worker_sigkill_is_engine_dead_in_llm_caller(llama_tp2) -> None:
@@ -147,7 +159,7 @@ def test_tp2_equals_tp1_on_qwen3_async_and_sigkill_is_engine_dead(qwen3_async, t
         assert_no_leaked_blocks(await engine.get_block_pool_state())
         return list(tokens)
 
-    assert _run(generate_all()) == _reference(tiny_qwen3_dir, prompts)
+    assert_all_equal(_run(generate_all()), _reference(tiny_qwen3_dir, prompts), "TP=2 async vs TP=1")
 
     core_pid = engine.engine_core.ready_info.pid
     tree, workers = _tree(core_pid), _workers(core_pid)
@@ -186,7 +198,7 @@ def test_tp2_equals_tp1_on_gemma3_and_core_sigkill_takes_the_workers(tiny_gemma3
     finally:
         llm.shutdown()
     assert not (_shm() - shm_before)
-    assert [o.outputs[0].token_ids for o in outputs] == _reference(tiny_gemma3_dir, prompts)
+    assert_all_equal([o.outputs[0].token_ids for o in outputs], _reference(tiny_gemma3_dir, prompts), "TP=2 vs TP=1")
 
 
 def _rank_and_threads(worker) -> tuple[int, int]:

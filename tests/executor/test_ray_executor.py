@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 
 from lm_console.engine import LLM, SamplingParams  # noqa: E402
 from lm_console.engine.errors import EngineDeadError  # noqa: E402
-from llm_helpers import random_prompts, sigkill_during_generate  # noqa: E402
+from broken_variants import rank1_attention_zeroed  # noqa: E402
+from llm_helpers import assert_all_equal, random_prompts, sigkill_during_generate  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
 
@@ -32,7 +33,7 @@ def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, 
     single.shutdown()
     llm = LLM(str(tiny_llama_dir), distributed_executor_backend="ray", tensor_parallel_size=2, **ARGS)
     try:
-        assert _greedy(llm, prompts) == expected
+        assert_all_equal(_greedy(llm, prompts), expected, "TP=2 over Ray vs TP=1")
         assert llm.get_block_pool_state().all_free
         names = sorted(ray.util.list_named_actors())
         core_pid = llm.engine_core.proc.pid
@@ -46,6 +47,21 @@ def test_tp2_over_ray_equals_tp1_and_a_dead_actor_fails_every_caller(local_ray, 
     finally:
         llm.shutdown()
     assert not ray.util.list_named_actors()  # the core's actors went with it
+
+
+def test_negative_control_rank1_attention_zeroed_fails_the_ray_tp_check(tiny_llama_dir) -> None:
+    """The Ray TP check on an engine whose rank-1 heads lost their attention (emulated in-process,
+    tests/broken_variants.py) must fail."""
+    single = LLM(str(tiny_llama_dir), multiprocess=False, **ARGS)
+    prompts = random_prompts(single.config.model_config.vocab_size, 4, 5, 60, seed=7)
+    expected = _greedy(single, prompts)
+    single.shutdown()
+    with rank1_attention_zeroed():
+        single = LLM(str(tiny_llama_dir), multiprocess=False, **ARGS)
+        broken = _greedy(single, prompts)
+        single.shutdown()
+    with pytest.raises(AssertionError, match="exactly equal"):
+        assert_all_equal(broken, expected, "TP=2 over Ray vs TP=1")
 
 
 def test_ray_error_messages_lose_their_colour_codes() -> None:

@@ -11,7 +11,8 @@ import pytest
 from lm_console.engine import LLM, SamplingParams
 from lm_console.engine.core.engine_core import EngineCore
 from lm_console.engine.protocol import EngineCoreRequest
-from llm_helpers import assert_no_leaked_blocks, random_prompts, text_prompts
+from broken_variants import rank1_attention_zeroed
+from llm_helpers import assert_all_equal, assert_no_leaked_blocks, random_prompts, text_prompts
 
 
 def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):  # noqa: ANN202
@@ -74,7 +75,7 @@ def test_greedy_equal_with_every_stop_condition(llms, prompts, free_outputs) -> 
         else:
             params.append(SamplingParams(temperature=0.0, max_tokens=16, min_tokens=2))
     expected = _outputs(sync, prompts, params)
-    assert _outputs(async_, prompts, params) == expected
+    assert_all_equal(_outputs(async_, prompts, params), expected, "async vs sync")
     assert [o[0][1] for o in expected].count("stop") >= 3  # the stop conditions did fire
 
 
@@ -104,8 +105,18 @@ def test_forced_preemption_does_not_change_outputs(prompts, free_outputs, make_l
     # 12 usable blocks of 16 tokens for 8 requests of up to 116 tokens: preemptions.
     small = make_llm(str(tiny_llama_dir), async_scheduling=True, num_gpu_blocks_override=13, max_model_len=192,
                      **ENGINE)
-    assert _outputs(small, prompts, FREE) == free_outputs
+    assert_all_equal(_outputs(small, prompts, FREE), free_outputs, "async under preemption vs sync")
     assert small.get_stats().num_preemptions_total > 0
+
+
+def test_negative_control_rank1_attention_zeroed_fails_the_async_check(prompts, free_outputs, make_llm,  # noqa: ANN001
+                                                                      tiny_llama_dir) -> None:
+    """The async-vs-sync check on an async engine (a fresh one: its prefix cache must not outlive
+    the fault) whose rank-1 heads lost their attention (tests/broken_variants.py) must fail."""
+    with rank1_attention_zeroed():
+        broken = _outputs(make_llm(str(tiny_llama_dir), async_scheduling=True, **ENGINE), prompts, FREE)
+    with pytest.raises(AssertionError, match="exactly equal"):
+        assert_all_equal(broken, free_outputs, "async vs sync")
 
 
 # -- the async LLM's EngineCore, driven directly ------------------------------------------------

@@ -14,7 +14,8 @@ from lm_console.engine.frontend.async_llm import AsyncLLM
 from lm_console.engine.frontend.dp_client import SyncDPClient
 from lm_console.engine.metrics.loggers import StatLoggerBase
 from lm_console.engine.metrics.stats import SchedulerStats
-from llm_helpers import random_prompts, sigkill_during_generate, text_prompts
+from broken_variants import rank1_attention_zeroed
+from llm_helpers import assert_all_equal, random_prompts, sigkill_during_generate, text_prompts
 
 TINY_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=96, block_size=16)
 
@@ -46,8 +47,10 @@ def test_dp2_greedy_equals_dp1_with_both_cores_used_and_no_leaks(dp_llm, tiny_ll
     expected = [_greedy(single, prompts) for _ in range(2)]
     single.shutdown()
     assert isinstance(dp_llm.engine_core, SyncDPClient)
-    assert [_greedy(dp_llm, prompts) for _ in range(2)] == expected
-    routed = [core["num_routed"] for core in dp_llm.engine_core.router.snapshot()]
+    # The module's engine: other tests (in any order) may have routed requests before this one.
+    before = [core["num_routed"] for core in dp_llm.engine_core.router.snapshot()]
+    assert_all_equal([_greedy(dp_llm, prompts) for _ in range(2)], expected, "DP=2 vs DP=1 (pass 1, pass 2)")
+    routed = [core["num_routed"] - n for core, n in zip(dp_llm.engine_core.router.snapshot(), before)]
     assert routed == [8, 8]  # the first pass spread 4 and 4 over the idle cores
     _assert_no_leaks(dp_llm)
     assert dp_llm.get_request_blocks().requests == []  # one merged answer over both cores
@@ -55,6 +58,25 @@ def test_dp2_greedy_equals_dp1_with_both_cores_used_and_no_leaks(dp_llm, tiny_ll
     assert [stats.engine_index for stats in per_core] == [0, 1]
     assert all(stats.num_steps > 0 for stats in per_core)
     assert dp_llm.get_stats().num_steps == sum(stats.num_steps for stats in per_core)
+
+
+def test_negative_control_a_broken_core_fails_the_dp_check(tiny_llama_dir) -> None:
+    """The DP check (both passes equal to DP=1) when core 1's model lost the attention of half its
+    heads (tests/broken_variants.py; emulated in-process: the prompts core 1 would serve, every
+    other one, come from the broken engine) must fail."""
+    single = LLM(str(tiny_llama_dir), multiprocess=False, **TINY_ARGS)
+    prompts = random_prompts(single.config.model_config.vocab_size, 8, 5, 70, seed=3)
+    expected = [_greedy(single, prompts) for _ in range(2)]
+    single.shutdown()
+    with rank1_attention_zeroed():
+        single = LLM(str(tiny_llama_dir), multiprocess=False, **TINY_ARGS)
+        broken = [_greedy(single, prompts) for _ in range(2)]
+        single.shutdown()
+    mixed = [[good if i % 2 == 0 else bad for i, (good, bad) in enumerate(zip(g, b))]
+             for g, b in zip(expected, broken)]
+    with pytest.raises(AssertionError, match="exactly equal"):
+        assert_all_equal(mixed, expected, "DP=2 vs DP=1 (pass 1, pass 2)")
+    assert sum(a != b for a, b in zip(mixed[0], expected[0])) >= 3  # 3 of core 1's 4 prompts at least
 
 
 def test_prefix_routing_follows_the_cached_prefix(dp_llm) -> None:

@@ -19,7 +19,7 @@ from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError  # 
 from lm_console.engine.executor.ray_utils import WorkerNodeInfo  # noqa: E402
 from lm_console.engine.frontend.dp_client import SyncDPClient  # noqa: E402
 from lm_console.engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
-from llm_helpers import random_prompts, sigkill_during_generate  # noqa: E402
+from llm_helpers import assert_all_equal, random_prompts, sigkill_during_generate  # noqa: E402
 
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, device="cpu")
 
@@ -113,7 +113,7 @@ def test_dp2_over_ray_equals_dp1_and_a_dead_core_actor_fails_every_caller(local_
         assert names == [f"lmc-core-{os.getpid()}-dp0", f"lmc-core-{os.getpid()}-dp1"]
         # Twice: the second pass goes back to each prompt's core, which the frontend knows from
         # that core's KV events (prefix routing), and hits its prefix cache.
-        assert [_greedy(llm, prompts) for _ in range(2)] == expected
+        assert_all_equal([_greedy(llm, prompts) for _ in range(2)], expected, "DP=2 over Ray vs DP=1")
         routed = [core["num_routed"] for core in client.router.snapshot()]
         assert routed == [6, 6]
         per_core = client.get_stats_per_core()

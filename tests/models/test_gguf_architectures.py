@@ -32,9 +32,9 @@ ARCHS = {
     # name: (HF arch, model_factory overrides)
     "llama": ("llama", {"rope_parameters": dict(LLAMA3_ROPE), "tie_word_embeddings": False}),
     "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", {}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": True}),  # tied heads: the GGUF files' usual layout
     # query_pre_attn_scalar = head_dim: what a gemma3 GGUF implies (llama.cpp stores no scale)
-    "gemma3": ("gemma3", {"query_pre_attn_scalar": 16}),
+    "gemma3": ("gemma3", {"query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
 }
 
 

@@ -56,6 +56,17 @@ def _check_prefill_chunks_and_decodes(ours, ref, prompt: list[int], num_decodes:
     _assert_close(torch.cat(got), expected)
 
 
+def test_negative_control_rank1_attention_zeroed_fails_the_logit_check(tiny_llama_dir):
+    """The logit comparison with HF on our model with the attention of its rank-1 heads zeroed
+    (tests/broken_variants.py) must fail."""
+    from broken_variants import rank1_attention_zeroed
+
+    ours, ref = _models(tiny_llama_dir)
+    prompt = torch.randint(0, ref.config.vocab_size, (45,), generator=torch.Generator().manual_seed(0)).tolist()
+    with rank1_attention_zeroed(), pytest.raises(AssertionError, match="not close"):
+        _check_prefill_chunks_and_decodes(ours, ref, prompt, num_decodes=4, split=19)
+
+
 @pytest.mark.parametrize("fixture", TINY_DIRS)
 def test_tiny_models_match_hf(fixture, request):
     model_dir = request.getfixturevalue(fixture)

@@ -108,6 +108,10 @@ def test_mm_extra_keys_overlap(make_request) -> None:  # type: ignore[no-untyped
     assert generate_block_hash_extra_keys(request, 12, 16, 1) == (("img1",), 2)
     assert generate_block_hash_extra_keys(request, 16, 20, 2) == (None, 2)
     assert generate_block_hash_extra_keys(request, 12, 16, -1) == (("img1",), 2)  # -1: last item
+    # Scanning from item 0 skips the items that end before the block.
+    assert generate_block_hash_extra_keys(request, 8, 12, 0) == (("img1",), 1)
+    # -1 starts at the last item even where an earlier one overlaps the block too.
+    assert generate_block_hash_extra_keys(request, 4, 12, -1) == (("img1",), 1)
     # A different image in the same place changes the hash of its blocks and everything after.
     other = make_request("n", list(range(16)), mm_features=[features[0], MultiModalFeatureSpec("imgX", 9, 6)])
     assert request.block_hashes[:2] == other.block_hashes[:2]
@@ -167,3 +171,54 @@ def test_hashes_reproducible_across_processes_with_pythonhashseed(fn: str) -> No
 def test_hashes_random_without_pythonhashseed() -> None:
     # NONE_HASH comes from os.urandom, so two processes disagree.
     assert _hashes_in_subprocess("sha256_cbor", None) != _hashes_in_subprocess("sha256_cbor", None)
+
+
+# -- every token counts: a hash that reads part of a block must fail these -----------------------
+def _drop_12_of_16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation: block hashes that read every 4th token only (12 of 16 ignored)."""
+    real = hashing.hash_block_tokens
+
+    def lossy(fn, parent, tokens, extra_keys=None):  # type: ignore[no-untyped-def]
+        return real(fn, parent, list(tokens)[::4], extra_keys)
+
+    monkeypatch.setattr(hashing, "hash_block_tokens", lossy)
+
+
+def _assert_every_token_changes_its_blocks_hash(make_request) -> None:  # type: ignore[no-untyped-def]
+    """Changing any one of 48 prompt tokens (blocks of 16) changes the hash of its block and of
+    every later block, and of no earlier block."""
+    base = list(range(100, 148))
+    ref = make_request("ref", base, block_size=16).block_hashes
+    assert len(ref) == 3
+    for pos in range(len(base)):
+        tokens = list(base)
+        tokens[pos] += 1000
+        hashes = make_request(f"p{pos}", tokens, block_size=16).block_hashes
+        block = pos // 16
+        assert hashes[:block] == ref[:block], f"token {pos} changed an earlier block's hash"
+        assert all(h != r for h, r in zip(hashes[block:], ref[block:])), \
+            f"token {pos} left the hash of its block or a later one unchanged"
+    for pos in range(16):
+        tokens = list(range(16))
+        tokens[pos] = 999
+        assert hashing.hash_block_tokens(sha256_cbor, None, tokens) != \
+            hashing.hash_block_tokens(sha256_cbor, None, list(range(16))), f"token {pos} ignored"
+
+
+def test_every_token_of_a_block_enters_its_hash(make_request) -> None:  # type: ignore[no-untyped-def]
+    _assert_every_token_changes_its_blocks_hash(make_request)
+
+
+def test_negative_control_a_hash_that_drops_tokens_is_caught(make_request, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _drop_12_of_16(monkeypatch)
+    with pytest.raises(AssertionError, match="unchanged|ignored"):
+        _assert_every_token_changes_its_blocks_hash(make_request)
+
+
+def test_hash_values_are_pinned() -> None:
+    """Both encodings are a contract: hashes are shared with KV connectors and across processes,
+    so a change of encoding (a tag, a length prefix's width) must be deliberate. Golden digests of
+    a value with every kind the block hashes carry (bytes, token ids, str, int, None, a big int)."""
+    value = (b"parent", (1, 2, 3), ("salt", 7, None, 2**70))
+    assert sha256(value).hex() == "c50172991d0b002d67381727bbb3a71fb2a365349e46f98f99fa7f0c37e2e2fd"
+    assert sha256_cbor(value).hex() == "32aa3520476538bd19d5cde25e789a15daadcd600025c2c7d1e395070a62c116"

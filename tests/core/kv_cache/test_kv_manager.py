@@ -228,3 +228,36 @@ def test_input_validation(make_request) -> None:  # type: ignore[no-untyped-def]
         manager.allocate_slots(no_hasher, 5)
     assert manager.get_block_ids("x") == ([],)  # rejected before any state changed
     assert _manager(enable_caching=False).allocate_slots(no_hasher, 5) is not None
+
+
+# -- a prefix hit needs every token of the prefix equal ------------------------------------------
+def _assert_no_hit_when_any_token_differs(make_request) -> None:  # type: ignore[no-untyped-def]
+    """Blocks of 16: a cached 33-token prompt; a prompt that differs in any one token of the first
+    32 hits exactly the full blocks before that token."""
+    manager = KVCacheManager(num_blocks=64, block_size=16, max_model_len=128)
+    base = list(range(200, 233))
+    first = make_request("base", base, block_size=16)
+    _schedule_prefill(manager, first)
+    manager.free(first)
+    for pos in range(32):
+        tokens = list(base)
+        tokens[pos] = 7
+        _, num_computed = manager.get_computed_blocks(make_request(f"p{pos}", tokens, block_size=16))
+        assert num_computed == pos // 16 * 16, f"token {pos} differs, yet {num_computed} tokens hit"
+    _, num_computed = manager.get_computed_blocks(make_request("same", base, block_size=16))
+    assert num_computed == 32
+
+
+def test_a_prefix_hit_needs_every_token_equal(make_request) -> None:  # type: ignore[no-untyped-def]
+    _assert_no_hit_when_any_token_differs(make_request)
+
+
+def test_negative_control_a_hash_that_drops_tokens_gives_false_hits(make_request, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The mutation (block hashes read every 4th token: 12 of 16 ignored) must fail the check."""
+    from lm_console.engine import kv_cache_hashing as hashing
+
+    real = hashing.hash_block_tokens
+    monkeypatch.setattr(hashing, "hash_block_tokens",
+                        lambda fn, parent, tokens, extra=None: real(fn, parent, list(tokens)[::4], extra))
+    with pytest.raises(AssertionError, match="yet"):
+        _assert_no_hit_when_any_token_differs(make_request)
