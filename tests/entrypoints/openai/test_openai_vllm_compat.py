@@ -352,10 +352,17 @@ def test_unknown_fields_are_ignored_with_a_warning(client, caplog) -> None:
 
 def test_thousands_of_unknown_fields_log_one_bounded_line(http, caplog) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, **{f"x{i}" * 20: i for i in range(5000)}}
+    # Nested too: every message of a chat with an unknown key (one warning per body, not per message).
+    chat = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi", "mood": i}
+                                                           for i in range(60)]}
     with caplog.at_level(logging.WARNING, logger="lm_console.engine.entrypoints.openai.protocol"):
         assert http.post("/v1/completions", json=body).status_code == 200
+        lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+        assert len(lines) == 1 and len(lines[0]) < 2000 and "4990 more" in lines[0], lines
+        caplog.clear()
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
     lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
-    assert len(lines) == 1 and len(lines[0]) < 2000 and "4990 more" in lines[0], lines
+    assert len(lines) == 1 and "'mood' (in ChatMessageParam)" in lines[0] and "50 more" in lines[0], lines
 
 
 # -- 11. chat prompt logprobs ----------------------------------------------------------------------

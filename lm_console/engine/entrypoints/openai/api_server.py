@@ -38,7 +38,7 @@ from lm_console.engine.entrypoints.openai.gate import ServerGate, ServerState
 from lm_console.engine.entrypoints.openai.lifecycle import ApiServer
 from lm_console.engine.entrypoints.openai.metrics import HttpRequestsMiddleware, make_stat_logger
 from lm_console.engine.entrypoints.openai.protocol import (
-    CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
+    CompletionRequest, collect_ignored_fields, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
 )
 from lm_console.engine.entrypoints.openai.protocol_chat import ChatCompletionRequest, TokenizeChatRequest
 from lm_console.engine.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -90,7 +90,8 @@ def decode_body(body: bytes, model: type[BaseModel] | Callable[[dict], type[Base
     data = decode_json_object(body)
     chosen: type[BaseModel] = model if isinstance(model, type) else model(data)
     try:
-        return chosen.model_validate(data)
+        with collect_ignored_fields():  # one warning line per body, however many models it nests
+            return chosen.model_validate(data)
     except ValidationError as error:
         raise errors.from_validation_error(error) from error
     except RecursionError:

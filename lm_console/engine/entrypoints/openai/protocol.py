@@ -10,9 +10,12 @@ not an integer and true is not 1. The chat models are in protocol_chat.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, model_validator
@@ -35,6 +38,43 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class IgnoredFields:
+    """The unknown fields of one request body, for one warning line (bounded, whatever the body)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.count = 0
+
+    def add(self, model_name: str, keys: list[Any]) -> None:
+        self.count += len(keys)
+        for key in keys[:MAX_IGNORED_FIELDS_LOGGED - len(self.names)]:
+            name = repr(str(key)[:MAX_IGNORED_NAME_CHARS])
+            self.names.append(name if model_name in _TOP_LEVEL_MODELS else f"{name} (in {model_name})")
+
+    def log(self) -> None:
+        if self.count:
+            more = f" and {self.count - len(self.names)} more" if self.count > len(self.names) else ""
+            logger.warning("The following fields were present in the request but ignored: %s%s.",
+                           ", ".join(self.names), more)
+
+
+_ignored_fields: ContextVar[IgnoredFields | None] = ContextVar("lmc_ignored_fields", default=None)
+_TOP_LEVEL_MODELS = frozenset({"CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
+                               "TokenizeChatRequest", "DetokenizeRequest"})
+
+
+@contextlib.contextmanager
+def collect_ignored_fields() -> Iterator[IgnoredFields]:
+    """Collect the unknown fields of the bodies validated inside, then log them as one warning."""
+    collector = IgnoredFields()
+    token = _ignored_fields.set(collector)
+    try:
+        yield collector
+    finally:
+        _ignored_fields.reset(token)
+    collector.log()
+
+
 class RequestModel(BaseModel):
     """A request body: strict types, unknown fields ignored with a warning, do-nothing-only extras checked."""
 
@@ -42,14 +82,17 @@ class RequestModel(BaseModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _warn_ignored_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+    def _note_ignored_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
         if isinstance(data, dict):
             ignored = [key for key in data if key not in cls.model_fields]
             if ignored:
-                names = ", ".join(repr(str(key)[:MAX_IGNORED_NAME_CHARS]) for key in ignored[:MAX_IGNORED_FIELDS_LOGGED])
-                more = f" and {len(ignored) - MAX_IGNORED_FIELDS_LOGGED} more" if len(ignored) > MAX_IGNORED_FIELDS_LOGGED else ""
-                logger.warning("The following fields were present in the request but ignored: %s%s (%s).",
-                               names, more, cls.__name__)
+                collector = _ignored_fields.get()
+                if collector is None:  # validated outside collect_ignored_fields(): say it at once
+                    collector = IgnoredFields()
+                    collector.add(cls.__name__, ignored)
+                    collector.log()
+                else:
+                    collector.add(cls.__name__, ignored)
         return handler(data)
 
     # field -> (its do-nothing values, why the engine cannot honour anything else)
