@@ -148,7 +148,7 @@ class OpenAIServingChat:
         params = beam_search_params(ctx, request, max_tokens, len(token_ids))
         request_id = random_id("chatcmpl")
         [result] = await until_disconnect(raw_request, run_beam_search(ctx, request_id, [token_ids], [params],
-                                                                       request.cache_salt))
+                                                                       request.cache_salt, request.priority or 0))
         echo = request.echo_text()
         choices = []
         for i, beam in enumerate(result.sequences):

@@ -88,7 +88,8 @@ class OpenAIServingCompletion:
                    bool(request.echo))
         params = [beam_search_params(ctx, request, p["max_tokens"], len(p["prompt_token_ids"])) for p, _ in prepared]
         results = await until_disconnect(raw_request, run_beam_search(
-            ctx, request_id, [p["prompt_token_ids"] for p, _ in prepared], params, request.cache_salt))
+            ctx, request_id, [p["prompt_token_ids"] for p, _ in prepared], params, request.cache_salt,
+            request.priority or 0))
         choices: list[CompletionResponseChoice] = []
         num_completion_tokens = 0
         for index, (result, (_, echo_text)) in enumerate(zip(results, prepared)):

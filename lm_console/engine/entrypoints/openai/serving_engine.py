@@ -300,7 +300,7 @@ def beam_search_params(ctx: ServingContext, request: SamplingFields, max_tokens:
 
 
 async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: list[Any],
-                          cache_salt: str | None = None) -> list[Any]:
+                          cache_salt: str | None = None, priority: int = 0) -> list[Any]:
     """Beam search of each prompt (token ids) with its BeamSearchParams; each step sends one
     one-token request per live beam of every prompt, all at once. Cancelling it aborts the step."""
     from lm_console.engine.frontend.beam_search import BeamSearch, candidates_of, check_beam_width
@@ -315,7 +315,7 @@ async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[li
     while True:
         pending = [search.pending() for search in searches]
         requests = [EngineRequest(ctx, f"{request_id}-beam{next(steps)}", {"prompt_token_ids": tokens},
-                                  search.params.step_params(), cache_salt)
+                                  search.params.step_params(), cache_salt, priority)
                     for search, beams in zip(searches, pending) for tokens in beams]
         if not requests:
             break
