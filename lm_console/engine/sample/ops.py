@@ -27,7 +27,10 @@ def apply_allowed_token_ids(logits: torch.Tensor, disallowed: tuple[torch.Tensor
         width = min(mask.shape[1], logits.shape[1])
         full[:, :width] = mask[:, :width]
         mask = full
-    logits[rows] = logits[rows].masked_fill_(mask, _NEG_INF)
+    if rows.shape[0] == logits.shape[0]:  # every row restricts (rows are 0..B-1 in order): in place
+        logits.masked_fill_(mask, _NEG_INF)
+    else:
+        logits[rows] = logits[rows].masked_fill_(mask, _NEG_INF)
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
