@@ -219,9 +219,9 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        skip = params.skip_special_tokens
-        return [search.result(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip))
-                for search in searches]
+        skip, tokenizer = params.skip_special_tokens, self.tokenizer
+        assert tokenizer is not None  # loaded in __init__
+        return [search.result(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)) for search in searches]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -306,7 +306,9 @@ async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[li
     from lm_console.engine.frontend.beam_search import BeamSearch, candidates_of, check_beam_width
 
     processor = ctx.engine.input_processor
-    stop_ids = set(processor.extra_stop_token_ids) | ({processor.eos_token_id} - {None})
+    stop_ids: set[int] = set(processor.extra_stop_token_ids)
+    if processor.eos_token_id is not None:
+        stop_ids.add(processor.eos_token_id)
     searches = []
     for token_ids, search_params in zip(prompts, params):
         check_beam_width(search_params.beam_width, processor.max_logprobs)
@@ -327,8 +329,12 @@ async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[li
         for search, beams in zip(searches, pending):
             if beams:
                 search.advance([candidates_of(next(outputs)) for _ in beams])
-    return [search.result(lambda ids, p=search.params: ctx.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens))
+    return [search.result(functools.partial(_decode, ctx.tokenizer, search.params.skip_special_tokens))
             for search in searches]
+
+
+def _decode(tokenizer: Any, skip_special_tokens: bool, token_ids: list[int]) -> str:
+    return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
 def fit_prompt(ctx: ServingContext, token_ids: list[int], truncate: int | None, max_tokens: int | None,
