@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
+from lm_console.engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams
 from lm_console.engine.frontend.core_client import EngineCoreClient
 from lm_console.engine.frontend.client_factory import make_client
 from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, make_mm_processor
@@ -180,6 +181,47 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's LLM.beam_search): params.beam_width sequences per prompt, best first.
+
+        Each step generates one token for every live beam of every prompt in one batch, with the
+        2 x beam_width most likely next tokens' logprobs (so beam_width <= max_logprobs / 2).
+        Stop tokens are the model's EOS and end-of-turn tokens. Prompts: a str, {"prompt": str}
+        or {"prompt_token_ids": [...]}, or a list of them.
+        """
+        from lm_console.engine.frontend.beam_search import candidates_of, start_searches
+
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidSamplingParamsError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        searches = start_searches(self.input_processor, list(prompts), params)
+        step = params.step_params()
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=params.max_tokens, desc="Beam search steps", dynamic_ncols=True)
+        try:
+            while True:
+                pending = [search.pending() for search in searches]
+                batch = [{"prompt_token_ids": tokens} for beams in pending for tokens in beams]
+                if not batch:
+                    break
+                outputs = iter(self.generate(batch, step, use_tqdm=False))
+                for search, beams in zip(searches, pending):
+                    if beams:
+                        search.advance([candidates_of(next(outputs)) for _ in beams])
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        skip, tokenizer = params.skip_special_tokens, self.tokenizer
+        assert tokenizer is not None  # loaded in __init__
+        return [search.result(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)) for search in searches]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

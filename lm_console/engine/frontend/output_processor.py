@@ -55,6 +55,7 @@ class RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     priority: int = 0  # as sent (scheduling_policy="priority"), for the console's request table
+    max_tokens_param: int | None = None  # after the InputProcessor's default (up to the context)
 
 
 class OutputProcessor:
@@ -113,6 +114,7 @@ class OutputProcessor:
             child_index=child_index,
             queue=queue,
             priority=request.priority,
+            max_tokens_param=params.max_tokens,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -321,4 +323,6 @@ def _finished_stats(state: RequestState, finish_reason: str, now: float) -> Fini
         finish_reason=finish_reason, e2e_latency=now - metrics.arrival_time,
         num_prompt_tokens=len(state.prompt_token_ids), num_generation_tokens=len(state.token_ids),
         queued_time=span(metrics.queued_time, scheduled), prefill_time=span(scheduled, first_token),
-        decode_time=span(first_token, last_token), inference_time=span(scheduled, last_token))
+        decode_time=span(first_token, last_token), inference_time=span(scheduled, last_token),
+        n_param=(state.parent.n if state.parent is not None else 1) if state.child_index == 0 else None,
+        max_tokens_param=state.max_tokens_param if state.child_index == 0 else None)

@@ -171,6 +171,10 @@ class FinishedRequestStats:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     inference_time: float = 0.0
+    # The request's n and max_tokens as the engine ran it (vLLM's request_params_* histograms); None on
+    # the 2nd..nth child of an n > 1 request, so that each user request is observed once.
+    n_param: int | None = None
+    max_tokens_param: int | None = None
 
 
 @dataclass(slots=True)

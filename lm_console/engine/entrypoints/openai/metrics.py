@@ -39,6 +39,9 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
     buckets: list[int] = []
@@ -90,6 +93,10 @@ class PrometheusStatLogger(StatLoggerBase):
                                                token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          REQUEST_PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -166,6 +173,10 @@ class PrometheusStatLogger(StatLoggerBase):
             self.inference_time.observe(finished.inference_time)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+            if finished.n_param is not None:
+                self.request_params_n.observe(finished.n_param)
+            if finished.max_tokens_param is not None:
+                self.request_params_max_tokens.observe(finished.max_tokens_param)
 
     def log(self) -> None:
         """Nothing to print: Prometheus scrapes /metrics."""

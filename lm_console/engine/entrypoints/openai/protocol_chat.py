@@ -38,9 +38,10 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessageParam(RequestModel):
-    """One message of the conversation."""
+    """One message of the conversation; a role other than OpenAI's goes to the chat template as it is
+    (vLLM's custom roles: the template decides what it means, or refuses it with a 400)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -88,6 +89,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     logprobs: bool | None = False
     top_logprobs: int | None = 0
+    echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the assistant's
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
@@ -114,6 +116,17 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                                   "top_logprobs")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+
+    def echo_text(self) -> str:
+        """What echo puts before each choice's text: the final message's text if it is the assistant's."""
+        if not self.echo or self.messages[-1].role != "assistant":
+            return ""
+        content = self.messages[-1].content
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return content
+        return "\n".join(part.text for part in content if isinstance(part, TextPart))
 
     @property
     def requested_max_tokens(self) -> int | None:

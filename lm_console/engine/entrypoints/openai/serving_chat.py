@@ -24,8 +24,8 @@ from lm_console.engine.entrypoints.openai.protocol_chat import (
 )
 from lm_console.engine.entrypoints.openai.structured_outputs import check_constraint_size, has_constraint
 from lm_console.engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, check_work, fit_prompt, make_sampling_params,
-    sse, until_disconnect,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, beam_search_params, check_work, fit_prompt,
+    make_sampling_params, run_beam_search, sse, until_disconnect,
 )
 from lm_console.engine.errors import EngineError
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
@@ -114,6 +114,8 @@ class OpenAIServingChat:
         elif request.truncate_prompt_tokens is not None:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images (it would cut an image's "
                               "placeholder tokens).", "truncate_prompt_tokens")
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, prompt, max_tokens, model)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         check_work(ctx, [len(prompt["prompt_token_ids"])], max_tokens, request.n, logprobs, request.prompt_logprobs)
         params = make_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
@@ -133,6 +135,59 @@ class OpenAIServingChat:
                 engine_request.close()
         return Response(response.model_dump_json(), media_type="application/json")
 
+    async def _beam_search(self, request: ChatCompletionRequest, raw_request: Request, prompt: dict[str, Any],
+                           max_tokens: int | None, model: str) -> Response:
+        """use_beam_search: the n best beams are the n choices, best first."""
+        ctx = self.ctx
+        if "multi_modal_data" in prompt:
+            raise bad_request("use_beam_search takes text messages only.", "use_beam_search")
+        if request.logprobs:
+            raise bad_request("'logprobs' cannot be used with use_beam_search.", "logprobs")
+        token_ids = prompt["prompt_token_ids"]
+        check_work(ctx, [len(token_ids)], max_tokens, request.n, None, None)
+        params = beam_search_params(ctx, request, max_tokens, len(token_ids))
+        request_id = random_id("chatcmpl")
+        [result] = await until_disconnect(raw_request, run_beam_search(ctx, request_id, [token_ids], [params],
+                                                                       request.cache_salt, request.priority or 0))
+        echo = request.echo_text()
+        choices = []
+        for i, beam in enumerate(result.sequences):
+            message = ChatMessage(role="assistant", content=echo + (beam.text or ""))
+            choice = ChatCompletionResponseChoice(index=i, message=message, finish_reason=beam.finish_reason,
+                                                  stop_reason=beam.stop_reason)
+            if request.return_token_ids:
+                choice.token_ids = list(beam.token_ids)
+            choices.append(choice)
+        usage = make_usage(len(token_ids), sum(len(beam.token_ids) for beam in result.sequences), 0)
+        if not request.stream:
+            response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+            if request.return_token_ids:
+                response.prompt_token_ids = list(token_ids)
+            return Response(response.model_dump_json(), media_type="application/json")
+
+        async def events() -> AsyncIterator[str]:  # the search is done: a role chunk, then each beam's text
+            created = int(time.time())
+
+            def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
+                made = ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
+                                                    model=model, choices=[choice])
+                if request.include_usage:
+                    made.usage = usage if request.continuous_usage else None
+                return made
+
+            for choice in choices:
+                yield sse(chunk(ChatCompletionResponseStreamChoice(
+                    index=choice.index, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)))
+                yield sse(chunk(ChatCompletionResponseStreamChoice(
+                    index=choice.index, delta=DeltaMessage(content=choice.message.content),
+                    finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)))
+            if request.include_usage:
+                yield sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
+                                                       model=model, choices=[], usage=usage))
+            yield SSE_DONE
+
+        return EventStreamResponse(events(), [])
+
     async def _full(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,
                     model: str, token_text: TokenText) -> ChatCompletionResponse:
         final: RequestOutput | None = None
@@ -140,9 +195,10 @@ class OpenAIServingChat:
             final = output
         assert final is not None
         choices = []
+        echo = request.echo_text()
         for completion in sorted(final.outputs, key=lambda c: c.index):
             choice = ChatCompletionResponseChoice(
-                index=completion.index, message=ChatMessage(role="assistant", content=completion.text),
+                index=completion.index, message=ChatMessage(role="assistant", content=echo + completion.text),
                 logprobs=self._logprobs(request, completion, token_text),
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
             if request.return_token_ids:
@@ -187,6 +243,11 @@ class OpenAIServingChat:
                     if request.return_token_ids and index == 0:
                         opening.prompt_token_ids = list(output.prompt_token_ids)
                     yield sse(opening)
+                echo = request.echo_text()
+                if echo:  # vLLM sends the echoed text as each choice's first content delta
+                    for index in range(request.n):
+                        yield sse(chunk([ChatCompletionResponseStreamChoice(
+                            index=index, delta=DeltaMessage(content=echo), logprobs=None, finish_reason=None)]))
             for completion in output.outputs:
                 num_completion_tokens[completion.index] += len(completion.token_ids)
                 if not completion.text and not completion.token_ids and completion.finish_reason is None:
