@@ -84,6 +84,12 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        help="Serve tool_choice 'auto' (the default when a request has tools): the model's calls are read "
+             "from its text by --tool-call-parser.")] = False,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        help="How tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call> blocks, "
+             "the format of the shipped ChatML templates).")] = None,
 ) -> None:
     """Serve the OpenAI API (completions, chat, tokenizer) and Prometheus /metrics over HTTP."""
     require("lmc serve", "engine", "serve")
@@ -116,7 +122,8 @@ def serve(
                                   media_fetch_timeout_s=media_fetch_timeout,
                                   max_structured_output_bytes=max_structured_output_bytes,
                                   max_structured_output_choices=max_structured_output_choices,
-                                  log_level=log_level.lower())
+                                  log_level=log_level.lower(),
+                                  enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,

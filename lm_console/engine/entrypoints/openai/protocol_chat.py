@@ -2,8 +2,9 @@
 
 Message content is a string or a list of parts: {"type": "text", "text"} and
 {"type": "image_url", "image_url": {"url"}} where url is a data: URL, an http(s) URL (fetched
-by the server) or a file:// URL under --allowed-local-media-path. Tool calling, functions and
-audio are refused with 400: the engine has no tool parser.
+by the server) or a file:// URL under --allowed-local-media-path. Tool calling: `tools`,
+`tool_choice`, `parallel_tool_calls`, assistant messages with `tool_calls` and `tool` messages
+(tool_calling.py). The deprecated `functions` / `function_call` and audio are refused with 400.
 """
 
 from __future__ import annotations
@@ -37,12 +38,48 @@ class ImagePart(RequestModel):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(RequestModel):
+    """A call an earlier assistant turn made (sent back in the history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatMessageParam(RequestModel):
     """One message of the conversation."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_message(self) -> dict[str, Any]:
         """The dict engine.multimodal.chat expects (image parts keep their URL for now)."""
@@ -52,6 +89,12 @@ class ChatMessageParam(RequestModel):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            from lm_console.engine.entrypoints.openai.tool_calling import template_tool_calls
+
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -90,18 +133,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     top_logprobs: int | None = 0
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
         **SAMPLING_UNSUPPORTED,
-        "tools": (([],), "the engine has no tool-call parser"),
-        "tool_choice": (("none", "auto"), "the engine has no tool-call parser"),
-        "functions": (([],), "the engine has no tool-call parser"),
-        "function_call": (("none", "auto"), "the engine has no tool-call parser"),
+        "functions": (([],), "`functions` is deprecated: send `tools`"),
+        "function_call": (("none", "auto"), "`function_call` is deprecated: send `tool_choice`"),
     }
 
     def check(self, max_logprobs: int, max_stop_strings: int, max_n: int) -> None:
@@ -141,9 +182,21 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(ResponseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(ResponseModel):
@@ -167,9 +220,24 @@ class ChatCompletionResponse(ResponseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra: with the request's prompt_logprobs
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    """A streamed piece of call `index`: id, type and name first, then arguments' characters."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(ResponseModel):
