@@ -1,6 +1,7 @@
 """The OpenAI-compatible server: build_app(engine, settings) -> FastAPI, and run_server.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /tokenize,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+POST /v1/embeddings, POST /tokenize,
 POST /detokenize, the console stream's /lmc/v1/... (lm_console/engine/entrypoints/console_stream.py; all
 behind require_api_key), and the open GET /health, /version, /metrics.
 ServerGate (gate.py) answers 401 / 408 / 413 / 503 before a route runs (the key is checked
@@ -42,6 +43,7 @@ from lm_console.engine.entrypoints.openai.protocol_chat import ChatCompletionReq
 from lm_console.engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from lm_console.engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from lm_console.engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from lm_console.engine.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from lm_console.engine.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
 from lm_console.engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from lm_console.engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -126,6 +128,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
     tokenization = OpenAIServingTokenization(ctx)
     responses = OpenAIServingResponses(ctx)
+    embedding = OpenAIServingEmbedding(ctx)
     console = build_console_router(engine)
 
     @contextlib.asynccontextmanager
@@ -188,6 +191,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def create_response(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ResponsesRequest, ctx)
         return await answer(responses.create(request, raw_request), prompt_param="input")
+
+    @api.post("/v1/embeddings")
+    async def create_embedding(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, EmbeddingRequest, ctx)
+        return await answer(embedding.create(request, raw_request), prompt_param="input")
 
     @api.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:

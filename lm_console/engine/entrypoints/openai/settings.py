@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from lm_console.engine.sampling_params import PoolingParams
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class ServerSettings:
     # tool_choice "auto": vLLM's --enable-auto-tool-choice and --tool-call-parser (tool_parsers.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # /v1/embeddings: vLLM's --pooler-config (pooling_type LAST or MEAN, normalize)
+    pooler_config: PoolingParams = field(default_factory=PoolingParams)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
