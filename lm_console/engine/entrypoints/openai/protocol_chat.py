@@ -9,6 +9,7 @@ by the server) or a file:// URL under --allowed-local-media-path. Tool calling: 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -90,12 +91,25 @@ class ChatMessageParam(RequestModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            from lm_console.engine.entrypoints.openai.tool_calling import template_tool_calls
-
             message["tool_calls"] = template_tool_calls(self.tool_calls)
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def template_tool_calls(tool_calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates read them: arguments as an object
+    (vLLM's normalisation; templates write them with `tojson`)."""
+    calls = []
+    for call in tool_calls:
+        arguments: Any = call.function.arguments
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # not JSON: the template gets the text
+        calls.append({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": arguments}})
+    return calls
 
 
 class ChatTemplateFields(RequestModel):

@@ -170,21 +170,6 @@ def required_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def template_tool_calls(tool_calls: list[Any]) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls as chat templates read them: arguments as an object
-    (vLLM's normalisation; templates write them with `tojson`)."""
-    calls = []
-    for call in tool_calls:
-        arguments: Any = call.function.arguments
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass  # not JSON: the template gets the text
-        calls.append({"id": call.id, "type": "function",
-                      "function": {"name": call.function.name, "arguments": arguments}})
-    return calls
-
-
 # A ChatML template with Hermes-style tools, for models whose own ChatML template has no notion
 # of tools (the embedded SmolLM2's drops them, and an assistant's calls with them): the tools
 # are listed in the system turn, an assistant's calls are written as <tool_call> blocks (what
