@@ -204,3 +204,23 @@ def test_tool_errors(client, body: dict, param: str, message: str) -> None:
     error = caught.value.body
     assert caught.value.status_code == 400 and message in error["message"]
     assert param in (error.get("param") or "") + error["message"]
+
+
+def test_round_trip_streamed(client, tokenizer) -> None:
+    """The round trip with both turns streamed: the calls are rebuilt from their deltas."""
+    content, calls, ids, finish = collect_stream(client.chat.completions.create(
+        model="tiny", messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=400, temperature=1.0,
+        seed=3, stream=True))
+    assert finish == "tool_calls" and content == ""
+    check_calls(calls)
+    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for call_id, (name, arguments) in zip(ids, calls)]}]
+    history += [{"role": "tool", "tool_call_id": call_id, "content": "cloudy"} for call_id in ids]
+    answer, more_calls, _, finish = collect_stream(client.chat.completions.create(
+        model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0.0, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert answer and more_calls == [] and finish in ("stop", "length")
+    rendered = client.post("/../tokenize", body={"model": "tiny", "messages": history, "tools": TOOLS}, cast_to=object)
+    prompt = tokenizer.decode(rendered["tokens"])  # /tokenize renders the same template, tools included
+    assert prompt.count("<tool_response>\ncloudy\n</tool_response>") == len(ids) and "# Tools" in prompt

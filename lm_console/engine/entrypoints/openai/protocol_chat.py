@@ -176,10 +176,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
 
 class TokenizeChatRequest(ChatTemplateFields):
-    """POST /tokenize with messages (text parts only)."""
+    """POST /tokenize with messages (text parts only), and the tools the template lists (vLLM's)."""
 
     model: str | None = None
     return_token_strs: bool | None = False
+    tools: list[ChatCompletionToolParam] | None = None
 
 
 class ChatCompletionLogProb(ResponseModel):
