@@ -43,6 +43,9 @@ class Pooler:
             if params.pooling_type == "MEAN":
                 partial = rows.sum(dim=0)
                 if start > 0:
+                    # The scheduler computes every prompt token of a MEAN request (no prefix cache,
+                    # no KV loads), so its first chunk starts at 0.
+                    assert req_id in self._sums, f"MEAN pooling of {req_id} began at position {start}, not 0"
                     partial = partial + self._sums[req_id]
                 self._sums[req_id] = partial
             if start + count < num_prompt:
