@@ -224,3 +224,11 @@ def test_round_trip_streamed(client, tokenizer) -> None:
     rendered = client.post("/../tokenize", body={"model": "tiny", "messages": history, "tools": TOOLS}, cast_to=object)
     prompt = tokenizer.decode(rendered["tokens"])  # /tokenize renders the same template, tools included
     assert prompt.count("<tool_response>\ncloudy\n</tool_response>") == len(ids) and "# Tools" in prompt
+
+
+def test_required_cut_by_max_tokens(client) -> None:
+    response = client.chat.completions.create(model="tiny", messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                              max_tokens=5, temperature=1.0, seed=2)
+    choice = response.choices[0]
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", [])
+    assert choice.message.content.startswith('[{"name')  # the constrained text, unparsed
