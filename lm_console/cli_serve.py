@@ -7,6 +7,7 @@ core died (so a supervisor restarts the server), 2 when the engine or the flags 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -84,6 +85,15 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        help="Serve tool_choice 'auto' (the default when a request has tools): the model's calls are read "
+             "from its text by --tool-call-parser.")] = False,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        help="How tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call> blocks, "
+             "the format of the shipped ChatML templates).")] = None,
+    pooler_config: Annotated[Optional[str], typer.Option(
+        help='How /v1/embeddings pools the last hidden states, as JSON: {"pooling_type": "LAST" | "MEAN", '
+             '"normalize": true | false} (default LAST, normalized).')] = None,
 ) -> None:
     """Serve the OpenAI API (completions, chat, tokenizer) and Prometheus /metrics over HTTP."""
     require("lmc serve", "engine", "serve")
@@ -105,6 +115,14 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
+    from lm_console.engine.errors import InvalidSamplingParamsError
+    from lm_console.engine.sampling_params import PoolingParams
+
+    try:
+        pooling = PoolingParams(**json.loads(pooler_config)) if pooler_config else PoolingParams()
+    except (ValueError, TypeError, InvalidSamplingParamsError) as error:
+        raise typer.BadParameter(f"--pooler-config {pooler_config!r}: {error} (keys: pooling_type, normalize)."
+                                 ) from error
     try:
         settings = ServerSettings(host=host, port=port, api_key=api_key or None,
                                   served_model_names=tuple(served_model_name or ()),
@@ -116,7 +134,9 @@ def serve(
                                   media_fetch_timeout_s=media_fetch_timeout,
                                   max_structured_output_bytes=max_structured_output_bytes,
                                   max_structured_output_choices=max_structured_output_choices,
-                                  log_level=log_level.lower())
+                                  log_level=log_level.lower(),
+                                  enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                                  pooler_config=pooling)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     from lm_console.engine.frontend.beam_search import BeamSearchParams
     from lm_console.engine.frontend.llm import LLM
     from lm_console.engine.outputs import CompletionOutput, RequestOutput
-    from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+    from lm_console.engine.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs",
-           "RequestOutput", "CompletionOutput", "BeamSearchParams"]
+           "RequestOutput", "CompletionOutput", "BeamSearchParams", "PoolingParams"]
 
 __getattr__ = lazy_exports(__name__, {
     "LLM": "lm_console.engine.frontend.llm",
@@ -32,4 +32,5 @@ __getattr__ = lazy_exports(__name__, {
     "StructuredOutputsParams": "lm_console.engine.sampling_params",
     "RequestOutputKind": "lm_console.engine.sampling_params",
     "BeamSearchParams": "lm_console.engine.frontend.beam_search",
+    "PoolingParams": "lm_console.engine.sampling_params",
 })

@@ -115,6 +115,31 @@ class StructuredOutputsParams:
         return kind, spec
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass
+class PoolingParams:
+    """Ask for the prompt's embedding instead of text (vLLM's pooler config names).
+
+    pooling_type: LAST (the last prompt token's final hidden state, before the LM head) or MEAN
+    (the average over all prompt tokens); normalize: L2-normalise the vector.
+    """
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pooling_type, str):
+            self.pooling_type = self.pooling_type.upper()
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidSamplingParamsError(f"PoolingParams.pooling_type={_short_repr(self.pooling_type)} is "
+                                             f"invalid: use one of {', '.join(POOLING_TYPES)}.")
+        if not isinstance(self.normalize, bool):
+            raise InvalidSamplingParamsError(f"PoolingParams.normalize={_short_repr(self.normalize)} is invalid: "
+                                             "normalize must be True or False.")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, validated in __post_init__ (vLLM-compatible fields).
@@ -151,11 +176,19 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Free-form per-request extras; "kv_transfer_params" reaches the KV connector (P/D).
     extra_args: dict[str, Any] | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): the output carries the pooled prompt.
+    pooling: PoolingParams | None = None
     # Filled by the InputProcessor from the tokenizer; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.verify()
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Whether no prompt token may be skipped (prefix cache hits, KV loads): prompt logprobs
+        and MEAN pooling read every prompt position's hidden state."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.pooling_type == "MEAN")
 
     def verify(self) -> None:
         """Normalise and validate every field (InvalidSamplingParamsError names the first bad one).
@@ -272,6 +305,15 @@ class SamplingParams:
             if kv_params is not None and not (isinstance(kv_params, dict)
                                               and all(isinstance(k, str) for k in kv_params)):
                 fail("extra_args", self.extra_args, "extra_args['kv_transfer_params'] must be a dict with str keys")
+        if self.pooling is not None:
+            if isinstance(self.pooling, dict):
+                self.pooling = PoolingParams(**self.pooling)
+            if not isinstance(self.pooling, PoolingParams):
+                fail("pooling", self.pooling, "pooling must be a PoolingParams or None")
+            self.pooling.__post_init__()
+            if self.max_tokens != 1 or self.n != 1 or self.structured_outputs is not None:
+                fail("pooling", self.pooling, "a pooling request runs its prompt only: max_tokens=1, n=1 and no "
+                                              "structured_outputs")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", self.structured_outputs,

@@ -22,8 +22,8 @@ from lm_console.engine.frontend.tokenizer import (
     preload_tokenizer_modules,
     stop_token_ids_of,
 )
-from lm_console.engine.outputs import RequestOutput
-from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
+from lm_console.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from lm_console.engine.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from lm_console.engine.startup_trace import mark
 
 if TYPE_CHECKING:
@@ -222,6 +222,22 @@ class LLM:
         skip, tokenizer = params.skip_special_tokens, self.tokenizer
         assert tokenizer is not None  # loaded in __init__
         return [search.result(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)) for search in searches]
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (in input order): the model's last hidden states
+        (before the LM head) pooled as pooling_params says (default: LAST, L2-normalised).
+
+        Each prompt runs as a request of one step past its prefill (the sampled token is
+        discarded); MEAN pooling skips the prefix cache, since it needs every token's state.
+        """
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling_params or PoolingParams(),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        return [EmbeddingRequestOutput.from_request_output(output)
+                for output in self.generate(prompts, params, use_tqdm=use_tqdm)]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

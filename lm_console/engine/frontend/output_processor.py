@@ -54,6 +54,7 @@ class RequestState:
     num_sent_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    pooled: list[float] | None = None  # a pooling request's embedding (SamplingParams.pooling)
     priority: int = 0  # as sent (scheduling_policy="priority"), for the console's request table
     max_tokens_param: int | None = None  # after the InputProcessor's default (up to the context)
 
@@ -253,6 +254,8 @@ class OutputProcessor:
         state.token_ids.extend(output.new_token_ids)
         if output.kv_transfer_params is not None:
             state.kv_transfer_params = output.kv_transfer_params
+        if output.pooled is not None:
+            state.pooled = output.pooled
         finish_reason = str(output.finish_reason) if output.finish_reason is not None else None
         stop_reason = output.stop_reason
         # The core stops only on EOS or a stop token id, whose text is not part of the output.
@@ -296,6 +299,7 @@ class OutputProcessor:
                 prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
                 num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
                 kv_transfer_params=state.kv_transfer_params, prompt_logprobs=prompt_logprobs,
+                pooled=state.pooled,
             )
         parent.completions[state.child_index] = completion
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not parent.is_finished():

@@ -33,6 +33,7 @@ from lm_console.engine.worker.encoder_runner import EncoderRunner, maybe_create_
 from lm_console.engine.worker.input_batch import CachedRequestState, InputBatch
 from lm_console.engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from lm_console.engine.worker.kv_connector_lifecycle import KVConnectorLifecycle, NoKVConnectorLifecycle
+from lm_console.engine.worker.pooling import Pooler
 from lm_console.engine.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from lm_console.engine.worker.step_inputs import StepInputs, build_attention_metadata, prepare_inputs
 
@@ -48,6 +49,7 @@ class ExecuteModelState:
     structured_output_request_ids: list[str] | None = None
     grammar_bitmask: Any = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # this step's rows (prompt_logprobs.py)
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)  # embeddings finished this step (pooling.py)
 
 
 class ModelRunner:
@@ -119,6 +121,8 @@ class ModelRunner:
         self.prev_sampled_token_ids: torch.Tensor | None = None  # [num_prev_reqs] int64, device
         self.prev_sampled: dict[str, tuple[int, int]] = {}  # req_id -> (row there, token position)
         self._num_prompt_logprobs_reqs = 0  # requests asking for prompt logprobs (skip the scan when 0)
+        self.pooler = Pooler()
+        self._pooling_reqs: set[str] = set()  # requests asking for an embedding (skip the scan when empty)
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -208,11 +212,14 @@ class ModelRunner:
         if self._num_prompt_logprobs_reqs:
             prompt_logprobs = compute_prompt_logprobs(hidden_states, inputs, self.input_batch.states[:inputs.num_reqs],
                                                       self.model.compute_logits)
+        pooler_output = {}
+        if self._pooling_reqs:
+            pooler_output = self.pooler.pool(hidden_states, inputs, self.input_batch.states[:inputs.num_reqs])
         self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
         self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows,
                                         structured_output_request_ids=scheduler_output.structured_output_request_ids,
                                         grammar_bitmask=scheduler_output.grammar_bitmask,
-                                        prompt_logprobs=prompt_logprobs)
+                                        prompt_logprobs=prompt_logprobs, pooler_output=pooler_output)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
@@ -333,6 +340,7 @@ class ModelRunner:
             logprobs=logprobs,
             kv_connector_output=kv_connector_output,
             prompt_logprobs=state.prompt_logprobs,
+            pooler_output=state.pooler_output,
         )
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]
@@ -358,6 +366,8 @@ class ModelRunner:
             gone = self.requests.pop(req_id, None)
             if gone is not None and gone.sampling_params.prompt_logprobs is not None:
                 self._num_prompt_logprobs_reqs -= 1
+            self._pooling_reqs.discard(req_id)
+            self.pooler.forget(req_id)
             batch.remove_request(req_id)
         # A running request the scheduler skipped this step leaves the batch but keeps its state.
         scheduled = scheduler_output.num_scheduled_tokens
@@ -384,6 +394,8 @@ class ModelRunner:
                 self._num_prompt_logprobs_reqs -= self.requests[new_req.req_id].sampling_params.prompt_logprobs is not None
             self.requests[new_req.req_id] = req_state
             self._num_prompt_logprobs_reqs += params.prompt_logprobs is not None
+            if params.pooling is not None:
+                self._pooling_reqs.add(new_req.req_id)
             batch.add_request(req_state)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

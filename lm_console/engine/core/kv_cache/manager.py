@@ -140,8 +140,8 @@ class KVCacheManager:
     # -- prefix cache ----------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest prefix-cache hit of a waiting request and its length in tokens."""
-        # prompt_logprobs need the logits of every prompt token, so nothing may be skipped.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        # prompt_logprobs (and MEAN pooling) need every prompt token computed, so nothing may be skipped.
+        if not self.enable_caching or request.sampling_params.needs_every_prompt_token:
             return self.empty_kv_cache_blocks, 0
         # A full hit must still recompute the last token: its logits sample the next one.
         max_cache_hit_length = request.num_tokens - 1

@@ -481,6 +481,7 @@ class Scheduler:
                     kv_transfer_params=kv_transfer_params,
                     error=RequestError(*request.error) if request.error is not None else None,
                     new_prompt_logprobs=new_prompt_logprobs,
+                    pooled=model_runner_output.pooler_output.get(request_id),
                 )
             )
         if stopped:

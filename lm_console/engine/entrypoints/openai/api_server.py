@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: build_app(engine, settings) -> FastAPI, and run_server.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, POST /invocations (SageMaker's single route: dispatched on the body's shape to
-the route that serves it), the console stream's /lmc/v1/... (lm_console/engine/entrypoints/console_stream.py; all
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+POST /v1/embeddings, POST /tokenize, POST /detokenize, POST /invocations (SageMaker's single route:
+dispatched on the body's shape to the route that serves it), the console stream's /lmc/v1/...
+(lm_console/engine/entrypoints/console_stream.py; all
 behind require_api_key), and the open GET /health, /version, /metrics.
 ServerGate (gate.py) answers 401 / 408 / 413 / 503 before a route runs (the key is checked
 before the body is read); the routes parse their own bodies off the event loop (400 for a content
@@ -41,9 +42,12 @@ from lm_console.engine.entrypoints.openai.protocol import (
     CompletionRequest, collect_ignored_fields, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
 )
 from lm_console.engine.entrypoints.openai.protocol_chat import ChatCompletionRequest, TokenizeChatRequest
+from lm_console.engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from lm_console.engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from lm_console.engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from lm_console.engine.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from lm_console.engine.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
+from lm_console.engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from lm_console.engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from lm_console.engine.entrypoints.openai.settings import ServerSettings
 from lm_console.engine.version import __version__
@@ -143,6 +147,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     ctx.on_aborted = stat_logger.record_aborted
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
     tokenization = OpenAIServingTokenization(ctx)
+    responses = OpenAIServingResponses(ctx)
+    embedding = OpenAIServingEmbedding(ctx)
     console = build_console_router(engine)
 
     @contextlib.asynccontextmanager
@@ -200,6 +206,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest, ctx)
         return await answer(chat.create(request, raw_request), prompt_param="messages")
+
+    @api.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ResponsesRequest, ctx)
+        return await answer(responses.create(request, raw_request), prompt_param="input")
+
+    @api.post("/v1/embeddings")
+    async def create_embedding(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, EmbeddingRequest, ctx)
+        return await answer(embedding.create(request, raw_request), prompt_param="input")
 
     @api.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:

@@ -4,6 +4,9 @@ Image parts are resolved by the server first (media.py: data: URLs, http(s) with
 and a byte cap, file:// under --allowed-local-media-path) and then go through the engine's own
 chat support (lm_console/engine/multimodal/chat.py), so the HTTP path and LLM.chat build the same prompt.
 A stream starts with one {"role": "assistant", "content": ""} delta per choice, as vLLM's does.
+Tools (tool_calling.py): the tools reach the chat template; "required" and named tool choices
+constrain the output; "auto" parses it with --tool-call-parser. A stream sends each call as
+vLLM does: a delta with its index, id, type and name, then deltas of its arguments' text.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ from lm_console.engine.entrypoints.openai.protocol import make_usage, prompt_log
 from lm_console.engine.entrypoints.openai.protocol_chat import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTemplateFields,
-    DeltaMessage,
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
 )
+from lm_console.engine.entrypoints.openai.tool_calling import (
+    HERMES_CHATML_TEMPLATE, ToolPlan, needs_tool_template, plan_tools,
+)
+from lm_console.engine.entrypoints.openai.tool_parsers import StreamPiece, ToolCallDelta, get_tool_parser, tool_call_id
 from lm_console.engine.entrypoints.openai.structured_outputs import check_constraint_size, has_constraint
 from lm_console.engine.entrypoints.openai.serving_engine import (
     SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, beam_search_params, check_work, fit_prompt,
@@ -34,8 +41,8 @@ if TYPE_CHECKING:
     from fastapi import Request
 
 
-async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, allow_images: bool = True
-                             ) -> dict[str, Any]:
+async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, allow_images: bool = True,
+                             tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The engine prompt dict ("prompt", "prompt_token_ids", maybe "multi_modal_data").
 
     The text is measured before the template runs, and the template, the tokenizer and the image
@@ -62,15 +69,22 @@ async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, a
         for part in image_parts:
             source = await ctx.media.load(part["image_url"]["url"])
             part["image_url"] = {"url": await ctx.offload(ctx.media.check_image, source)}
-    return await ctx.offload(_render, ctx, request, messages)
+    return await ctx.offload(_render, ctx, request, messages, tools)
 
 
-def _render(ctx: ServingContext, request: ChatTemplateFields, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _render(ctx: ServingContext, request: ChatTemplateFields, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from lm_console.engine.multimodal.chat import build_chat_prompt
 
+    kwargs = request.template_kwargs()
+    if tools is not None:
+        kwargs["tools"] = tools  # transformers' apply_chat_template(tools=...)
+    mm_processor = ctx.engine.input_processor.mm_processor
+    if mm_processor is None and needs_tool_template(getattr(ctx.tokenizer, "chat_template", None), tools, messages):
+        kwargs.setdefault("chat_template", HERMES_CHATML_TEMPLATE)
     try:
         prompt = build_chat_prompt(ctx.tokenizer, ctx.engine.input_processor.mm_processor, messages,
-                                   request.add_generation_prompt, request.template_kwargs(),
+                                   request.add_generation_prompt, kwargs,
                                    check_text=lambda text: ctx.check_prompt_text(text, "messages"))
     except (EngineError, OpenAIError):
         raise
@@ -98,6 +112,8 @@ class OpenAIServingChat:
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        parser_name = ctx.settings.tool_call_parser
+        self.tool_parser = get_tool_parser(parser_name) if parser_name else None
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         ctx, settings = self.ctx, self.ctx.settings
@@ -106,7 +122,9 @@ class OpenAIServingChat:
         if has_constraint(request):
             await ctx.offload(check_constraint_size, request, settings.max_structured_output_bytes,
                               settings.max_structured_output_choices)
-        prompt = await render_chat_prompt(ctx, request)
+        tool_plan = await ctx.offload(plan_tools, request, settings.enable_auto_tool_choice, self.tool_parser,
+                                      has_constraint(request), settings.max_structured_output_bytes)
+        prompt = await render_chat_prompt(ctx, request, tools=tool_plan.tools)
         max_tokens = request.requested_max_tokens
         if "multi_modal_data" not in prompt:
             prompt["prompt_token_ids"], max_tokens = fit_prompt(
@@ -120,16 +138,18 @@ class OpenAIServingChat:
         check_work(ctx, [len(prompt["prompt_token_ids"])], max_tokens, request.n, logprobs, request.prompt_logprobs)
         params = make_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                       stream=bool(request.stream))
+        if tool_plan.constraint is not None:
+            params.structured_outputs = tool_plan.constraint
         request_id = random_id("chatcmpl")
         engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0)
         await engine_request.start()
         try:
             token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
             if request.stream:
-                events = self._stream(engine_request, request, request_id, model, token_text)
+                events = self._stream(engine_request, request, request_id, model, token_text, tool_plan)
                 return EventStreamResponse(events, [engine_request])
             response = await until_disconnect(raw_request, self._full(engine_request, request, request_id, model,
-                                                                      token_text))
+                                                                      token_text, tool_plan))
         finally:
             if not request.stream:
                 engine_request.close()
@@ -189,7 +209,7 @@ class OpenAIServingChat:
         return EventStreamResponse(events(), [])
 
     async def _full(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,
-                    model: str, token_text: TokenText) -> ChatCompletionResponse:
+                    model: str, token_text: TokenText, tool_plan: ToolPlan) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async for output in engine_request:
             final = output
@@ -197,10 +217,17 @@ class OpenAIServingChat:
         choices = []
         echo = request.echo_text()
         for completion in sorted(final.outputs, key=lambda c: c.index):
+            content, calls = tool_plan.parse(completion.text)
+            if echo:
+                content = echo + (content or "")
+            message = ChatMessage(role="assistant", content=content, tool_calls=[
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls])
             choice = ChatCompletionResponseChoice(
-                index=completion.index, message=ChatMessage(role="assistant", content=echo + completion.text),
+                index=completion.index, message=message,
                 logprobs=self._logprobs(request, completion, token_text),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                finish_reason=tool_plan.finish_reason(completion.finish_reason, bool(calls)),
+                stop_reason=completion.stop_reason)
             if request.return_token_ids:
                 choice.token_ids = list(completion.token_ids)
             choices.append(choice)
@@ -215,8 +242,9 @@ class OpenAIServingChat:
         return response
 
     async def _stream(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,
-                      model: str, token_text: TokenText) -> AsyncIterator[str]:
+                      model: str, token_text: TokenText, tool_plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
+        tools = [_ToolStream(tool_plan) for _ in range(request.n)]
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> ChatCompletionStreamResponse:
             made = ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
@@ -252,10 +280,14 @@ class OpenAIServingChat:
                 num_completion_tokens[completion.index] += len(completion.token_ids)
                 if not completion.text and not completion.token_ids and completion.finish_reason is None:
                     continue
+                tool_stream = tools[completion.index]
+                delta = tool_stream.delta(completion.text, completion.finish_reason is not None)
+                if delta is None and completion.finish_reason is None and not request.logprobs:
+                    continue  # text held back (a tag's beginning) with nothing else to send
                 choice = ChatCompletionResponseStreamChoice(
-                    index=completion.index, delta=DeltaMessage(content=completion.text),
+                    index=completion.index, delta=delta or DeltaMessage(content=""),
                     logprobs=self._logprobs(request, completion, token_text),
-                    finish_reason=completion.finish_reason)
+                    finish_reason=tool_plan.finish_reason(completion.finish_reason, tool_stream.called))
                 if completion.finish_reason is not None:
                     choice.stop_reason = completion.stop_reason
                 if request.return_token_ids:
@@ -272,3 +304,57 @@ class OpenAIServingChat:
         if not request.logprobs:
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0, token_text)
+
+
+class _ToolStream:
+    """One choice's stream through its ToolPlan: text deltas -> content and tool-call deltas."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.parser = plan.streamer()
+        self.ids: dict[int, str] = {}
+        self.named_started = False
+
+    @property
+    def called(self) -> bool:
+        if self.plan.mode == "named":
+            return self.named_started
+        return bool(self.ids)
+
+    def delta(self, text: str, last: bool) -> DeltaMessage | None:
+        """The delta for this text (None when nothing is to be sent yet)."""
+        if self.plan.mode == "named":
+            return self._named(text)
+        if self.parser is None:
+            return DeltaMessage(content=text)
+        piece = self.parser.feed(text)
+        if last:
+            tail = self.parser.finish()
+            piece = StreamPiece(piece.content + tail.content, piece.tool_calls + tail.tool_calls)
+        calls = [self._call(d) for d in piece.tool_calls if self.plan.parallel or d.index == 0]
+        if self.ids and not piece.content.strip():
+            piece.content = ""  # the whitespace between and after calls is not content
+        if not calls and not piece.content:
+            return None
+        delta = DeltaMessage()
+        if piece.content:
+            delta.content = piece.content
+        if calls:
+            delta.tool_calls = calls
+        return delta
+
+    def _named(self, text: str) -> DeltaMessage | None:
+        if self.named_started:
+            if not text:
+                return None
+            return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))])
+        self.named_started = True
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=tool_call_id(), type="function",
+                                                      function=DeltaFunctionCall(name=self.plan.named, arguments=text))])
+
+    def _call(self, piece: ToolCallDelta) -> DeltaToolCall:
+        if piece.name is not None:
+            self.ids[piece.index] = tool_call_id()
+            return DeltaToolCall(index=piece.index, id=self.ids[piece.index], type="function",
+                                 function=DeltaFunctionCall(name=piece.name, arguments=""))
+        return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
