@@ -24,8 +24,8 @@ from lm_console.engine.config.cache import (
 )
 from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.engine_config import EngineConfig
-from lm_console.engine.config.fields import UNSET, Declaration, engine_knobs, verify_values
-from lm_console.engine.config.frontend import FrontendConfig
+from lm_console.engine.config.fields import UNSET, verify_values
+from lm_console.engine.config.knobs import ENGINE_ARG_SOURCES, engine_arg_declarations
 from lm_console.engine.config.kv_transfer import KVTransferConfig
 from lm_console.engine.config.model import ModelConfig, Quantization
 from lm_console.engine.config.multimodal import MultiModalConfig
@@ -40,28 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINE_ARG_SOURCES", "KV_CACHE_DTYPE_CHOICES", "QUANTIZATION_CHOICES", "EngineArgs",
            "engine_arg_declarations", "resolve_quantization"]
-
-# The config classes whose knobs are EngineArgs' fields, in the fields' order. A new config class
-# (config/lora.py, config/speculative.py) adds itself here and maps its fields in
-# create_engine_config; its knobs then appear on EngineArgs, the docs and (cli=) the `lmc` flags.
-ENGINE_ARG_SOURCES: tuple[type, ...] = (
-    ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig, FrontendConfig, MultiModalConfig,
-    EngineConfig,
-)
-
-
-@functools.cache
-def engine_arg_declarations() -> dict[str, Declaration]:
-    """EngineArgs keyword -> its knob's declaration (ValueError on a keyword declared twice)."""
-    found: dict[str, Declaration] = {}
-    for decl in engine_knobs(ENGINE_ARG_SOURCES):
-        if decl.arg in found:
-            first = found[decl.arg]
-            raise ValueError(f"EngineArgs keyword {decl.arg!r} is declared twice: on {first.owner.__name__}."
-                             f"{first.field} and on {decl.owner.__name__}.{decl.field}.")
-        found[decl.arg] = decl
-    return found
-
 
 def engine_args_from(cls: type) -> type:
     """Make cls a dataclass with one field per knob of ENGINE_ARG_SOURCES (its type and default)."""
