@@ -125,7 +125,8 @@ def engine_flags(defaults: Mapping[str, Any] | None = None, *, only: Iterable[st
         @functools.wraps(func)
         def command(*args: Any, **kwargs: Any) -> Any:
             flags = {pname: kwargs.pop(pname) for pname in added}
-            return func(*args, engine_kwargs=engine_kwargs({added[p].arg: v for p, v in flags.items()}), **kwargs)
+            given = {added[p].arg: v for p, v in flags.items()}
+            return func(*args, engine_kwargs=engine_kwargs(given, keep=defaults), **kwargs)
 
         command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}
@@ -134,9 +135,11 @@ def engine_flags(defaults: Mapping[str, Any] | None = None, *, only: Iterable[st
     return wrap
 
 
-def engine_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
+def engine_kwargs(values: Mapping[str, Any], keep: Iterable[str] = ()) -> dict[str, Any]:
     """EngineArgs keywords of flag values (keyword -> value as the flag gave it): a choice as its
-    str, the flag's stand-in for None as None; the knobs' defaults left out."""
+    str, the flag's stand-in for None as None; the knobs' defaults left out, but for the `keep`
+    keywords (a command's own defaults, passed on whatever their value)."""
+    keep = set(keep)
     declared = flag_declarations()
     args: dict[str, Any] = {}
     for name, value in values.items():
@@ -145,7 +148,7 @@ def engine_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
             value = value.value
         if decl.spec.cli_none is not None and value == decl.spec.cli_none:
             value = None
-        if value != decl.default_value() or type(value) is not type(decl.default_value()):
+        if name in keep or value != decl.default_value() or type(value) is not type(decl.default_value()):
             args[name] = value
     return args
 
@@ -173,7 +176,8 @@ def serve_flags(engine_args: Mapping[str, Any]) -> list[str]:
         elif value is None:
             if decl.spec.cli_none is None:
                 continue  # the flag's own default
-            flags += [flag, str(decl.spec.cli_none)]
+            none = decl.spec.cli_none
+            flags += [flag, str(int(none)) if isinstance(none, float) and none.is_integer() else str(none)]
         else:
             flags += [flag, str(value)]
     return flags

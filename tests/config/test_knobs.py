@@ -226,6 +226,6 @@ def test_engine_kwargs_keep_only_what_differs_from_the_knobs() -> None:
                           "async_scheduling": False}) == {"block_size": 32, "liveness_timeout_s": None}
     assert serve_flags({"block_size": 32, "liveness_timeout_s": None, "enable_prefix_caching": False,
                         "num_gpu_blocks_override": 7}) == [
-        "--block-size", "32", "--liveness-timeout", "0.0", "--no-enable-prefix-caching", "--num-blocks", "7"]
+        "--block-size", "32", "--liveness-timeout", "0", "--no-enable-prefix-caching", "--num-blocks", "7"]
     with pytest.raises(ValueError, match="multiprocess has no `lmc serve` flag"):
         serve_flags({"multiprocess": False})
