@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from lm_console.engine import envs
 from lm_console.engine.config.cache import (
@@ -24,7 +24,7 @@ from lm_console.engine.config.cache import (
 )
 from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.engine_config import EngineConfig
-from lm_console.engine.config.fields import UNSET, verify_values
+from lm_console.engine.config.fields import UNSET, declarations, verify_values
 from lm_console.engine.config.knobs import ENGINE_ARG_SOURCES, engine_arg_declarations
 from lm_console.engine.config.kv_transfer import KVTransferConfig
 from lm_console.engine.config.model import ModelConfig, Quantization
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINE_ARG_SOURCES", "KV_CACHE_DTYPE_CHOICES", "QUANTIZATION_CHOICES", "EngineArgs",
            "engine_arg_declarations", "resolve_quantization"]
+
+C = TypeVar("C")
+
 
 def engine_args_from(cls: type) -> type:
     """Make cls a dataclass with one field per knob of ENGINE_ARG_SOURCES (its type and default)."""
@@ -140,14 +143,14 @@ class EngineArgs:
                               ray_per_worker_cpus=(None if self.ray_per_worker_cpus is None
                                                    else float(self.ray_per_worker_cpus)))
 
+    def config_of(self, cls: type[C]) -> C:
+        """cls made from these arguments' values of its knobs (a config class whose fields are all
+        user knobs; one with resolved facts is built by create_engine_config)."""
+        return cls(**{d.field: getattr(self, d.arg) for d in declarations(cls) if d.spec.user})
+
     def create_mm_config(self) -> MultiModalConfig:
         """The resolved MultiModalConfig (validated)."""
-        from lm_console.engine.config.multimodal import MultiModalConfig
-
-        mm_config = MultiModalConfig(
-            mm_processor_cache_gb=self.mm_processor_cache_gb, mm_hasher_algorithm=self.mm_hasher_algorithm,
-            disable_chunked_mm_input=self.disable_chunked_mm_input, encoder_cache_size=self.encoder_cache_size,
-            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens)
+        mm_config = self.config_of(MultiModalConfig)
         mm_config.verify()
         return mm_config
 

@@ -54,7 +54,7 @@ class ModelConfig(DeclaredConfig):
     # None = auto (a GGUF model in bf16 on the CPU keeps its file's weights, the fastest measured;
     # LMC_QUANT_AUTO=0: dense); resolved: "gguf", "int8" or None (dense); resolve_quantization.
     quantization: Quantization = knob(
-        None, cli=None, help="None/auto | none (dense) | gguf (a GGUF model's own weights) | int8 (per-channel "
+        None, help="None/auto | none (dense) | gguf (a GGUF model's own weights) | int8 (per-channel "
                              "int8 weights, dynamic int8 activations) (docs/quantized-cpu.md).")
     max_logprobs: int = knob(20, ge=-1, cli=None,
                              help="Most logprobs per token a request may ask for (vLLM's max_logprobs; -1: no limit).")
