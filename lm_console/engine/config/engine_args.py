@@ -109,21 +109,10 @@ class EngineArgs:
             max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo, kv_cache_memory=self.kv_cache_memory,
-                kv_cache_prefault=self.kv_cache_prefault, kv_cache_dtype=cast(KVCacheDtype, kv_cache_dtype),
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_kv_cache_events=self.enable_kv_cache_events,
-                kv_cache_metrics=self.kv_cache_metrics, kv_cache_metrics_sample=self.kv_cache_metrics_sample),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                enable_chunked_prefill=self.enable_chunked_prefill, log_stats=self.log_stats,
-                async_scheduling=self.async_scheduling, policy=self.scheduling_policy),
+            cache_config=self.config_of(CacheConfig, kv_cache_dtype=cast(KVCacheDtype, kv_cache_dtype)),
+            scheduler_config=self.config_of(SchedulerConfig, max_num_batched_tokens=max_num_batched_tokens),
             parallel_config=self.create_parallel_config(),
-            device_config=DeviceConfig(device=device, num_threads=self.num_threads,
-                                       attention_backend=self.attention_backend, enforce_eager=self.enforce_eager),
+            device_config=self.config_of(DeviceConfig, device=device),
             kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
@@ -134,19 +123,14 @@ class EngineArgs:
         backend = self.distributed_executor_backend
         if self.tensor_parallel_size > 1 and backend == "uni":
             backend = "mp"  # one process cannot hold several ranks (as vLLM switches)
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              data_parallel_size=self.data_parallel_size,
-                              data_parallel_rank=self.data_parallel_rank,
-                              data_parallel_backend=self.data_parallel_backend,
-                              data_parallel_routing=self.data_parallel_routing,
-                              distributed_executor_backend=backend,
-                              ray_per_worker_cpus=(None if self.ray_per_worker_cpus is None
-                                                   else float(self.ray_per_worker_cpus)))
+        cpus = None if self.ray_per_worker_cpus is None else float(self.ray_per_worker_cpus)
+        return self.config_of(ParallelConfig, distributed_executor_backend=backend, ray_per_worker_cpus=cpus)
 
-    def config_of(self, cls: type[C]) -> C:
-        """cls made from these arguments' values of its knobs (a config class whose fields are all
-        user knobs; one with resolved facts is built by create_engine_config)."""
-        return cls(**{d.field: getattr(self, d.arg) for d in declarations(cls) if d.spec.user})
+    def config_of(self, cls: type[C], **resolved: Any) -> C:
+        """cls made from these arguments' values of its knobs, with `resolved` (field -> value)
+        in place of those the engine resolved (device "auto" -> "cpu", ...)."""
+        values = {d.field: getattr(self, d.arg) for d in declarations(cls) if d.spec.user}
+        return cls(**{**values, **resolved})
 
     def create_mm_config(self) -> MultiModalConfig:
         """The resolved MultiModalConfig (validated)."""
