@@ -99,6 +99,28 @@ def test_every_knob_refuses_what_its_declaration_excludes(name: str) -> None:
     check_refusals(name)
 
 
+def _engine_filled() -> list[Declaration]:
+    """The declared fields the engine (or a connector's JSON) fills: checked, but no keyword."""
+    from lm_console.engine.config import ECTransferConfig, KVTransferConfig, StructuredOutputsConfig
+    from lm_console.engine.config.cache import CacheConfig
+
+    classes = (CacheConfig, StructuredOutputsConfig, KVTransferConfig, ECTransferConfig)
+    return [d for cls in classes for d in declarations(cls) if not d.spec.user]
+
+
+REQUIRED = {"KVTransferConfig": {"kv_connector": "OffloadConnector"}}
+
+
+@pytest.mark.parametrize("decl", _engine_filled(), ids=lambda d: f"{d.owner.__name__}.{d.field}")
+def test_every_engine_filled_field_refuses_what_its_declaration_excludes(decl: Declaration) -> None:
+    required = REQUIRED.get(decl.owner.__name__, {})
+    decl.owner(**required, **{decl.field: decl.default_value()})  # the default passes
+    for value in refused_values(decl):
+        with pytest.raises(InvalidEngineArgsError) as caught:
+            decl.owner(**required, **{decl.field: value})
+        assert decl.arg in str(caught.value), (decl.arg, value, str(caught.value))
+
+
 @pytest.mark.parametrize("name", sorted(n for n, d in DECLS.items() if d.choices is not None))
 def test_every_choice_is_accepted_and_the_refusal_lists_them(name: str) -> None:
     decl = DECLS[name]
