@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
+from lm_console.engine_options import engine_flags
 from lm_console.extras import extra_of_module, missing_message, require
 
 app = typer.Typer(
@@ -67,7 +68,9 @@ def models_path(name: Optional[str] = typer.Argument(None, help="Model name, dir
 
 
 @app.command()
+@engine_flags()
 def generate(
+    engine_kwargs: dict[str, Any],
     prompt: str = typer.Argument(..., help="The prompt text."),
     model: Optional[str] = typer.Option(None, help="Model name, HF-format directory or .gguf file."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
@@ -81,12 +84,6 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
     n: int = typer.Option(1, help="Number of completions."),
     stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16"),
-    max_model_len: Optional[int] = typer.Option(None),
-    quantization: Optional[str] = typer.Option(
-        None, help="gguf (a .gguf model's own quantized weights) | int8 | none (default: auto, dense)."),
-    kv_cache_dtype: str = typer.Option(
-        "auto", help="auto | int8 | the model's dtype (auto: int8 where the weights run quantized on the CPU)."),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
     global _one_shot_done
@@ -106,8 +103,7 @@ def generate(
         )
         # One process: the engine core runs here (InprocClient), so torch and the engine import
         # once, not again in a forked core; the tokenizer loads on a thread meanwhile.
-        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
-                  kv_cache_dtype=kv_cache_dtype, multiprocess=False)
+        llm = LLM(model=model, **{**engine_kwargs, "multiprocess": False})
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})

@@ -11,17 +11,11 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from lm_console.engine_options import (
-    AsyncSchedulingOpt, BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt,
-    ExecutorBackendOpt, KVCacheDtypeOpt, LivenessTimeoutOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
-    MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
-    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
-    liveness_args, parallel_args,
-)
+from lm_console.engine_options import ModelOpt, engine_flags
 from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
@@ -32,21 +26,15 @@ ModelArg = Annotated[Optional[str], typer.Argument(
     metavar="MODEL", help="Model name, HF-format directory or .gguf file (same as --model).")]
 
 
+# A server runs for long: its first requests should not pay the KV cache's page faults.
+@engine_flags({"kv_cache_prefault": True})
 def serve(
+    engine_kwargs: dict[str, Any],
     model_arg: ModelArg = None,
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
-    tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
-    distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
-    data_parallel_backend: DataParallelBackendOpt = "mp",
+    model: ModelOpt = None,
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
-    scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
-    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, kv_cache_prefault: KVCachePrefaultOpt = True,
-    kv_cache_dtype: KVCacheDtypeOpt = "auto", liveness_timeout: LivenessTimeoutOpt = 30.0,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -139,18 +127,11 @@ def serve(
                                   pooler_config=pooling)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
-    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads, async_scheduling)
-    args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
-                              data_parallel_routing, data_parallel_backend))
+    args = dict(engine_kwargs)
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
-    args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
-                kv_cache_metrics_sample=kv_cache_metrics_sample, kv_cache_prefault=kv_cache_prefault,
-                kv_cache_dtype=kv_cache_dtype)
-    args.update(liveness_args(liveness_timeout))
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM
 
