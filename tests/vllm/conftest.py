@@ -43,7 +43,15 @@ def vllm_python() -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python: Path, embedded_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[VLLMServer]:
-    """`python -m vllm.entrypoints.openai.api_server` on free ports; stopped at the end of the session."""
+    """`python -m vllm.entrypoints.openai.api_server` on free ports; stopped at the end of the session.
+
+    LMC_TEST_VLLM_URL and LMC_TEST_VLLM_KV_EVENTS (tests only) name a vLLM server already running with
+    KV events on instead, to rerun the tests without another start (minutes).
+    """
+    if os.environ.get("LMC_TEST_VLLM_URL"):
+        yield VLLMServer(os.environ["LMC_TEST_VLLM_URL"].rstrip("/"), os.environ["LMC_TEST_VLLM_KV_EVENTS"],
+                         str(embedded_model_dir), Path("/dev/null"))
+        return
     port, events_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}

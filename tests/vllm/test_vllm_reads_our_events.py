@@ -80,6 +80,16 @@ class _OldStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     medium: str | None = "GPU"
 
 
+class _LeanStored(msgspec.Struct, omit_defaults=True, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
 def test_vllms_decoder_reads_what_our_engine_publishes(vllm_python, tiny_llama_dir, tmp_path) -> None:  # noqa: ANN001
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=25,
               enable_kv_cache_events=True)
@@ -104,8 +114,10 @@ def test_vllms_decoder_reads_what_our_engine_publishes(vllm_python, tiny_llama_d
 
     assert _decode_with_vllm(vllm_python, payloads, tmp_path) == ours
 
-    # Negative control: the array form we published before is refused by vLLM's decoder.
-    old = KVEventBatch(1.0, [])
-    old_payload = msgspec.msgpack.encode([old.ts, [_OldStored([b"\x01" * 32], None, list(range(16)), 16)]])
-    (refused,) = _decode_with_vllm(vllm_python, [old_payload], tmp_path)
-    assert "error" in refused and "Expected `object`" in refused["error"], refused
+    # Negative controls: the array form we published before, and the map form with its defaults left
+    # out (msgspec's omit_defaults, as vLLM itself encodes), are both refused by vLLM's decoder.
+    old_payload = msgspec.msgpack.encode([1.0, [_OldStored([b"\x01" * 32], None, list(range(16)), 16)]])
+    lean_payload = msgspec.msgpack.encode([1.0, [_LeanStored([b"\x01" * 32], None, list(range(16)), 16)]])
+    refused_old, refused_lean = _decode_with_vllm(vllm_python, [old_payload, lean_payload], tmp_path)
+    assert "Expected `object`" in refused_old.get("error", ""), refused_old
+    assert "missing required field" in refused_lean.get("error", ""), refused_lean
