@@ -10,7 +10,7 @@ from typing import TextIO
 
 from lm_console.client.asyncllm import kv_records_of
 from lm_console.client.protocol import ConsoleClient
-from lm_console.client.types import UNAVAILABLE_KV_EVENTS, EngineUnavailable, KVEventRecord
+from lm_console.client.types import UNAVAILABLE_KV_EVENTS, EngineUnavailable, KVEventRecord, KVEventStreamError
 from lm_console.load_generator import LoadGenerator, LoadShape
 from lm_console.request_book import RequestBook
 
@@ -52,6 +52,9 @@ async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int 
     except EngineUnavailable as error:
         out.flush()
         raise SystemExit(f"error: the engine stopped: {error}") from error
+    except KVEventStreamError as error:  # the event source failed, not the engine
+        out.flush()
+        raise SystemExit(f"error: the KV event stream failed: {error}") from error
     finally:
         await generator.close()
         await client.shutdown()

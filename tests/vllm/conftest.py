@@ -15,7 +15,7 @@ import httpx
 import pytest
 from vllm_helpers import vllm_venv
 
-STARTUP_DEADLINE_S = 1200  # a liveness bound: vLLM compiles its model on first start (minutes on 2 cores)
+STARTUP_DEADLINE_S = 1800  # a liveness bound: vLLM compiles its model on first start (minutes on 2 cores)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ from lm_console.tui.app import ConsoleApp
 from lm_console.tui.render import fmt_count, fmt_seconds
 from lm_console.tui.widgets.kv_event_log import KVEventLog
 
-pytestmark = pytest.mark.vllm
+# The first test to ask for the server waits for vLLM to start (it compiles its model: up to 20 minutes on a
+# busy 2-core machine), beyond the suite's 600 s default.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
 SIZE = (160, 48)
 LOAD_DEADLINE_S = 900  # liveness bounds, not performance assertions
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,9 @@ from lm_console.engine.metrics.kv_events import (
     BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
 )
 
-pytestmark = pytest.mark.vllm
+# The first test to ask for the server waits for vLLM to start (it compiles its model: up to 20 minutes on a
+# busy 2-core machine), beyond the suite's 600 s default.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
 
 DECODE_WITH_VLLM = """
 import json, sys

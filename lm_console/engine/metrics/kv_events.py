@@ -111,6 +111,8 @@ class DecodedKVEventBatch:
         return sum(isinstance(event, UnknownKVEvent) for event in self.events)
 
 
+# The array form of vLLM's releases before the map form (and of lm-console's console stream v1):
+# fields by position after the tag; the oldest had no medium, so every field after block_size defaults.
 class _LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
@@ -134,7 +136,7 @@ _FROM_LEGACY: dict[type, type] = {_LegacyBlockStored: BlockStored, _LegacyBlockR
                                   _LegacyAllBlocksCleared: AllBlocksCleared}
 
 
-class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):  # the batch around events read one by one
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
