@@ -56,7 +56,9 @@ def vllm_server(vllm_python: Path, embedded_model_dir: Path, tmp_path_factory: p
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     command = ["nice", "-n", "10", str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(embedded_model_dir), "--port", str(port), "--max-model-len", "2048",
+               # Eager: the console does not care how fast vLLM runs, and compiling costs minutes on 2 cores.
+               "--model", str(embedded_model_dir), "--served-model-name", "SmolLM2-135M-Instruct", "--enforce-eager",
+               "--port", str(port), "--max-model-len", "2048",
                "--kv-events-config",
                f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events_port}"}}']
     with log.open("wb") as out:

@@ -148,7 +148,7 @@ def test_the_console_reads_a_real_vllm_server(vllm_server, tmp_path) -> None:  #
     assert seen["live_while_loading"], "the map and the log only moved after the load"
     assert seen["events_during_load"] > 0 and seen["map_cells_during_load"] > 0
     assert seen["log_unknown"] == 0 and seen["undecodable"] == 0
-    assert "(KV events)" in seen["pool_title"] and "not its block ids" in seen["pool_subtitle"]
+    assert "prefix cache" in seen["pool_title"] and "(KV events), not its block ids" in seen["pool_subtitle"]
     assert "received" in seen["events_title"] and "unknown" not in seen["events_title"]
 
     view, expected = seen["view"], seen["expected"]

@@ -52,7 +52,7 @@ class BlockPoolPanel(Vertical):
         if self.source:
             self.border_title = (
                 f"KV block pool ─ usage {view.kv_usage * 100:.0f}% · in use {fmt_count(view.num_used_blocks)}"
-                f" · prefix cache {cached} of {fmt_count(view.num_total_blocks)} (KV events)")
+                f" · prefix cache {cached} of {fmt_count(view.num_total_blocks)}")
             self.border_subtitle = self.source
         elif total and (first > 0 or last < total - 1):
             zoom = f" · {block_map.zoom} blocks/cell" if block_map.zoom > 1 else ""
