@@ -40,7 +40,8 @@ test-hostile: $(STAMP)
 
 # The console against a real vLLM server (tests marked vllm): vLLM's CPU build in a venv of its own
 # (tools/vllm_env.sh; VLLM_VENV), started over the embedded model with KV events on. Not in `make test`
-# or CI: the install is about 10 minutes and each vLLM start 3-6 minutes on 2 cores (docs/console.md).
+# or CI: on a busy 2-core machine the install took 3 minutes (3.5 GB, warm pip cache) and the tests
+# 5.3 minutes, most of it vLLM's start (docs/development.md).
 VLLM_VENV ?= .venv-vllm
 test-vllm: $(STAMP)
 	tools/vllm_env.sh $(VLLM_VENV)
