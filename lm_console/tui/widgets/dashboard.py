@@ -46,9 +46,11 @@ class Dashboard(Vertical):
             yield RequestTable(id="requests")
             yield KVEventsPanel(id="kv-events")
 
-    def set_unavailable(self, unavailable: dict[str, str], server_requests: bool = False) -> None:
+    def set_unavailable(self, unavailable: dict[str, str], server_requests: bool = False,
+                        block_map_source: str = "") -> None:
         """Panels without a source (EngineInfo.unavailable) say so instead of showing zeros."""
         self.query_one(BlockPoolPanel).note = unavailable.get(UNAVAILABLE_BLOCK_MAP)
+        self.query_one(BlockPoolPanel).source = block_map_source
         self.query_one(SchedulerPanel).note = unavailable.get(UNAVAILABLE_STEPS)
         events = self.query_one(KVEventsPanel)
         events.note = unavailable.get(UNAVAILABLE_KV_EVENTS)
