@@ -113,6 +113,14 @@ LMC_ENGINE_STARTUP_TIMEOUT = _declare(
 LMC_STARTUP_TRACE = _declare(
     "LMC_STARTUP_TRACE", "", "anything but empty or 0: print the end of each cold-start phase with its time")
 
+# -- benchmarks --------------------------------------------------------------------------------
+LMC_BENCH_HISTORY = _declare(
+    "LMC_BENCH_HISTORY", "", "the JSON-lines file each benchmark run appends its figures and machine fingerprint "
+    "to; default benchmarks/history.jsonl in the checkout; 0/off: none")
+LMC_BENCH_BASELINES = _declare(
+    "LMC_BENCH_BASELINES", "", "the folder of the perf smoke's per-machine baselines (<fingerprint id>.json); "
+    "default benchmarks/baselines in the checkout")
+
 # -- the console -----------------------------------------------------------------------------
 LMC_API_KEY = _declare(
     "LMC_API_KEY", "", "the API key the console and `lmc bench serve` send to a server (--api-key's default)")
