@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         status = "recorded"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"fingerprint": {k: v for k, v in print_.items() if k != "load_average"},
+                                    "recorded_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                                    "load_average_when_recorded": print_["load_average"],
                                     "workload": WORKLOAD, "threads": args.threads, "tok_per_cpu_s": measured,
                                     "results": results}, indent=1) + "\n")
         print(f"baseline recorded in {path}: {json.dumps(measured)}")

@@ -8,11 +8,13 @@ which run in the engine core and the worker, never in the frontend.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lm_console.engine import envs
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ _DTYPE_NAMES: dict[str, str] = {
     "fp16": "float16",
     "half": "float16",
 }
+
+logger = logging.getLogger(__name__)
 
 CPUINFO = Path("/proc/cpuinfo")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -174,3 +178,44 @@ def usable_cpus(affinity: int | None = None, quota: float | None = None) -> int:
     if limit is not None:
         cpus = min(cpus, math.floor(limit + 1e-9))
     return max(cpus, 1)
+
+
+def openmp_loaded() -> bool:
+    """Whether this process has loaded an OpenMP runtime (it reads its variables once, at load)."""
+    try:
+        maps = Path("/proc/self/maps").read_text(errors="replace")
+    except OSError:
+        return True  # cannot tell: assume too late
+    return "libgomp" in maps or "libiomp" in maps or "libomp" in maps
+
+
+def openmp_wait_environment() -> dict[str, str]:
+    """The OpenMP variables the engine sets for its processes: GOMP_SPINCOUNT=LMC_OMP_SPIN, unless
+    the user chose a wait policy or a spin count, or LMC_OMP_SPIN is off.
+
+    Why: libgomp's default lets an idle thread spin 300000 times (milliseconds) before it sleeps.
+    On a machine whose other processes keep cores busy, a thread waiting at a barrier for a
+    descheduled partner spins through its whole time slice, so every parallel region (dozens per
+    decode step) costs a scheduler quantum and the CPU is burnt rather than lent: measured on the
+    shared 2-core machine, 10x the CPU per token (docs/benchmarks: performance on shared machines).
+    A short spin still covers the microseconds between one step's parallel regions."""
+    spin = envs.LMC_OMP_SPIN.get().strip()
+    if envs.OMP_WAIT_POLICY.is_set() or envs.GOMP_SPINCOUNT.is_set() or spin.lower() in ("off", "false", ""):
+        return {}
+    if not spin.isdigit():
+        raise InvalidEngineArgsError(f"LMC_OMP_SPIN={spin!r} must be a spin count (a whole number) or off")
+    return {"GOMP_SPINCOUNT": spin}
+
+
+def apply_openmp_wait_environment() -> bool:
+    """Set openmp_wait_environment() in this process's environment, for itself (when its OpenMP
+    runtime is not loaded yet) and for the processes it starts (the engine core's forkserver
+    inherits it). Returns whether this process's own runtime will see it."""
+    wanted = openmp_wait_environment()
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    if wanted and openmp_loaded():
+        logger.debug("OpenMP is already loaded here (torch imported first): %s applies to child processes only",
+                     wanted)
+        return False
+    return bool(wanted)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import threading
 import weakref
 from collections.abc import Callable
