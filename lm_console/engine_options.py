@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-import os
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Optional, TypeVar
@@ -191,7 +190,9 @@ def console_threads(num_threads: int | None) -> int:
     """
     if num_threads is not None:
         return num_threads
-    return max((os.cpu_count() or 2) - 1, 1)
+    from lm_console.engine.platform import usable_cpus
+
+    return max(usable_cpus() - 1, 1)
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from lm_console.engine.frontend.engine_process import EngineProcess
 from lm_console.engine.frontend.mp_client import (
     AsyncMPClient, MPClient, OutputSink, SinkStateMixin, SyncMPClient, _AsyncSink, _SyncSink,
 )
+from lm_console.engine.platform import usable_cpus
 from lm_console.engine.metrics.stats import PER_STEP_FIELDS, BlockPoolState, PrefixCacheStatsSnapshot, SchedulerStats
 from lm_console.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
@@ -46,7 +46,7 @@ def core_engine_args(engine_args: EngineArgs, rank: int) -> EngineArgs:
         changes["enable_kv_cache_events"] = True
     if engine_args.num_threads is None and engine_args.device != "cuda":
         # N cores each using every CPU thread would fight over them; on CUDA torch threads matter little.
-        changes["num_threads"] = max((os.cpu_count() or 1) // engine_args.data_parallel_size, 1)
+        changes["num_threads"] = max(usable_cpus() // engine_args.data_parallel_size, 1)
     return dataclasses.replace(engine_args, **changes)
 
 
