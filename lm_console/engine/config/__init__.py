@@ -7,7 +7,7 @@ the frontend rebuilds it from the core's ready handshake (create_frontend_config
 
 One module per concept, all re-exported here (import from `engine.config`):
 engine_args.py (EngineArgs, resolve_quantization), engine_config.py (EngineConfig), model.py,
-cache.py, scheduler.py, parallel.py, device.py and structured_outputs.py.
+cache.py, scheduler.py, parallel.py, device.py, structured_outputs.py and observability.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lm_console.engine.config.parallel import ParallelConfig
     from lm_console.engine.config.scheduler import SchedulerConfig
     from lm_console.engine.config.structured_outputs import StructuredOutputsConfig
+    from lm_console.engine.config.observability import ObservabilityConfig
 
 __all__ = [
     "QUANTIZATION_CHOICES",
@@ -39,6 +40,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "StructuredOutputsConfig",
@@ -62,4 +64,5 @@ __getattr__ = lazy_exports(__name__, {
     "ParallelConfig": "lm_console.engine.config.parallel",
     "SchedulerConfig": "lm_console.engine.config.scheduler",
     "StructuredOutputsConfig": "lm_console.engine.config.structured_outputs",
+    "ObservabilityConfig": "lm_console.engine.config.observability",
 })

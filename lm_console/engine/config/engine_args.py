@@ -19,6 +19,7 @@ from lm_console.engine.config.cache import KV_CACHE_DTYPE_CHOICES, CacheConfig, 
 from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.config.model import ModelConfig
+from lm_console.engine.config.observability import ObservabilityConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
 from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
@@ -102,6 +103,8 @@ class EngineArgs:
     # its file's weights, the fastest measured; LMC_QUANT_AUTO=0: dense), "gguf", "int8" (per-channel
     # int8 weights, dynamic int8 activations, any model) or "none" (always dense).
     quantization: str | None = None
+    # Request tracing (ObservabilityConfig): one OTLP span per finished request, as vLLM's flag.
+    otlp_traces_endpoint: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model (converting or building it on first use) and the device.
@@ -160,7 +163,12 @@ class EngineArgs:
             kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
+            observability_config=self.create_observability_config(),
         )
+
+    def create_observability_config(self) -> ObservabilityConfig:
+        """The ObservabilityConfig (validated there: URL shape, OpenTelemetry installed)."""
+        return ObservabilityConfig(otlp_traces_endpoint=self.otlp_traces_endpoint)
 
     def create_parallel_config(self) -> ParallelConfig:
         """The ParallelConfig (validated by _verify)."""
@@ -353,6 +361,7 @@ class EngineArgs:
             scheduler_config=info.scheduler_config, parallel_config=self.create_parallel_config(),
             device_config=info.device_config, kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(), mm_config=self.create_mm_config(),
+            observability_config=self.create_observability_config(),
         )
 
 
