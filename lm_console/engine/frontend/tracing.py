@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 SPAN_NAME = "llm_request"
 # The W3C trace-context headers a request may carry (what the propagator reads).
 TRACE_HEADERS = ("traceparent", "tracestate")
+SHUTDOWN_WAIT_S = 5.0  # the longest an engine's shutdown waits for its last spans to be exported
 
 
 class SpanAttributes:
@@ -104,6 +106,7 @@ class RequestTracer:
         self._propagator = TraceContextTextMapPropagator()
         self._kind = SpanKind.SERVER
         self.endpoint = endpoint
+        self._closed = False
 
     def record(self, attributes: dict[str, Any], start_time: float, end_time: float,
                trace_headers: Mapping[str, str] | None = None) -> None:
@@ -114,11 +117,27 @@ class RequestTracer:
         span.end(end_time=int(end_time * 1e9))
 
     def shutdown(self) -> None:
-        """Export what is queued (bounded by the exporter's timeout) and stop the export thread."""
-        try:
-            self._provider.shutdown()
-        except Exception:  # a collector gone at exit must not fail the engine's shutdown
-            logger.warning("OTLP tracer shutdown failed", exc_info=True)
+        """Export what is queued and stop the export thread (idempotent).
+
+        An unreachable collector makes the exporter retry for its whole timeout: the flush runs on
+        a daemon thread and the engine's shutdown waits for it at most SHUTDOWN_WAIT_S.
+        """
+        if self._closed:
+            return
+        self._closed = True
+
+        def flush() -> None:
+            try:
+                self._provider.shutdown()
+            except Exception:  # a collector gone at exit must not fail the engine's shutdown
+                logger.warning("OTLP tracer shutdown failed", exc_info=True)
+
+        thread = threading.Thread(target=flush, name="lmc-otlp-shutdown", daemon=True)
+        thread.start()
+        thread.join(SHUTDOWN_WAIT_S)
+        if thread.is_alive():
+            logger.warning("spans not yet exported to %s after %.0f s at shutdown were dropped",
+                           self.endpoint, SHUTDOWN_WAIT_S)
 
 
 def make_tracer(config: ObservabilityConfig) -> RequestTracer | None:
