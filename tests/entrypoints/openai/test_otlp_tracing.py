@@ -259,3 +259,35 @@ def test_serve_refuses_a_bad_endpoint_before_starting_the_engine(tiny_llama_dir)
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "otlp_traces_endpoint='grpc://localhost:4317' is invalid" in done.stderr
+
+
+@pytest.mark.slow
+def test_offline_llm_traces_each_request(tiny_llama_dir) -> None:
+    """LLM(otlp_traces_endpoint=...): one span per prompt, equal to its RequestOutput's own metrics."""
+    from lm_console.engine import LLM, SamplingParams
+
+    collector = Collector()
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              num_threads=1, multiprocess=False, otlp_traces_endpoint=collector.url)
+    try:
+        outputs = llm.generate(["The history of computing", "Once upon a time there was"],
+                               SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.shutdown()  # flushes the batch span processor
+    try:
+        spans = collector.wait_for(2)
+        assert len(spans) == 2
+        by_id = {attributes_of(s)["gen_ai.request.id"]: attributes_of(s) for s in spans}
+        assert set(by_id) == {o.request_id for o in outputs}
+        for output in outputs:
+            attributes, metrics = by_id[output.request_id], output.metrics
+            assert attributes["gen_ai.usage.prompt_tokens"] == len(output.prompt_token_ids)
+            assert attributes["gen_ai.usage.completion_tokens"] == len(output.outputs[0].token_ids) == 4
+            assert attributes["gen_ai.latency.e2e"] == metrics.e2e_latency
+            assert attributes["gen_ai.latency.time_to_first_token"] == metrics.time_to_first_token
+            assert attributes["gen_ai.latency.time_in_queue"] == metrics.queue_time
+            # Negative control: another request's figure differs (the comparison is not vacuous).
+            other = next(o for o in outputs if o.request_id != output.request_id)
+            assert attributes["gen_ai.latency.e2e"] != other.metrics.e2e_latency
+    finally:
+        collector.close()
