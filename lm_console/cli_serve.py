@@ -70,6 +70,10 @@ def serve(
         help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557 "
              "(tcp is CURVE-authenticated: the start-up line prints the server key; ipc:// is plain).",
     )] = None,
+    otlp_traces_endpoint: Annotated[Optional[str], typer.Option(
+        help="Export one OpenTelemetry span per finished request (\"llm_request\", vLLM's attributes) to this "
+             "OTLP/HTTP URL, e.g. http://localhost:4318/v1/traces; a client's traceparent header is its parent. "
+             "Needs the otel extra.")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
@@ -132,6 +136,8 @@ def serve(
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
+    if otlp_traces_endpoint is not None:
+        args.update(otlp_traces_endpoint=otlp_traces_endpoint)
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM
 
@@ -148,8 +154,9 @@ def serve(
         if kv_events_endpoint:
             events = f"; KV events on {engine.kv_events_endpoint}" + (f" (CURVE server key {key})" if key else "")
         pid = engine.engine_core.ready_info.pid
+        traces = f"; request spans to {otlp_traces_endpoint}" if otlp_traces_endpoint else ""
         typer.echo(f"lmc serve: {name} ready at {url} (OpenAI API under {url}/v1, metrics at {url}/metrics"
-                   f"{events}; engine core pid {pid})")
+                   f"{events}{traces}; engine core pid {pid})")
         sys.stdout.flush()
 
     try:

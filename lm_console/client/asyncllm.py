@@ -246,7 +246,7 @@ def chunk_of(output: RequestOutput) -> StreamChunk:
     metrics = output.metrics
     timeline = None if metrics is None else RequestTimeline(
         metrics.arrival_time, metrics.queued_time, metrics.first_scheduled_time, metrics.first_token_time,
-        list(metrics.preempted_times), metrics.finished_time)
+        list(metrics.preempted_times), metrics.finished_time, metrics.last_token_time)
     return StreamChunk(
         request_id=output.request_id, text=completion.text if completion else "",
         num_new_tokens=len(completion.token_ids) if completion else 0,

@@ -206,3 +206,4 @@ class RequestTimeline:
     first_token: float | None = None
     preempted: list[float] = field(default_factory=list)
     finished: float | None = None
+    last_token: float | None = None  # the decode phase ends here (finished may come later: a stop string)

@@ -8,7 +8,7 @@ the frontend rebuilds it from the core's ready handshake (create_frontend_config
 One module per concept, all re-exported here (import from `engine.config`):
 engine_args.py (EngineArgs, resolve_quantization), engine_config.py (EngineConfig), model.py,
 cache.py, scheduler.py, parallel.py, device.py, frontend.py, structured_outputs.py,
-multimodal.py, kv_transfer.py and ec_transfer.py. Each knob is declared once, on its class, with
+multimodal.py, kv_transfer.py, ec_transfer.py and observability.py. Each knob is declared once, on its class, with
 fields.py's knob(); EngineArgs, the `lmc` flags and the docs' reference derive from it.
 """
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from lm_console.engine.config.parallel import ParallelConfig
     from lm_console.engine.config.scheduler import SchedulerConfig
     from lm_console.engine.config.structured_outputs import StructuredOutputsConfig
+    from lm_console.engine.config.observability import ObservabilityConfig
 
 __all__ = [
     "QUANTIZATION_CHOICES",
@@ -50,6 +51,7 @@ __all__ = [
     "KVTransferConfig",
     "ModelConfig",
     "MultiModalConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "StructuredOutputsConfig",
@@ -80,4 +82,5 @@ __getattr__ = lazy_exports(__name__, {
     "ParallelConfig": "lm_console.engine.config.parallel",
     "SchedulerConfig": "lm_console.engine.config.scheduler",
     "StructuredOutputsConfig": "lm_console.engine.config.structured_outputs",
+    "ObservabilityConfig": "lm_console.engine.config.observability",
 })

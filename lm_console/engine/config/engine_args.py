@@ -29,6 +29,7 @@ from lm_console.engine.config.knobs import ENGINE_ARG_SOURCES, engine_arg_declar
 from lm_console.engine.config.kv_transfer import KVTransferConfig
 from lm_console.engine.config.model import ModelConfig, Quantization
 from lm_console.engine.config.multimodal import MultiModalConfig
+from lm_console.engine.config.observability import ObservabilityConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
 from lm_console.engine.errors import InvalidEngineArgsError
@@ -116,7 +117,12 @@ class EngineArgs:
             kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
+            observability_config=self.create_observability_config(),
         )
+
+    def create_observability_config(self) -> ObservabilityConfig:
+        """The ObservabilityConfig (validated there: URL shape, OpenTelemetry installed)."""
+        return self.config_of(ObservabilityConfig)
 
     def create_parallel_config(self) -> ParallelConfig:
         """The ParallelConfig (checked again by its own __post_init__)."""
@@ -214,6 +220,7 @@ class EngineArgs:
             scheduler_config=info.scheduler_config, parallel_config=self.create_parallel_config(),
             device_config=info.device_config, kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(), mm_config=self.create_mm_config(),
+            observability_config=self.create_observability_config(),
         )
 
 

@@ -13,6 +13,7 @@ from lm_console.engine.config.fields import knob
 from lm_console.engine.config.kv_transfer import KVTransferConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.multimodal import MultiModalConfig
+from lm_console.engine.config.observability import ObservabilityConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
 from lm_console.engine.config.structured_outputs import StructuredOutputsConfig
@@ -43,6 +44,7 @@ class EngineConfig:
         help="The encoder-cache connector, a dict or JSON string (ec_connector, ec_role, ...).")
     mm_config: MultiModalConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""

@@ -15,6 +15,7 @@ from lm_console.engine.config.fields import Declaration, engine_knobs
 from lm_console.engine.config.frontend import FrontendConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.multimodal import MultiModalConfig
+from lm_console.engine.config.observability import ObservabilityConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
 
@@ -23,7 +24,7 @@ from lm_console.engine.config.scheduler import SchedulerConfig
 # as `lmc` flags.
 ENGINE_ARG_SOURCES: tuple[type, ...] = (
     ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig, FrontendConfig, MultiModalConfig,
-    EngineConfig,
+    ObservabilityConfig, EngineConfig,
 )
 
 

@@ -16,6 +16,7 @@ from lm_console.engine.frontend.core_client import EngineCoreClient
 from lm_console.engine.frontend.client_factory import make_client
 from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, make_mm_processor
 from lm_console.engine.frontend.output_processor import OutputProcessor
+from lm_console.engine.frontend.tracing import make_tracer
 from lm_console.engine.frontend.tokenizer import (
     is_plain_fast_tokenizer,
     load_tokenizer,
@@ -42,6 +43,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        # Refused before the engine core starts (a bad URL, OpenTelemetry not installed).
+        observability = self.engine_args.create_observability_config()
         mark("engine_args")
         # The tokenizer code imports while the engine core process starts; with the core in
         # this process, a plain tokenizer.json loads on a thread while the weights load (their
@@ -76,7 +79,7 @@ class LLM:
             max_logprobs=self.engine_args.max_logprobs,
             scheduling_policy=self.config.scheduler_config.policy,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer=make_tracer(observability))
         self._request_counter = itertools.count()
         self._marked_first_token = False
 
@@ -263,6 +266,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine core (idempotent)."""
         self.engine_core.shutdown()
+        if self.output_processor.tracer is not None:
+            self.output_processor.tracer.shutdown()
 
     # -- internals ------------------------------------------------------------------------
     def _process(self, prompt: PromptType, params: SamplingParams, priority: int = 0):  # type: ignore[no-untyped-def]

@@ -35,6 +35,7 @@ from lm_console.engine.entrypoints.openai.serving_engine import (
     make_sampling_params, run_beam_search, sse, until_disconnect,
 )
 from lm_console.engine.errors import EngineError
+from lm_console.engine.frontend.tracing import trace_headers_of
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
@@ -141,7 +142,8 @@ class OpenAIServingChat:
         if tool_plan.constraint is not None:
             params.structured_outputs = tool_plan.constraint
         request_id = random_id("chatcmpl")
-        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0)
+        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0,
+                                       trace_headers=trace_headers_of(raw_request.headers))
         await engine_request.start()
         try:
             token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))

@@ -26,6 +26,7 @@ from lm_console.engine.entrypoints.openai.serving_engine import (
 )
 from lm_console.engine.entrypoints.openai.errors import bad_request
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
+from lm_console.engine.frontend.tracing import trace_headers_of
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -63,7 +64,8 @@ class OpenAIServingCompletion:
                                           logprobs=request.logprobs, stream=bool(request.stream),
                                           prompt_logprobs=echo_logprobs)
             engine_requests.append(EngineRequest(ctx, f"{request_id}-{index}", engine_prompt, params,
-                                                 request.cache_salt, request.priority or 0))
+                                                 request.cache_salt, request.priority or 0,
+                                                 trace_headers=trace_headers_of(raw_request.headers)))
             prompt_texts.append(echo_text)
         await start_all(engine_requests)
         try:

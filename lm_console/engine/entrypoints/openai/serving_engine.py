@@ -13,7 +13,7 @@ import contextlib
 import functools
 import itertools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -94,9 +94,11 @@ class EngineRequest:
     """One request in the engine: start() it, then `async for output in request`."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams,
-                 cache_salt: str | None = None, priority: int = 0) -> None:
+                 cache_salt: str | None = None, priority: int = 0,
+                 trace_headers: Mapping[str, str] | None = None) -> None:
         self.ctx = ctx
         self.priority = priority
+        self.trace_headers = trace_headers  # the client's traceparent: the parent of the request's span
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -107,7 +109,7 @@ class EngineRequest:
     async def start(self) -> None:
         """Validate and send; raises the engine's error (mapped to 400 by the caller)."""
         self._collector = await self.ctx.engine.add_request(self.request_id, self.prompt, self.params,
-                                                            self.cache_salt, self.priority)
+                                                            self.cache_salt, self.priority, self.trace_headers)
         self.ctx.state.request_ids.add(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
