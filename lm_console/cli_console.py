@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
+    SpeculativeConfigOpt, speculative_args,
     BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt,
     KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, console_threads,
@@ -108,6 +109,7 @@ def tui(
     data_parallel_backend: DataParallelBackendOpt = "mp",
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
     kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, liveness_timeout: LivenessTimeoutOpt = 30.0,
+    speculative_config: SpeculativeConfigOpt = None,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine, of a server (--url), or of
     a fleet of servers (--url repeated, or --fleet FILE)."""
@@ -126,6 +128,7 @@ def tui(
                                  kv_offload_disk_bytes, kv_chunk_size))
     args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
                               data_parallel_routing, data_parallel_backend))
+    args.update(speculative_args(speculative_config))
     args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
                 kv_cache_metrics_sample=kv_cache_metrics_sample)
     args.update(liveness_args(liveness_timeout))

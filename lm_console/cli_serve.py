@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from lm_console.engine_options import (
+    SpeculativeConfigOpt, speculative_args,
     AsyncSchedulingOpt, BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt,
     ExecutorBackendOpt, KVCacheDtypeOpt, LivenessTimeoutOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
     MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
@@ -46,6 +47,7 @@ def serve(
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
     kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, kv_cache_prefault: KVCachePrefaultOpt = True,
     kv_cache_dtype: KVCacheDtypeOpt = "auto", liveness_timeout: LivenessTimeoutOpt = 30.0,
+    speculative_config: SpeculativeConfigOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -130,6 +132,7 @@ def serve(
     args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
                 kv_cache_metrics_sample=kv_cache_metrics_sample, kv_cache_prefault=kv_cache_prefault,
                 kv_cache_dtype=kv_cache_dtype)
+    args.update(speculative_args(speculative_config))
     args.update(liveness_args(liveness_timeout))
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM

@@ -26,6 +26,7 @@ LOCAL_ENGINE_FLAGS = frozenset({
     "tensor_parallel_size", "data_parallel_size", "distributed_executor_backend", "data_parallel_routing",
     "data_parallel_backend",
     "scheduling_policy", "kv_cache_metrics", "kv_cache_metrics_sample", "liveness_timeout",
+    "speculative_config",
 })
 
 

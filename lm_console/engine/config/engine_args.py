@@ -21,6 +21,7 @@ from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
+from lm_console.engine.config.speculative import SpeculativeConfig
 from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
 from lm_console.engine.errors import InvalidEngineArgsError
 from lm_console.engine.platform import cpu_has_int8_dot
@@ -102,6 +103,9 @@ class EngineArgs:
     # its file's weights, the fastest measured; LMC_QUANT_AUTO=0: dense), "gguf", "int8" (per-channel
     # int8 weights, dynamic int8 activations, any model) or "none" (always dense).
     quantization: str | None = None
+    # Speculative decoding (config/speculative.py): a dict or JSON string, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 3}; None: off.
+    speculative_config: Any = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model (converting or building it on first use) and the device.
@@ -160,6 +164,7 @@ class EngineArgs:
             kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
+            speculative_config=SpeculativeConfig.parse(self.speculative_config),
         )
 
     def create_parallel_config(self) -> ParallelConfig:
@@ -314,6 +319,20 @@ class EngineArgs:
                     f"async_scheduling=True cannot be combined with {name}: a connector plans each step from "
                     "the previous step's finished output, which async scheduling does not wait for. "
                     "Drop one of the two.")
+        self._verify_speculative()
+
+    def _verify_speculative(self) -> None:
+        """speculative_config, and what it cannot combine with (InvalidEngineArgsError)."""
+        if SpeculativeConfig.parse(self.speculative_config) is None:
+            return
+        for name, on in (("async_scheduling", self.async_scheduling),
+                         ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                         ("kv_transfer_config", self.kv_transfer_config is not None),
+                         ("ec_transfer_config", self.ec_transfer_config is not None)):
+            if on:
+                raise InvalidEngineArgsError(
+                    f"speculative_config cannot be combined with {name}: the proposals are made from each "
+                    "step's accepted tokens, which that mode does not wait for or share. Drop one of the two.")
 
     def _verify_data_parallel(self) -> None:
         """data_parallel_size / _rank / _backend / _routing (InvalidEngineArgsError)."""

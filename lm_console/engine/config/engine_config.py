@@ -11,6 +11,7 @@ from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
+from lm_console.engine.config.speculative import SpeculativeConfig
 from lm_console.engine.config.structured_outputs import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class EngineConfig:
     ec_transfer_config: ECTransferConfig | None = None
     mm_config: MultiModalConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""
