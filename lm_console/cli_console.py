@@ -9,7 +9,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lm_console.engine_options import FakeOpt, ModelOpt, console_threads, engine_flags, parse_range
+from lm_console.engine_options import (
+    FakeOpt, ModelOpt, SpeculativeConfigOpt, console_threads, engine_flags, parse_range, speculative_args,
+)
 from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
@@ -97,6 +99,7 @@ def tui(
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     url: TuiUrlsOpt = None, fleet: FleetFileOpt = None, api_key: ApiKeyOpt = None,
     kv_events_endpoint: KVEventsEndpointOpt = None,
+    speculative_config: SpeculativeConfigOpt = None,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine, of a server (--url), or of
     a fleet of servers (--url repeated, or --fleet FILE)."""
@@ -112,6 +115,7 @@ def tui(
     args = {**engine_kwargs, "num_threads": console_threads(engine_kwargs.get("num_threads"))}
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
+    args.update(speculative_args(speculative_config))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     client = make_client(fake, model, args, single, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lm_console.engine_options import ModelOpt, engine_flags
+from lm_console.engine_options import ModelOpt, SpeculativeConfigOpt, engine_flags, speculative_args
 from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
@@ -35,6 +35,7 @@ def serve(
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
+    speculative_config: SpeculativeConfigOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -138,6 +139,7 @@ def serve(
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
     if otlp_traces_endpoint is not None:
         args.update(otlp_traces_endpoint=otlp_traces_endpoint)
+    args.update(speculative_args(speculative_config))
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import json
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Optional, TypeVar
@@ -205,3 +206,19 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
     if not 1 <= pair[0] <= pair[1]:
         raise typer.BadParameter(f"{name} must satisfy 1 <= min <= max, got {text!r}")
     return pair
+
+
+SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
+    "--speculative-config",
+    help='Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
+         'methods: ngram, suffix.')]
+
+
+def speculative_args(speculative_config: str | None) -> dict[str, Any]:
+    """{"speculative_config": ...} for EngineArgs, or {} when speculation was not asked for."""
+    if not speculative_config:
+        return {}
+    try:
+        return {"speculative_config": json.loads(speculative_config)}
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--speculative-config is not valid JSON: {exc}") from None

@@ -22,7 +22,7 @@ KVEventsEndpointOpt = Annotated[Optional[str], typer.Option(
 # engine flag, engine_options.engine_flag_params(), and these).
 LOCAL_FLAGS = frozenset({
     "model", "fake", "kv_transfer_config", "kv_offload", "kv_offload_disk", "kv_offload_cpu_bytes",
-    "kv_offload_disk_bytes", "kv_chunk_size", "endpoint",
+    "kv_offload_disk_bytes", "kv_chunk_size", "endpoint", "speculative_config",
 })
 
 

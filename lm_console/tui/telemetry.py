@@ -18,10 +18,13 @@ import numpy as np
 
 from lm_console.engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
+    SpecDecodingStats,
 )
 from lm_console.client.types import KVEventRecord, ServerFigures, StatsSnapshot
 from lm_console.tui.block_residency import BlockResidency
 from lm_console.request_book import RequestBook, percentile
+
+SPEC_HISTORY = 120  # acceptance-rate points the speculative-decoding sparkline keeps
 
 
 @dataclass(slots=True)
@@ -68,6 +71,12 @@ class DashboardView:
     num_events: int = 0
     num_stats: int = 0
     encoder_cache: EncoderCacheStats | None = None  # latest; None for a text-only engine
+    # Speculative decoding (None: the engine does not speculate): the latest cumulative counters,
+    # and the acceptance rate / mean accepted length between the last two samples that verified drafts.
+    spec_decoding: SpecDecodingStats | None = None
+    spec_acceptance_recent: float | None = None
+    spec_mean_length_recent: float | None = None
+    spec_acceptance_history: list[float] = field(default_factory=list)
     kv_tiers: list[KVTierStats] = field(default_factory=list)  # latest, cumulative counters
     kv_tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # medium -> (in, out) B/s
     # Data parallelism: the gauges and the block map are one core's (selected_core; `c` cycles);
@@ -140,6 +149,18 @@ class Telemetry:
             self.block_since[occupied & ~was_occupied] = ts
             self.block_since[~occupied] = np.nan
         self._block_array = new
+
+    def _fold_spec_decoding(self, spec: SpecDecodingStats, view: DashboardView) -> None:
+        """Rates between this sample and the last one (the counters are cumulative)."""
+        last = view.spec_decoding
+        if last is not None and spec.num_draft_tokens > last.num_draft_tokens:
+            drafts = spec.num_drafts - last.num_drafts
+            accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+            view.spec_acceptance_recent = accepted / (spec.num_draft_tokens - last.num_draft_tokens)
+            view.spec_mean_length_recent = 1 + accepted / drafts if drafts else None
+            view.spec_acceptance_history = [*view.spec_acceptance_history[-(SPEC_HISTORY - 1):],
+                                            view.spec_acceptance_recent]
+        view.spec_decoding = spec
 
     def add_stats(self, sample: SchedulerStats) -> None:
         self.pending_stats.append(sample)
@@ -264,6 +285,9 @@ class Telemetry:
             self._fold_prefix(sample, view)
         if sample.encoder_cache is not None:
             view.encoder_cache = sample.encoder_cache
+        spec = getattr(sample, "spec_decoding", None)
+        if spec is not None:
+            self._fold_spec_decoding(spec, view)
         if sample.kv_tiers:
             self._fold_tiers(sample, view)
         residency = getattr(sample, "kv_block_residency", None)

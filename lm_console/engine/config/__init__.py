@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from lm_console.engine.config.model import ModelConfig, load_hf_config
     from lm_console.engine.config.parallel import ParallelConfig
     from lm_console.engine.config.scheduler import SchedulerConfig
+    from lm_console.engine.config.speculative import SpeculativeConfig
     from lm_console.engine.config.structured_outputs import StructuredOutputsConfig
     from lm_console.engine.config.observability import ObservabilityConfig
 
@@ -54,6 +55,7 @@ __all__ = [
     "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "StructuredOutputsConfig",
     "_physical_memory_bytes",
     "_verify_tensor_parallel",
@@ -81,6 +83,7 @@ __getattr__ = lazy_exports(__name__, {
     "load_hf_config": "lm_console.engine.config.model",
     "ParallelConfig": "lm_console.engine.config.parallel",
     "SchedulerConfig": "lm_console.engine.config.scheduler",
+    "SpeculativeConfig": "lm_console.engine.config.speculative",
     "StructuredOutputsConfig": "lm_console.engine.config.structured_outputs",
     "ObservabilityConfig": "lm_console.engine.config.observability",
 })

@@ -32,6 +32,7 @@ from lm_console.engine.config.multimodal import MultiModalConfig
 from lm_console.engine.config.observability import ObservabilityConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
+from lm_console.engine.config.speculative import SpeculativeConfig
 from lm_console.engine.errors import InvalidEngineArgsError
 from lm_console.engine.platform import cpu_has_int8_dot
 
@@ -118,6 +119,7 @@ class EngineArgs:
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
             observability_config=self.create_observability_config(),
+            speculative_config=SpeculativeConfig.parse(self.speculative_config),
         )
 
     def create_observability_config(self) -> ObservabilityConfig:
@@ -210,6 +212,20 @@ class EngineArgs:
                     f"async_scheduling=True cannot be combined with {name}: a connector plans each step from "
                     "the previous step's finished output, which async scheduling does not wait for. "
                     "Drop one of the two.")
+        self._verify_speculative()
+
+    def _verify_speculative(self) -> None:
+        """speculative_config, and what it cannot combine with (InvalidEngineArgsError)."""
+        if SpeculativeConfig.parse(self.speculative_config) is None:
+            return
+        for name, on in (("async_scheduling", self.async_scheduling),
+                         ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                         ("kv_transfer_config", self.kv_transfer_config is not None),
+                         ("ec_transfer_config", self.ec_transfer_config is not None)):
+            if on:
+                raise InvalidEngineArgsError(
+                    f"speculative_config cannot be combined with {name}: the proposals are made from each "
+                    "step's accepted tokens, which that mode does not wait for or share. Drop one of the two.")
 
     def create_frontend_config(self, info: EngineCoreReadyInfo) -> EngineConfig:
         """The frontend's EngineConfig: the core's resolved configs from its ready handshake

@@ -16,6 +16,7 @@ from lm_console.engine.config.multimodal import MultiModalConfig
 from lm_console.engine.config.observability import ObservabilityConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
+from lm_console.engine.config.speculative import SpeculativeConfig
 from lm_console.engine.config.structured_outputs import StructuredOutputsConfig
 
 
@@ -45,6 +46,10 @@ class EngineConfig:
     mm_config: MultiModalConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: SpeculativeConfig | None = knob(
+        None, arg_type=dict[str, Any] | str | None, parse=SpeculativeConfig.parse, cli=None,
+        help='Speculative decoding, a dict or JSON string (vLLM\'s), e.g. {"method": "ngram", '
+             '"num_speculative_tokens": 3}; methods ngram and suffix (lmc: --speculative-config); None: off.')
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""

@@ -77,6 +77,7 @@ class EngineCore:
             encoder_scheduler=self.mm.encoder_scheduler,
             structured_output_manager=self.structured_output_manager,
             policy=config.scheduler_config.policy,
+            speculative_config=config.speculative_config,
         )
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)

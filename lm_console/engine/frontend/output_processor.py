@@ -15,7 +15,8 @@ from lm_console.engine.metrics.phases import request_phases
 from lm_console.engine.metrics.stats import FinishedRequestStats, IterationStats
 from lm_console.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lm_console.engine.protocol import (
-    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestError,
+    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, LogprobsLists,
+    RequestError,
 )
 from lm_console.engine.sampling_params import RequestOutputKind
 
@@ -288,7 +289,6 @@ class OutputProcessor:
     @staticmethod
     def _update_state(state: RequestState, output: EngineCoreOutput
                       ) -> tuple[str | None, int | str | None]:
-        state.token_ids.extend(output.new_token_ids)
         if output.kv_transfer_params is not None:
             state.kv_transfer_params = output.kv_transfer_params
         if output.pooled is not None:
@@ -297,9 +297,18 @@ class OutputProcessor:
         stop_reason = output.stop_reason
         # The core stops only on EOS or a stop token id, whose text is not part of the output.
         stop_terminated = output.finish_reason == FinishReason.STOP
+        num_before = state.detokenizer.num_output_tokens
         stop_string = state.detokenizer.update(output.new_token_ids, stop_terminated)
-        if output.new_logprobs is not None:
-            state.logprobs_processor.update_from_output(output.new_logprobs)
+        # A stop string inside a multi-token output (speculative decoding) drops the tokens after it.
+        num_kept = state.detokenizer.num_output_tokens - num_before
+        state.token_ids.extend(output.new_token_ids[:num_kept])
+        new_logprobs = output.new_logprobs
+        if new_logprobs is not None:
+            if len(new_logprobs.sampled_token_ranks) > num_kept:
+                new_logprobs = LogprobsLists(new_logprobs.logprob_token_ids[:num_kept],
+                                             new_logprobs.logprobs[:num_kept],
+                                             new_logprobs.sampled_token_ranks[:num_kept])
+            state.logprobs_processor.update_from_output(new_logprobs)
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string
         return finish_reason, stop_reason
