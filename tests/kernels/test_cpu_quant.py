@@ -83,9 +83,12 @@ def test_quant_gemm_matches_float64(fmt, dtype, scalar, rows):
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["native", "scalar"])
 @pytest.mark.parametrize("fmt", ["b8", "b4"])
-def test_quant_gemm_float32_output_from_bf16_rows(fmt, scalar):
+def test_quant_gemm_float32_output_from_bf16_rows(fmt, scalar, monkeypatch):
     """bf16 activations with out_dtype=float32 (the lm_head's logits): the kernel's float32 sums as
     they are, which the default bf16 output is the rounding of."""
+    # The entry point's check below is of the int8 kernel's path: on an AMX machine DENSE_ROWS
+    # would send 19 rows to dequantize + torch (tested on its own with DENSE_ROWS lowered).
+    monkeypatch.setattr(cpu_quant, "DENSE_ROWS", 1 << 40)
     qw, _ = _weights(fmt)
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(6)).bfloat16()
     wide = cpu_quant.quant_gemm(x, qw, scalar=scalar, out_dtype=torch.float32)
@@ -253,8 +256,11 @@ def test_swiglu_gemm_matches_float64(fmt, scalar, rows):
     exact = act.numpy() @ dense.T  # the quantization error, bounded as for stored activations
     bound = (np.abs(act.numpy() - xdq) @ np.abs(dense).T) * 1.01 + 2.0**-8 * np.abs(exact) + 1e-6
     assert np.all(np.abs(out.double().numpy() - exact) <= bound)
-    if not scalar:  # the layer's entry point takes the same path
-        assert torch.equal(cpu_quant.quant_linear(gate_up, qw, swiglu=True), out)
+    if not scalar:  # the layer's entry point takes the same path (the int8 kernel's: on an AMX
+        # machine DENSE_ROWS sends many rows to dequantize + torch, tested on its own below)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_quant, "DENSE_ROWS", 1 << 40)
+            assert torch.equal(cpu_quant.quant_linear(gate_up, qw, swiglu=True), out)
 
 
 def test_swiglu_without_the_kernel_path_computes_the_same_product(monkeypatch):

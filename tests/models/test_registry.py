@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lm_console.engine.errors import InvalidEngineArgsError, UnsupportedArchitectureError
@@ -46,9 +47,24 @@ def test_load_weights_rejects_missing_and_unknown_tensors(tiny_qwen2_dir):
         model_cls(config, torch.float32).load_weights(extra.items())
 
 
-def test_bf16_model_loads_and_ties(tiny_llama_dir):
+def test_bf16_model_loads_and_ties(tiny_llama_dir, tmp_path):
+    """The head shares the embedding's tensor exactly when the config ties them (the tiny test
+    Llama has its own head; a copy of it with tie_word_embeddings and no lm_head tensor ties)."""
     config = AutoConfig.from_pretrained(tiny_llama_dir)
+    assert not config.tie_word_embeddings
     model = load_model(tiny_llama_dir, config, torch.bfloat16, "cpu")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    tied_dir = tmp_path / "tied"
+    tied_dir.mkdir()
+    for item in tiny_llama_dir.iterdir():
+        if item.name != "model.safetensors":
+            (tied_dir / item.name).write_bytes(item.read_bytes())
+    weights = {k: v for k, v in load_file(tiny_llama_dir / "model.safetensors").items() if k != "lm_head.weight"}
+    save_file(weights, tied_dir / "model.safetensors")
+    config.tie_word_embeddings = True
+    config.save_pretrained(tied_dir)
+    model = load_model(tied_dir, AutoConfig.from_pretrained(tied_dir), torch.bfloat16, "cpu")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in model.parameters())
     assert not model.training
