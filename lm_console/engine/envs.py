@@ -94,8 +94,8 @@ LMC_QUANT_AUTO = _declare(
     "LMC_QUANT_AUTO", "1", "0/false/off/none/dense: quantization=None keeps dense weights instead of choosing the "
     "quantized CPU path")
 LMC_QUANT_DENSE_ROWS = _declare(
-    "LMC_QUANT_DENSE_ROWS", "", "from how many rows a quantized GEMM dequantizes to bf16 for oneDNN; default 16 on "
-    "AMX CPUs, never elsewhere")
+    "LMC_QUANT_DENSE_ROWS", "", "from how many rows a quantized GEMM dequantizes to bf16 for oneDNN instead of the int8 "
+    "kernel (default never: one path keeps outputs independent of the batch)")
 LMC_OMP_SPIN = _declare(
     "LMC_OMP_SPIN", "1000", "GOMP_SPINCOUNT the engine gives OpenMP (torch's and our kernels' one runtime) unless "
     "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: how long an idle thread spins before it sleeps; off: libgomp's own "

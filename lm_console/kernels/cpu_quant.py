@@ -15,7 +15,7 @@ layout of quant_gemm.c (rows in tiles of 16, interleaved four elements at a time
 activations; per token measured +2.9% perplexity on SmolLM2, per block +0.9%) and runs the
 int8 GEMM, which reads every weight row once
 for the whole batch (prefill too: 8 tokens share each tile's vectors from L1). Above
-`dense_rows()` rows (16 on a CPU with AMX, else never; LMC_QUANT_DENSE_ROWS) the block formats are dequantized to a
+`dense_rows()` rows (never by default; LMC_QUANT_DENSE_ROWS) the block formats are dequantized to a
 scratch matrix in the activations' dtype and multiplied by torch (oneDNN) instead.
 """
 
@@ -98,11 +98,15 @@ def _cpu_has_amx() -> bool:
 
 
 # Rows above which block-format linears dequantize to the activation dtype and multiply with
-# torch (LMC_QUANT_DENSE_ROWS). Measured on a Zen 4 core (benchmarks/quant_gemm.py, SmolLM2's
-# linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize + oneDNN bf16
-# matmul 300-440, so without AMX the int8 kernel runs every batch size; with AMX (not measured
-# here) oneDNN's bf16 tiles should outrun it on prefill-sized batches, so above 16 rows there.
-DENSE_ROWS = envs.LMC_QUANT_DENSE_ROWS.as_int() if envs.LMC_QUANT_DENSE_ROWS.is_set() else (16 if _cpu_has_amx() else 1 << 40)
+# torch (LMC_QUANT_DENSE_ROWS; default never). Measured on a Zen 4 core (benchmarks/quant_gemm.py,
+# SmolLM2's linears): the tiled int8 kernel runs 410-520 GOP/s from 32 rows up, dequantize +
+# oneDNN bf16 matmul 300-440. On a CPU with AMX oneDNN's bf16 tiles may be faster on
+# prefill-sized batches, but the two paths round differently (int8 activations against bf16
+# ones), so a switch on the row count makes a token's logits depend on the batch it lands in:
+# measured on a Sapphire Rapids VM with the switch at 16 rows, bf16 greedy output stayed the same
+# across a prefix-cache hit for only 13 of 20 prompts, and speculative verification steps diverged
+# from plain decoding. One path at every batch size keeps outputs batch-invariant.
+DENSE_ROWS = envs.LMC_QUANT_DENSE_ROWS.as_int() if envs.LMC_QUANT_DENSE_ROWS.is_set() else 1 << 40
 
 
 def dense_rows() -> int:
