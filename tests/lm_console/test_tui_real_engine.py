@@ -158,9 +158,12 @@ def test_chat_streams_the_models_own_reply(tiny_llama_dir) -> None:  # noqa: ANN
             await pilot.pause()
             reply = [m for m in app.query(ChatMessage) if m.role == "assistant"][-1]
             footer = text_of(reply.query_one(".chat-footer"))
-            # The same conversation straight through the engine: greedy, so the same text.
+            # The same conversation straight through the engine (the session's system prompt
+            # first, as the chat sends it): greedy, so the same text.
+            conversation = [{"role": "system", "content": app.session.system_prompt},
+                            {"role": "user", "content": "Tell me about tea."}]
             direct = ""
-            async for chunk in client.chat([{"role": "user", "content": "Tell me about tea."}],
+            async for chunk in client.chat(conversation,
                                            GenParams(temperature=0.0, max_tokens=12, ignore_eos=True), "direct"):
                 direct += chunk.text
         await client.shutdown()
