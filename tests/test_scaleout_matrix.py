@@ -51,10 +51,10 @@ MODES: dict[str, dict[str, Any]] = {  # each mode's engine arguments
     "async_tp2_mp": dict(async_scheduling=True, tensor_parallel_size=2),
     "async_tp2_ray": dict(async_scheduling=True, tensor_parallel_size=2, **RAY),
     "async_tp3_mp": dict(async_scheduling=True, tensor_parallel_size=3),
-    # 5 usable blocks of 16 tokens for 4 requests of 6 to 50 tokens (9 blocks): a preemption with
-    # a batch in flight.
+    # 4 usable blocks of 16 tokens (one request's max_model_len) for 4 requests of 6 to 50 tokens
+    # (10 blocks): preemptions with a batch in flight, whichever request ends early.
     "async_tp2_mp_preempt": dict(async_scheduling=True, tensor_parallel_size=2, max_model_len=64,
-                                 num_gpu_blocks_override=6),
+                                 num_gpu_blocks_override=5),
     # Two engine cores of two worker processes each: a worker's death under DP.
     "dp2_tp2_mp": dict(data_parallel_size=2, tensor_parallel_size=2),
 }
