@@ -71,7 +71,7 @@ PYEOF
     fi
     "$BIN/cosmic-ray" baseline "$work/$name.toml"
     "$BIN/cosmic-ray" exec "$work/$name.toml" "$work/$name.sqlite"
-    "$BIN/cr-report" --show-pending "$work/$name.sqlite" >"$ROOT/mutation/$name.txt" || true
+    "$BIN/cr-report" --show-pending --show-diff "$work/$name.sqlite" >"$ROOT/mutation/$name.txt" || true
     echo "$name ($path, ${sample:-all} mutants, seed ${MUTATION_SEED:-0}, $(date -u +%F)):" \
         "$(tail -n 3 "$ROOT/mutation/$name.txt" | tr '\n' ' ')" >"$ROOT/mutation/$name.summary"
 done

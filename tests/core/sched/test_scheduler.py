@@ -13,6 +13,7 @@ from lm_console.engine.core.sched.scheduler import Scheduler
 from lm_console.engine.request import Request, RequestStatus
 from lm_console.engine.sampling_params import SamplingParams
 from lm_console.engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.protocol import LogprobsLists
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -184,4 +185,46 @@ def test_random_add_abort_finish_never_leaks(data) -> None:
         run_step(scheduler)
         steps += 1
         assert steps < 500
+    assert_no_leak(scheduler)
+
+
+def test_prompt_logprob_rows_go_out_once_across_chunks_and_a_recompute() -> None:
+    """Each prompt position's logprob row reaches the frontend exactly once, in order: chunked
+    prefill sends them piece by piece, and a preempted request recomputes its prompt from 0,
+    so the runner produces rows the frontend already has (they must not go out again)."""
+    # 8 usable blocks of 4 tokens, 8 tokens a step: b's prompt goes in two chunks, and b is
+    # preempted once a's decode needs its blocks, then prefilled again.
+    scheduler = make_scheduler(num_blocks=9, budget=8, max_model_len=32)
+    prompts = {"a": list(range(10, 22)), "b": list(range(40, 52))}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(make_request(request_id, prompt, max_tokens=16, prompt_logprobs=1))
+    received: dict[str, list[int]] = {"a": [], "b": []}
+    produced: dict[str, list[int]] = {"a": [], "b": []}
+    preempted: set[str] = set()
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        requests = dict(scheduler.requests)
+        out = scheduler.schedule()
+        preempted |= out.preempted_req_ids
+        runner_output = fake_output(out, requests, lambda r: 7)
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            # Row i: the logprob of prompt token i + 1 (positions 0 .. len(prompt) - 2).
+            start = requests[request_id].num_computed_tokens - num_tokens
+            rows = list(range(start, min(start + num_tokens, len(prompts[request_id]) - 1)))
+            if rows:
+                produced[request_id] += rows
+                runner_output.prompt_logprobs[request_id] = (start, LogprobsLists(
+                    [[row] for row in rows], [[-float(row)] for row in rows], rows))
+        for outputs in scheduler.update_from_output(out, runner_output).values():
+            for output in outputs.outputs:
+                if output.new_prompt_logprobs is not None:
+                    lists = output.new_prompt_logprobs
+                    assert lists.logprob_token_ids == [[row] for row in lists.sampled_token_ranks]
+                    received[output.request_id] += lists.sampled_token_ranks
+        steps += 1
+        assert steps < 200
+    assert preempted == {"b"}
+    assert len(produced["b"]) > len(prompts["b"]) - 1  # the recompute produced rows again
+    assert received == {request_id: list(range(len(prompt) - 1))
+                        for request_id, prompt in prompts.items()}
     assert_no_leak(scheduler)
