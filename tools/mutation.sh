@@ -8,6 +8,10 @@
 # with MUTATION_SEED (default 0) so a sample can be rerun; MUTATION_SAMPLE="kv_cache=60 sampler=40"
 # sizes the sample per module (a module not named runs all its mutants).
 #
+# MUTATION_RESUME=1 (with the same MUTATION_TMP) reuses each module's session instead of drawing
+# a new one: the mutants not run yet and the survivors run again, against the tests as they are
+# now (how a new test is shown to kill its survivor); killed mutants keep their result.
+#
 # The mutants are applied in a copy of the tracked tree (under $MUTATION_TMP, default a temp dir)
 # put first on PYTHONPATH, so the working tree is never modified.
 set -euo pipefail
@@ -50,14 +54,24 @@ test-command = "$PY -m pytest -x -q -p no:randomly -p no:cacheprovider $tests"
 [cosmic-ray.distributor]
 name = "local"
 EOF
-    rm -f "$work/$name.sqlite"
-    "$BIN/cosmic-ray" init "$work/$name.toml" "$work/$name.sqlite"
     sample=${MUTATION_SAMPLE:-}
-    if [[ $sample == *=* ]]; then
-        sample=$(tr ' ' '\n' <<<"$sample" | sed -n "s/^$name=//p")
-    fi
-    if [ -n "$sample" ]; then
-        "$PY" - "$work/$name.sqlite" "$sample" "${MUTATION_SEED:-0}" <<'PYEOF'
+    if [ -n "${MUTATION_RESUME:-}" ] && [ -f "$work/$name.sqlite" ]; then
+        "$PY" - "$work/$name.sqlite" <<'PYEOF'
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1])
+n = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'").rowcount
+db.commit()
+print(f"resuming: {n} survivors to run again")
+PYEOF
+        sample=$(sed -n 's/^sample=//p' "$work/$name.sample" 2>/dev/null || true)
+    else
+        rm -f "$work/$name.sqlite"
+        "$BIN/cosmic-ray" init "$work/$name.toml" "$work/$name.sqlite"
+        if [[ $sample == *=* ]]; then
+            sample=$(tr ' ' '\n' <<<"$sample" | sed -n "s/^$name=//p")
+        fi
+        if [ -n "$sample" ]; then
+            "$PY" - "$work/$name.sqlite" "$sample" "${MUTATION_SEED:-0}" <<'PYEOF'
 import random, sqlite3, sys
 db = sqlite3.connect(sys.argv[1])
 jobs = db.execute("SELECT job_id FROM mutation_specs ORDER BY module_path, operator_name, start_pos_row, start_pos_col, occurrence").fetchall()
@@ -68,6 +82,8 @@ db.executemany("DELETE FROM work_items WHERE job_id = ?", drop)
 db.commit()
 print(f"sampled {len(keep)} of {len(jobs)} mutants (seed {sys.argv[3]})")
 PYEOF
+        fi
+        echo "sample=$sample" >"$work/$name.sample"
     fi
     "$BIN/cosmic-ray" baseline "$work/$name.toml"
     "$BIN/cosmic-ray" exec "$work/$name.toml" "$work/$name.sqlite"
