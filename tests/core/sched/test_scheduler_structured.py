@@ -176,11 +176,15 @@ def test_a_refusal_within_min_tokens_says_min_tokens_and_a_completion_has_no_err
     completing.set_result(FakeGrammar({9}, length=1))
     scheduler.add_request(structured_request("clash", [1, 2, 3], refusing, min_tokens=3))
     scheduler.add_request(structured_request("done", [1, 2, 4], completing, min_tokens=3))
-    _, outputs = run_step(scheduler, next_token=lambda r: 7 if r.request_id == "clash" else 9)
-    by_id = {output.request_id: output for output in outputs[0].outputs}
+    # "clash" samples 9, 9, then 7, which its grammar refuses.
+    clash_tokens = iter([9, 9, 7])
+    by_id = {}
+    while scheduler.has_unfinished_requests():
+        _, outputs = run_step(scheduler, next_token=lambda r: next(clash_tokens) if r.request_id == "clash" else 9)
+        by_id.update({output.request_id: output for output in outputs[0].outputs if output.finish_reason is not None})
     clash, done = by_id["clash"], by_id["done"]
     assert clash.finish_reason == FinishReason.ABORT
-    assert "min_tokens=3 forbids stopping" in clash.error.message
+    assert "only the stop token after 2 tokens, but min_tokens=3 forbids stopping" in clash.error.message
     assert "engine bug" not in clash.error.message
     assert done.finish_reason == FinishReason.STOP and done.error is None
     assert_no_leak(scheduler)
