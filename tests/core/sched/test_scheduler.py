@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lm_console.engine.core.kv_cache import KVCacheManager
 from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from lm_console.engine.core.sched.scheduler import Scheduler
+from lm_console.engine.core.sched.scheduler import AsyncScheduler, Scheduler
 from lm_console.engine.request import Request, RequestStatus
 from lm_console.engine.sampling_params import SamplingParams
 from lm_console.engine.model_runner_output import ModelRunnerOutput
@@ -227,4 +227,49 @@ def test_prompt_logprob_rows_go_out_once_across_chunks_and_a_recompute() -> None
     assert len(produced["b"]) > len(prompts["b"]) - 1  # the recompute produced rows again
     assert received == {request_id: list(range(len(prompt) - 1))
                         for request_id, prompt in prompts.items()}
+    assert_no_leak(scheduler)
+
+
+def test_stats_before_the_first_step_count_nothing() -> None:
+    stats = make_scheduler().make_stats()
+    assert (stats.num_scheduled_tokens, stats.num_prompt_tokens, stats.num_generation_tokens,
+            stats.num_preempted_reqs, stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0, 0, 0, 0, 0)
+
+
+def test_a_stop_inside_a_multi_token_step_keeps_the_logprobs_of_the_tokens_kept() -> None:
+    """A step that samples several tokens (speculative decoding) and stops at the second: the
+    output has the first two tokens and their two logprob rows, not the rows of the tokens
+    dropped after the stop."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", [5, 6, 7], max_tokens=10, logprobs=1))
+    out = scheduler.schedule()
+    sampled = [7, EOS, 9]
+    rows = LogprobsLists([[t] for t in sampled], [[-float(i)] for i in range(3)], [0, 1, 2])
+    runner_output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[sampled],
+                                      logprobs={"a": rows})
+    [output] = scheduler.update_from_output(out, runner_output)[0].outputs
+    assert output.new_token_ids == [7, EOS]
+    assert output.new_logprobs == LogprobsLists([[7], [EOS]], [[-0.0], [-1.0]], [0, 1])
+    assert_no_leak(scheduler)
+
+
+def test_async_blocks_of_an_aborted_request_wait_for_its_last_step_in_flight() -> None:
+    """Three steps of a request in flight, then an abort: its blocks stay held until the third
+    step has returned (each step writes them), and only then go back to the pool."""
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=64)
+    scheduler = AsyncScheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    scheduler.add_request(make_request("a", [5, 6, 7, 8, 9], max_tokens=20))
+    steps = []
+    for _ in range(3):
+        requests = dict(scheduler.requests)
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens == {"a": 5 if not steps else 1}
+        steps.append((out, fake_output(out, requests, lambda r: 7)))
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    pool = kv.block_pool
+    for returned, (out, runner_output) in enumerate(steps, start=1):
+        scheduler.update_from_output(out, runner_output)
+        held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        if returned < 3:
+            assert held > 0, f"blocks freed after {returned} of 3 steps in flight returned"
     assert_no_leak(scheduler)
