@@ -192,15 +192,17 @@ def test_prompt_logprob_rows_go_out_once_across_chunks_and_a_recompute() -> None
     """Each prompt position's logprob row reaches the frontend exactly once, in order: chunked
     prefill sends them piece by piece, and a preempted request recomputes its prompt from 0,
     so the runner produces rows the frontend already has (they must not go out again)."""
-    # 8 usable blocks of 4 tokens, 8 tokens a step: b's prompt goes in two chunks, and b is
-    # preempted once a's decode needs its blocks, then prefilled again.
+    # 8 usable blocks of 4 tokens, 8 tokens a step: b's 24-token prompt goes in chunks, and b
+    # is preempted before its prefill ends (a's decode holds the blocks it needs), then
+    # prefilled again in chunks that straddle the rows already sent.
     scheduler = make_scheduler(num_blocks=9, budget=8, max_model_len=32)
-    prompts = {"a": list(range(10, 22)), "b": list(range(40, 52))}
+    prompts = {"a": list(range(10, 22)), "b": list(range(40, 64))}
     for request_id, prompt in prompts.items():
         scheduler.add_request(make_request(request_id, prompt, max_tokens=16, prompt_logprobs=1))
     received: dict[str, list[int]] = {"a": [], "b": []}
     produced: dict[str, list[int]] = {"a": [], "b": []}
     preempted: set[str] = set()
+    partial = [False]
     steps = 0
     while scheduler.has_unfinished_requests():
         requests = dict(scheduler.requests)
@@ -215,6 +217,9 @@ def test_prompt_logprob_rows_go_out_once_across_chunks_and_a_recompute() -> None
                 produced[request_id] += rows
                 runner_output.prompt_logprobs[request_id] = (start, LogprobsLists(
                     [[row] for row in rows], [[-float(row)] for row in rows], rows))
+        for request_id, (start, lists) in runner_output.prompt_logprobs.items():
+            sent = scheduler.requests[request_id].num_prompt_logprobs_sent
+            partial[0] |= start < sent < start + len(lists.sampled_token_ranks)
         for outputs in scheduler.update_from_output(out, runner_output).values():
             for output in outputs.outputs:
                 if output.new_prompt_logprobs is not None:
@@ -225,6 +230,7 @@ def test_prompt_logprob_rows_go_out_once_across_chunks_and_a_recompute() -> None
         assert steps < 200
     assert preempted == {"b"}
     assert len(produced["b"]) > len(prompts["b"]) - 1  # the recompute produced rows again
+    assert partial[0], "no recomputed chunk straddled the rows already sent"
     assert received == {request_id: list(range(len(prompt) - 1))
                         for request_id, prompt in prompts.items()}
     assert_no_leak(scheduler)
