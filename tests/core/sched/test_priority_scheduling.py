@@ -234,3 +234,18 @@ def test_a_victim_ahead_in_the_running_list_does_not_make_the_next_request_skip_
     third = scheduler.schedule()  # h1's token 5 needs a block: low (before it in running) goes
     assert third.preempted_req_ids == {"low"}
     assert third.num_scheduled_tokens == {"h1": 1, "h2": 1}
+
+
+def test_fcfs_a_waiting_request_of_higher_priority_preempts_no_one() -> None:
+    """FCFS ignores priorities in admission too: a waiting request with a better priority
+    value waits for a seat or for blocks instead of preempting a running one."""
+    for max_num_seqs, num_blocks in ((1, 1000), (8, 3)):  # no seat; no blocks (2 usable of 16 tokens)
+        scheduler = make_scheduler(policy="fcfs", max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+        low, = make_requests([5], [0.0], num_tokens=20)
+        scheduler.add_request(low)
+        run_step(scheduler, scheduler.schedule())
+        high, = make_requests([0], [1.0], num_tokens=20, first_id=1)
+        scheduler.add_request(high)
+        output = scheduler.schedule()
+        assert output.preempted_req_ids == set(), (max_num_seqs, num_blocks)
+        assert set(output.num_scheduled_tokens) == {"0"} and [r.request_id for r in scheduler.waiting] == ["1"]
