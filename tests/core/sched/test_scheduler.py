@@ -279,3 +279,15 @@ def test_async_blocks_of_an_aborted_request_wait_for_its_last_step_in_flight() -
         if returned < 3:
             assert held > 0, f"blocks freed after {returned} of 3 steps in flight returned"
     assert_no_leak(scheduler)
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_the_budget_left_waits_whole() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=64)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64,
+                          enable_chunked_prefill=False)
+    scheduler.add_request(make_request("a", list(range(10, 20)), max_tokens=2))
+    scheduler.add_request(make_request("b", list(range(30, 40)), max_tokens=2))
+    first, _ = run_step(scheduler)
+    assert first.num_scheduled_tokens == {"a": 10}  # b's 10 tokens do not fit the 6 left: no chunk
+    second, _ = run_step(scheduler)
+    assert second.num_scheduled_tokens == {"a": 1, "b": 10}
