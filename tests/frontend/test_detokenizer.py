@@ -239,3 +239,27 @@ def test_falls_back_when_the_decode_stream_fails(smollm2_tokenizer: Any) -> None
     detok._decoder._stream = FailingStream()  # type: ignore[union-attr]
     detok.update(ids[3:], False)
     assert detok.output_text == tok.decode(ids)
+
+
+class _PieceDecoder:
+    """Token id i decodes to pieces[i] (no tokenizer: the stop and streaming logic alone)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode_next(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+
+def test_deltas_never_repeat_text_when_a_stop_string_cuts_below_what_was_streamed() -> None:
+    """"abcST" streams "ab" (3 characters held back for "STOP"); "OP" then completes the stop
+    string and cuts the text to "abc", below the end of what the held-back window allowed: a
+    delta asked for before the caller sees the stop is empty, and the deltas add up to "abc"."""
+    detok = IncrementalDetokenizer(SamplingParams(stop=["STOP"]), _PieceDecoder(["abcST", "OP"]))
+    assert detok.update([0], False) is None
+    deltas = [detok.get_next_output_text(False, True)]
+    assert deltas == ["ab"]
+    assert detok.update([1], False) == "STOP" and detok.output_text == "abc"
+    deltas.append(detok.get_next_output_text(False, True))
+    deltas.append(detok.get_next_output_text(True, True))
+    assert deltas == ["ab", "", "c"]
