@@ -261,3 +261,14 @@ def test_negative_control_a_hash_that_drops_tokens_gives_false_hits(make_request
                         lambda fn, parent, tokens, extra=None: real(fn, parent, list(tokens)[::4], extra))
     with pytest.raises(AssertionError, match="yet"):
         _assert_no_hit_when_any_token_differs(make_request)
+
+
+def test_two_blocks_are_the_smallest_cache_one_usable_beside_the_null_block(make_request) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidEngineArgsError, match="num_blocks=1 is too small"):
+        _manager(num_blocks=1)
+    manager = _manager(num_blocks=2)
+    assert manager.num_free_blocks == 1
+    request = make_request("a", [1, 2, 3])
+    assert _schedule_prefill(manager, request) is not None
+    assert _ids(manager, request) == [1]
+    assert _schedule_prefill(manager, make_request("b", [4, 5, 6])) is None  # nothing left
