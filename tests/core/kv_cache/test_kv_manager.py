@@ -180,6 +180,9 @@ def test_external_computed_tokens_get_blocks(make_request) -> None:  # type: ign
     blocks = manager.allocate_slots(request, 2, num_external_computed_tokens=8)
     assert blocks is not None
     assert len(_ids(manager, request)) == 3  # 2 blocks for external KV + 1 for the new tokens
+    # The external KV's blocks are allocated with the hits, ahead of the new tokens' block:
+    # only the latter comes back as new.
+    assert _ids(manager, request) == [1, 2, 3] and blocks.get_block_ids() == ([3],)
 
 
 def test_reset_prefix_cache_and_stats_flag(make_request) -> None:  # type: ignore[no-untyped-def]
