@@ -80,7 +80,7 @@ drop = [(j,) for (j,) in jobs if j not in keep]
 db.executemany("DELETE FROM mutation_specs WHERE job_id = ?", drop)
 db.executemany("DELETE FROM work_items WHERE job_id = ?", drop)
 db.commit()
-print(f"sampled {len(keep)} of {len(jobs)} mutants (seed {sys.argv[3]})")
+print(f"sampled {len(keep)} of {len(jobs)} mutants, random seed {sys.argv[3]}")
 PYEOF
         fi
         echo "sample=$sample" >"$work/$name.sample"
