@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +23,21 @@ def smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     model_dir = list(spec.submodule_search_locations)[0]
-    return AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF_FILE)
+    # Converting the GGUF vocabulary takes seconds (half a minute on a loaded machine) and every
+    # session paid it: keep the converted tokenizer, keyed by the GGUF file's size and mtime.
+    gguf = Path(model_dir) / GGUF_FILE
+    stat = gguf.stat()
+    cached = Path(tempfile.gettempdir()) / f"lmc-tests-smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF_FILE)
+    partial = Path(tempfile.mkdtemp(prefix=cached.name + ".", dir=cached.parent))
+    tokenizer.save_pretrained(partial)
+    try:
+        os.replace(partial, cached)  # atomic: a concurrent session sees all of it or none
+    except OSError:
+        pass  # another session stored it first
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

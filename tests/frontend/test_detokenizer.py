@@ -248,3 +248,63 @@ def test_falls_back_when_the_decode_stream_fails(smollm2_tokenizer: Any) -> None
     detok._decoder._stream = FailingStream()  # type: ignore[union-attr]
     detok.update(ids[3:], False)
     assert detok.output_text == tok.decode(ids)
+
+
+class _PieceDecoder:
+    """Token id i decodes to pieces[i] (no tokenizer: the stop and streaming logic alone)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode_next(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+
+def test_deltas_never_repeat_text_when_a_stop_string_cuts_below_what_was_streamed() -> None:
+    """"abcST" streams "ab" (3 characters held back for "STOP"); "OP" then completes the stop
+    string and cuts the text to "abc", below the end of what the held-back window allowed: a
+    delta asked for before the caller sees the stop is empty, and the deltas add up to "abc"."""
+    detok = IncrementalDetokenizer(SamplingParams(stop=["STOP"]), _PieceDecoder(["abcST", "OP"]))
+    assert detok.update([0], False) is None
+    deltas = [detok.get_next_output_text(False, True)]
+    assert deltas == ["ab"]
+    assert detok.update([1], False) == "STOP" and detok.output_text == "abc"
+    deltas.append(detok.get_next_output_text(False, True))
+    deltas.append(detok.get_next_output_text(True, True))
+    assert deltas == ["ab", "", "c"]
+
+
+def test_a_stop_string_inside_the_first_min_tokens_text_never_ends_the_request() -> None:
+    """min_tokens=3: "STOP" in the first token's text may not end the request, however long the
+    text after it; only a stop string that ends past the first min_tokens - 1 tokens' text can."""
+    params = SamplingParams(stop=["STOP"], min_tokens=3)
+    detok = IncrementalDetokenizer(params, _PieceDecoder(["STOP", "x", "y", "STO", "P"]))
+    assert [detok.update([t], False) for t in range(5)] == [None, None, None, None, "STOP"]
+    assert detok.output_text == "STOPxy"
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_a_prompt_ending_inside_a_character_gets_it_whole_from_the_continuation(
+        byte_fallback_tokenizer: Any, use_fast: bool) -> None:
+    """The prompt ends with the first two of 日's three byte tokens; the third, generated, must
+    produce the whole character (the prompt's bytes were never emitted)."""
+    tok = byte_fallback_tokenizer
+    ids = tok.encode("a日", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids)[-3:] == ["<0xE6>", "<0x97>", "<0xA5>"]
+    detok = IncrementalDetokenizer.from_new_request(tok, ids[:-1], SamplingParams(), use_fast=use_fast)
+    detok.update(ids[-1:], False)
+    assert detok.output_text == "日"
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_a_prompt_ending_inside_an_emoji_does_not_repeat_its_tail(smollm2_tokenizer: Any,
+                                                                  use_fast: bool) -> None:
+    """Byte-level BPE: the prompt "Hi 🎉" less its last token ends inside the emoji; the
+    continuation is " 🎉", not the prompt's "Hi" again (a DecodeStream prefilled with that
+    prompt returned "Hi 🎉")."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("Hi 🎉")
+    assert tok.decode(ids[:-1]).endswith("\ufffd")
+    detok = IncrementalDetokenizer.from_new_request(tok, ids[:-1], SamplingParams(), use_fast=use_fast)
+    detok.update(ids[-1:], False)
+    assert detok.output_text == " 🎉"

@@ -361,3 +361,29 @@ def test_logit_bias_and_allowed_ids_are_validated() -> None:
         with pytest.raises(InvalidSamplingParamsError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
     assert SamplingParams(logit_bias={"12": -100, 3: 100.0}).logit_bias == {12: -100.0, 3: 100.0}
+
+
+def test_top_p_rows_beside_top_k_only_rows_use_the_whole_vocabulary_s_probabilities() -> None:
+    """A batch of a top-k-only row and a top-p-only row: the top-p row's probabilities are over
+    the whole vocabulary (here 8192 tokens, most of the mass beyond the first 1024 candidates),
+    not over the candidates the top-k row asked for."""
+    torch.manual_seed(12)
+    vocab_size = 8192
+    logits = torch.randn(2, vocab_size)
+    top_k = torch.tensor([20, vocab_size])
+    top_p = torch.tensor([1.0, 0.9])
+    out = logits.clone()
+    ops.apply_top_k_top_p(out, top_k, top_p)
+    for row in range(2):
+        expected, slack = _reference_keep(logits[row], int(top_k[row]), float(top_p[row]))
+        assert int((torch.isfinite(out[row]) ^ expected).sum()) <= slack, row
+
+
+def test_a_single_row_gets_all_the_logprobs_it_asked_for(make_metadata: MakeMetadata) -> None:
+    """One row asking for 5 logprobs gets 5 (besides the sampled token's), however few rows."""
+    torch.manual_seed(13)
+    logits = torch.randn(1, 50)
+    out = _sample(make_metadata, logits, [SamplingParams(temperature=0.0, logprobs=5)])
+    tensors = out.logprobs_tensors
+    assert tensors is not None and tensors.logprob_token_ids.shape == (1, 6)
+    assert torch.equal(tensors.logprob_token_ids[0, 1:], logits.log_softmax(dim=1)[0].topk(5).indices)

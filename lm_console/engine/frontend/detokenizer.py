@@ -196,13 +196,14 @@ class _StreamDecoder:
     def _new_stream(self, context: list[int]) -> Any:
         from tokenizers.decoders import DecodeStream
 
-        try:
-            return DecodeStream(ids=context, skip_special_tokens=self._skip)
-        except TypeError:  # tokenizers without prefill: step through the context instead
-            stream = DecodeStream(skip_special_tokens=self._skip)
-            for token_id in context:
-                stream.step(self._backend, token_id)
-            return stream
+        # Primed by stepping through the context, not DecodeStream(ids=context): a prefilled
+        # stream whose context ends inside a character returns the whole context's text with
+        # that character once it completes (a prompt ending in an emoji's first byte tokens
+        # would repeat its tail in the output). A step returns nothing until a character is whole.
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        for token_id in context:
+            stream.step(self._backend, token_id)
+        return stream
 
     def _switch_to_fallback(self, exc: Exception) -> None:
         logger.warning("DecodeStream failed (%s); using offset detokenization", exc)

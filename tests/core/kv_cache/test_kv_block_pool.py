@@ -186,3 +186,13 @@ def test_duplicate_hashes_kept_and_evicted_separately(make_request) -> None:  # 
     pool.get_new_blocks(2)  # evicts block 3 (plain free) then block 1
     cached = pool.get_cached_block(r1.block_hashes[0], [0])
     assert cached == [b2[0]]
+
+
+def test_usage_is_the_fraction_of_usable_blocks_in_use_and_zero_with_none() -> None:
+    pool = BlockPool(5, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    assert pool.get_usage() == 0.0
+    blocks = pool.get_new_blocks(3)
+    assert pool.get_usage() == 0.75
+    pool.free_blocks(blocks)
+    assert pool.get_usage() == 0.0
+    assert BlockPool(1, enable_caching=True, hash_block_size=BLOCK_SIZE).get_usage() == 0.0  # the null block only

@@ -180,6 +180,9 @@ def test_external_computed_tokens_get_blocks(make_request) -> None:  # type: ign
     blocks = manager.allocate_slots(request, 2, num_external_computed_tokens=8)
     assert blocks is not None
     assert len(_ids(manager, request)) == 3  # 2 blocks for external KV + 1 for the new tokens
+    # The external KV's blocks are allocated with the hits, ahead of the new tokens' block:
+    # only the latter comes back as new.
+    assert _ids(manager, request) == [1, 2, 3] and blocks.get_block_ids() == ([3],)
 
 
 def test_reset_prefix_cache_and_stats_flag(make_request) -> None:  # type: ignore[no-untyped-def]
@@ -261,3 +264,14 @@ def test_negative_control_a_hash_that_drops_tokens_gives_false_hits(make_request
                         lambda fn, parent, tokens, extra=None: real(fn, parent, list(tokens)[::4], extra))
     with pytest.raises(AssertionError, match="yet"):
         _assert_no_hit_when_any_token_differs(make_request)
+
+
+def test_two_blocks_are_the_smallest_cache_one_usable_beside_the_null_block(make_request) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidEngineArgsError, match="num_blocks=1 is too small"):
+        _manager(num_blocks=1)
+    manager = _manager(num_blocks=2)
+    assert manager.num_free_blocks == 1
+    request = make_request("a", [1, 2, 3])
+    assert _schedule_prefill(manager, request) is not None
+    assert _ids(manager, request) == [1]
+    assert _schedule_prefill(manager, make_request("b", [4, 5, 6])) is None  # nothing left

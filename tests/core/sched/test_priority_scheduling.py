@@ -213,3 +213,39 @@ def test_queues() -> None:
     assert [r.request_id for r in queue] == ["1", "0"] and len(queue) == 2
     queue.prepend_request(c)  # a preempted request goes back under its own key
     assert queue.pop_request() is b and queue.peek_request() is c
+
+
+def test_a_victim_ahead_in_the_running_list_does_not_make_the_next_request_skip_its_step() -> None:
+    """A running request that needs a block preempts a lower-priority one that sits before it in
+    the running list: the list shifts left, and the request after it still gets its token."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, max_model_len=64, enable_caching=True)  # 4 usable blocks
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, policy="priority")
+    hasher = get_request_block_hasher(4, sha256_cbor)
+    low = Request("low", [1] * 6, SamplingParams(max_tokens=16), None, arrival_time=0.0, priority=1,
+                  block_hasher=hasher)
+    scheduler.add_request(low)
+    run_step(scheduler, scheduler.schedule())  # low: 2 blocks
+    for request_id in ("h1", "h2"):
+        scheduler.add_request(Request(request_id, [2] * 4, SamplingParams(max_tokens=16), None, arrival_time=1.0,
+                                      priority=0, block_hasher=hasher))
+    second = scheduler.schedule()  # h1 and h2 admitted with a block each: the cache is full
+    assert set(second.num_scheduled_tokens) == {"low", "h1", "h2"}
+    run_step(scheduler, second)
+    third = scheduler.schedule()  # h1's token 5 needs a block: low (before it in running) goes
+    assert third.preempted_req_ids == {"low"}
+    assert third.num_scheduled_tokens == {"h1": 1, "h2": 1}
+
+
+def test_fcfs_a_waiting_request_of_higher_priority_preempts_no_one() -> None:
+    """FCFS ignores priorities in admission too: a waiting request with a better priority
+    value waits for a seat or for blocks instead of preempting a running one."""
+    for max_num_seqs, num_blocks in ((1, 1000), (8, 3)):  # no seat; no blocks (2 usable of 16 tokens)
+        scheduler = make_scheduler(policy="fcfs", max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+        low, = make_requests([5], [0.0], num_tokens=20)
+        scheduler.add_request(low)
+        run_step(scheduler, scheduler.schedule())
+        high, = make_requests([0], [1.0], num_tokens=20, first_id=1)
+        scheduler.add_request(high)
+        output = scheduler.schedule()
+        assert output.preempted_req_ids == set(), (max_num_seqs, num_blocks)
+        assert set(output.num_scheduled_tokens) == {"0"} and [r.request_id for r in scheduler.waiting] == ["1"]

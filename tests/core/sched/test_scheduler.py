@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 from lm_console.engine.core.kv_cache import KVCacheManager
 from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from lm_console.engine.core.sched.scheduler import Scheduler
+from lm_console.engine.core.sched.scheduler import AsyncScheduler, Scheduler
 from lm_console.engine.request import Request, RequestStatus
 from lm_console.engine.sampling_params import SamplingParams
 from lm_console.engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.protocol import LogprobsLists
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -185,3 +186,108 @@ def test_random_add_abort_finish_never_leaks(data) -> None:
         steps += 1
         assert steps < 500
     assert_no_leak(scheduler)
+
+
+def test_prompt_logprob_rows_go_out_once_across_chunks_and_a_recompute() -> None:
+    """Each prompt position's logprob row reaches the frontend exactly once, in order: chunked
+    prefill sends them piece by piece, and a preempted request recomputes its prompt from 0,
+    so the runner produces rows the frontend already has (they must not go out again)."""
+    # 8 usable blocks of 4 tokens, 8 tokens a step: b's 24-token prompt goes in chunks, and b
+    # is preempted before its prefill ends (a's decode holds the blocks it needs), then
+    # prefilled again in chunks that straddle the rows already sent.
+    scheduler = make_scheduler(num_blocks=9, budget=8, max_model_len=32)
+    prompts = {"a": list(range(10, 22)), "b": list(range(40, 64))}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(make_request(request_id, prompt, max_tokens=16, prompt_logprobs=1))
+    received: dict[str, list[int]] = {"a": [], "b": []}
+    produced: dict[str, list[int]] = {"a": [], "b": []}
+    preempted: set[str] = set()
+    partial = [False]
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        requests = dict(scheduler.requests)
+        out = scheduler.schedule()
+        preempted |= out.preempted_req_ids
+        runner_output = fake_output(out, requests, lambda r: 7)
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            # Row i: the logprob of prompt token i + 1 (positions 0 .. len(prompt) - 2).
+            start = requests[request_id].num_computed_tokens - num_tokens
+            rows = list(range(start, min(start + num_tokens, len(prompts[request_id]) - 1)))
+            if rows:
+                produced[request_id] += rows
+                runner_output.prompt_logprobs[request_id] = (start, LogprobsLists(
+                    [[row] for row in rows], [[-float(row)] for row in rows], rows))
+        for request_id, (start, lists) in runner_output.prompt_logprobs.items():
+            sent = scheduler.requests[request_id].num_prompt_logprobs_sent
+            partial[0] |= start < sent < start + len(lists.sampled_token_ranks)
+        for outputs in scheduler.update_from_output(out, runner_output).values():
+            for output in outputs.outputs:
+                if output.new_prompt_logprobs is not None:
+                    lists = output.new_prompt_logprobs
+                    assert lists.logprob_token_ids == [[row] for row in lists.sampled_token_ranks]
+                    received[output.request_id] += lists.sampled_token_ranks
+        steps += 1
+        assert steps < 200
+    assert preempted == {"b"}
+    assert len(produced["b"]) > len(prompts["b"]) - 1  # the recompute produced rows again
+    assert partial[0], "no recomputed chunk straddled the rows already sent"
+    assert received == {request_id: list(range(len(prompt) - 1))
+                        for request_id, prompt in prompts.items()}
+    assert_no_leak(scheduler)
+
+
+def test_stats_before_the_first_step_count_nothing() -> None:
+    stats = make_scheduler().make_stats()
+    assert (stats.num_scheduled_tokens, stats.num_prompt_tokens, stats.num_generation_tokens,
+            stats.num_preempted_reqs, stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0, 0, 0, 0, 0)
+
+
+def test_a_stop_inside_a_multi_token_step_keeps_the_logprobs_of_the_tokens_kept() -> None:
+    """A step that samples several tokens (speculative decoding) and stops at the second: the
+    output has the first two tokens and their two logprob rows, not the rows of the tokens
+    dropped after the stop."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", [5, 6, 7], max_tokens=10, logprobs=1))
+    out = scheduler.schedule()
+    sampled = [7, EOS, 9]
+    rows = LogprobsLists([[t] for t in sampled], [[-float(i)] for i in range(3)], [0, 1, 2])
+    runner_output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[sampled],
+                                      logprobs={"a": rows})
+    [output] = scheduler.update_from_output(out, runner_output)[0].outputs
+    assert output.new_token_ids == [7, EOS]
+    assert output.new_logprobs == LogprobsLists([[7], [EOS]], [[-0.0], [-1.0]], [0, 1])
+    assert_no_leak(scheduler)
+
+
+def test_async_blocks_of_an_aborted_request_wait_for_its_last_step_in_flight() -> None:
+    """Three steps of a request in flight, then an abort: its blocks stay held until the third
+    step has returned (each step writes them), and only then go back to the pool."""
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=64)
+    scheduler = AsyncScheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    scheduler.add_request(make_request("a", [5, 6, 7, 8, 9], max_tokens=20))
+    steps = []
+    for _ in range(3):
+        requests = dict(scheduler.requests)
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens == {"a": 5 if not steps else 1}
+        steps.append((out, fake_output(out, requests, lambda r: 7)))
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    pool = kv.block_pool
+    for returned, (out, runner_output) in enumerate(steps, start=1):
+        scheduler.update_from_output(out, runner_output)
+        held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        if returned < 3:
+            assert held > 0, f"blocks freed after {returned} of 3 steps in flight returned"
+    assert_no_leak(scheduler)
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_the_budget_left_waits_whole() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=64)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64,
+                          enable_chunked_prefill=False)
+    scheduler.add_request(make_request("a", list(range(10, 20)), max_tokens=2))
+    scheduler.add_request(make_request("b", list(range(30, 40)), max_tokens=2))
+    first, _ = run_step(scheduler)
+    assert first.num_scheduled_tokens == {"a": 10}  # b's 10 tokens do not fit the 6 left: no chunk
+    second, _ = run_step(scheduler)
+    assert second.num_scheduled_tokens == {"a": 1, "b": 10}

@@ -207,3 +207,24 @@ def test_parked_requests_holding_blocks_cannot_starve_each_other() -> None:
     finish(kv_scheduler)
     assert a.num_output_tokens == 1 and b.num_output_tokens == 1
     assert_no_leak(kv_scheduler)
+
+
+def test_a_preempted_request_resumes_with_a_connector() -> None:
+    """With a connector, a preempted request is not mistaken for one waiting on a remote load:
+    it is re-admitted and recomputed, and both requests finish."""
+    connector = FakeConnector()
+    # 8 usable blocks of 4 tokens: a's decode needs b's blocks, so b is preempted.
+    scheduler = make_scheduler(num_blocks=9, budget=64, max_model_len=32)
+    scheduler._init_kv_connector_state(connector)
+    scheduler.add_request(make_request("a", list(range(10, 22)), max_tokens=16))
+    scheduler.add_request(make_request("b", list(range(40, 52)), max_tokens=16))
+    preempted: set[str] = set()
+    for _ in range(100):
+        if not scheduler.has_unfinished_requests():
+            break
+        out, _ = step(scheduler)
+        preempted |= out.preempted_req_ids
+    assert preempted == {"b"}
+    assert not scheduler.has_unfinished_requests()
+    assert sorted(connector.finished) == ["a", "b"]
+    assert_no_leak(scheduler)

@@ -162,3 +162,29 @@ def test_the_bitmask_scan_runs_only_while_a_structured_request_is_in_the_schedul
     run_step(scheduler)
     assert not scheduler.requests and manager.num_structured_requests == 0
     assert_no_leak(scheduler)
+
+
+def test_a_refusal_within_min_tokens_says_min_tokens_and_a_completion_has_no_error() -> None:
+    """A refused token while min_tokens masks the stop token is the request's clash (min_tokens
+    too high for the grammar), not an engine bug, and the error says so; a grammar that
+    completes is a plain stop."""
+    scheduler = make_scheduler()
+    scheduler.structured_output_manager = FakeManager()
+    refusing: Future = Future()
+    refusing.set_result(FakeGrammar({9}, length=5))
+    completing: Future = Future()
+    completing.set_result(FakeGrammar({9}, length=1))
+    scheduler.add_request(structured_request("clash", [1, 2, 3], refusing, min_tokens=3))
+    scheduler.add_request(structured_request("done", [1, 2, 4], completing, min_tokens=3))
+    # "clash" samples 9, 9, then 7, which its grammar refuses.
+    clash_tokens = iter([9, 9, 7])
+    by_id = {}
+    while scheduler.has_unfinished_requests():
+        _, outputs = run_step(scheduler, next_token=lambda r: next(clash_tokens) if r.request_id == "clash" else 9)
+        by_id.update({output.request_id: output for output in outputs[0].outputs if output.finish_reason is not None})
+    clash, done = by_id["clash"], by_id["done"]
+    assert clash.finish_reason == FinishReason.ABORT
+    assert "only the stop token after 2 tokens, but min_tokens=3 forbids stopping" in clash.error.message
+    assert "engine bug" not in clash.error.message
+    assert done.finish_reason == FinishReason.STOP and done.error is None
+    assert_no_leak(scheduler)
