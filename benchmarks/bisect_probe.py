@@ -26,23 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of `pid` and its live descendants."""
-    ticks, total, queue, seen = os.sysconf("SC_CLK_TCK"), 0.0, [pid], set()
-    while queue:
-        current = queue.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-            for task in os.listdir(f"/proc/{current}/task"):
-                queue += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
-        except (OSError, IndexError):
-            pass
-    return total
+# Shared with the vLLM runner, which imports nothing but the standard library either.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vllm_runner import tree_cpu_seconds as tree_cpu  # noqa: E402
 
 
 def main() -> None:
