@@ -96,6 +96,9 @@ LMC_QUANT_AUTO = _declare(
 LMC_QUANT_DENSE_ROWS = _declare(
     "LMC_QUANT_DENSE_ROWS", "", "from how many rows a quantized GEMM dequantizes to bf16 for oneDNN; default 16 on "
     "AMX CPUs, never elsewhere")
+LMC_LORA_KERNEL = _declare(
+    "LMC_LORA_KERNEL", "auto", "the batched LoRA kernel: auto (the C kernel on the CPU, Triton on CUDA), torch (the "
+    "reference), cpu, triton")
 LMC_MALLOC_TUNING = _declare(
     "LMC_MALLOC_TUNING", "1", "0 leaves glibc's allocator settings as they are (no mallopt, no huge-page heap)")
 
@@ -112,6 +115,11 @@ LMC_ENGINE_STARTUP_TIMEOUT = _declare(
     "included) before the start fails")
 LMC_STARTUP_TRACE = _declare(
     "LMC_STARTUP_TRACE", "", "anything but empty or 0: print the end of each cold-start phase with its time")
+
+# -- the server -------------------------------------------------------------------------------
+VLLM_ALLOW_RUNTIME_LORA_UPDATING = _declare(
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0", "1/true: `lmc serve --enable-lora` answers /v1/load_lora_adapter and "
+    "/v1/unload_lora_adapter (vLLM's switch, same name); off, they answer 404")
 
 # -- the console -----------------------------------------------------------------------------
 LMC_API_KEY = _declare(

@@ -25,7 +25,7 @@ def test_wire_shape_is_vllms() -> None:
         BlockRemoved(block_hashes=[b"h1"]), AllBlocksCleared()])
     raw = msgspec.msgpack.decode(encode_kv_event_batch(batch))
     assert raw[0] == 1.5 and raw[2] is None
-    assert raw[1][0] == ["BlockStored", [b"h1", b"h2"], None, list(range(32)), 16, None, "GPU"]
+    assert raw[1][0] == ["BlockStored", [b"h1", b"h2"], None, list(range(32)), 16, None, "GPU", None]
     assert raw[1][1] == ["BlockRemoved", [b"h1"], "GPU"] and raw[1][2] == ["AllBlocksCleared", "GPU"]
     context = zmq.Context()
     publisher = KVEventPublisher(context, "inproc://kv-test")

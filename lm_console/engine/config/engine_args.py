@@ -18,6 +18,7 @@ from lm_console.engine import envs
 from lm_console.engine.config.cache import KV_CACHE_DTYPE_CHOICES, CacheConfig, resolve_kv_cache_dtype
 from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.engine_config import EngineConfig
+from lm_console.engine.config.lora import LoRAConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
@@ -102,6 +103,11 @@ class EngineArgs:
     # its file's weights, the fastest measured; LMC_QUANT_AUTO=0: dense), "gguf", "int8" (per-channel
     # int8 weights, dynamic int8 activations, any model) or "none" (always dense).
     quantization: str | None = None
+    # Multi-LoRA serving (lm_console/engine/config/lora.py; vLLM's flags).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model (converting or building it on first use) and the device.
@@ -160,7 +166,24 @@ class EngineArgs:
             kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
+            lora_config=self.create_lora_config(),
         )
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig when enable_lora (validated), else None (the LoRA knobs must stay at
+        their defaults then: a knob that would do nothing is refused)."""
+        if not self.enable_lora:
+            if (self.max_loras, self.max_lora_rank, self.max_cpu_loras) != (1, 16, None):
+                raise InvalidEngineArgsError(
+                    "max_loras, max_lora_rank and max_cpu_loras apply only with enable_lora=True "
+                    "(--enable-lora).")
+            return None
+        if self.tensor_parallel_size > 1:
+            raise InvalidEngineArgsError(
+                f"enable_lora=True with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs on one "
+                "tensor-parallel rank only; use tensor_parallel_size=1 (or data parallelism).")
+        return LoRAConfig(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
     def create_parallel_config(self) -> ParallelConfig:
         """The ParallelConfig (validated by _verify)."""
@@ -353,6 +376,7 @@ class EngineArgs:
             scheduler_config=info.scheduler_config, parallel_config=self.create_parallel_config(),
             device_config=info.device_config, kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(), mm_config=self.create_mm_config(),
+            lora_config=self.create_lora_config(),
         )
 
 

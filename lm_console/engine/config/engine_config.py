@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from lm_console.engine.config.cache import CacheConfig
 from lm_console.engine.config.device import DeviceConfig
+from lm_console.engine.config.lora import LoRAConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.parallel import ParallelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
@@ -33,6 +34,7 @@ class EngineConfig:
     ec_transfer_config: ECTransferConfig | None = None
     mm_config: MultiModalConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA off (lm_console/engine/config/lora.py)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""

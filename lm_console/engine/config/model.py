@@ -35,6 +35,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     quantization: str | None = None  # "gguf" | "int8" | None (dense); resolve_quantization
+    intermediate_size: int = 0  # the MLP's width (LoRA adapters' shapes are checked against it)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, model_name: str, tokenizer_dir: str, dtype: str, seed: int,
@@ -71,6 +72,7 @@ class ModelConfig:
             num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_attention_heads),
             head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // num_attention_heads),
             quantization=quantization,
+            intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
         )
 
     @property

@@ -40,6 +40,7 @@ class BlockStored(KVCacheEventBase):
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None  # the adapter's name (vLLM's field, after medium on the wire)
 
 
 class BlockRemoved(KVCacheEventBase):

@@ -108,8 +108,12 @@ class Scheduler:
         connector: KVConnectorBase | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         policy: str = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # enable_lora: at most this many distinct adapters among the running requests (the
+        # worker's resident slots); None: LoRA off.
+        self.max_loras = max_loras
         self.max_num_running_reqs = max_num_seqs
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -233,8 +237,15 @@ class Scheduler:
         park for an async load, keep their place at the queue's front."""
         skipped: list[Request] = []
         unparked = False
+        running_loras = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                         if self.max_loras is not None else set())
         while self.waiting and step.token_budget > 0:
             request = self.waiting.peek_request()
+            lora = request.lora_request
+            if (lora is not None and self.max_loras is not None and lora.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                skipped.append(self.waiting.pop_request())  # its adapter has no slot: wait for one
+                continue
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 so_request = request.structured_output_request
                 assert so_request is not None
@@ -273,6 +284,8 @@ class Scheduler:
                 skipped.append(request)  # parked in WAITING_FOR_REMOTE_KVS until its load ends
                 continue
             self._admit(request, admission, step)
+            if lora is not None:
+                running_loras.add(lora.lora_int_id)
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
 
