@@ -19,6 +19,7 @@ from lm_console.engine_options import (
     ExecutorBackendOpt, KVCacheDtypeOpt, LivenessTimeoutOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
     MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
     NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
+    EnableLoraOpt, MaxCpuLorasOpt, MaxLoraRankOpt, MaxLorasOpt, lora_args,
     liveness_args, parallel_args,
 )
 from lm_console.extras import require
@@ -46,6 +47,11 @@ def serve(
     scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
     kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, kv_cache_prefault: KVCachePrefaultOpt = True,
     kv_cache_dtype: KVCacheDtypeOpt = "auto", liveness_timeout: LivenessTimeoutOpt = 30.0,
+    enable_lora: EnableLoraOpt = False, max_loras: MaxLorasOpt = 1, max_lora_rank: MaxLoraRankOpt = 16,
+    max_cpu_loras: MaxCpuLorasOpt = None,
+    lora_modules: Annotated[Optional[list[str]], typer.Option(
+        "--lora-modules", help="A LoRA adapter to serve as NAME=PATH (repeatable; needs --enable-lora): requests "
+                               "choose it with model=NAME, /v1/models lists it with the base model as parent.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -102,6 +108,14 @@ def serve(
     if max_image_pixels > MAX_IMAGE_PIXELS:
         raise typer.BadParameter(f"--max-image-pixels {max_image_pixels} is over the engine's cap of "
                                  f"{MAX_IMAGE_PIXELS} pixels, which it enforces on every image.")
+    from lm_console.engine.entrypoints.openai.serving_lora import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(lora_modules or [])
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    if modules and not enable_lora:
+        raise typer.BadParameter("--lora-modules needs --enable-lora.")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
@@ -116,7 +130,7 @@ def serve(
                                   media_fetch_timeout_s=media_fetch_timeout,
                                   max_structured_output_bytes=max_structured_output_bytes,
                                   max_structured_output_choices=max_structured_output_choices,
-                                  log_level=log_level.lower())
+                                  log_level=log_level.lower(), lora_modules=tuple(modules))
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
@@ -131,6 +145,7 @@ def serve(
                 kv_cache_metrics_sample=kv_cache_metrics_sample, kv_cache_prefault=kv_cache_prefault,
                 kv_cache_dtype=kv_cache_dtype)
     args.update(liveness_args(liveness_timeout))
+    args.update(lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras))
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM
 
@@ -151,9 +166,14 @@ def serve(
                    f"{events}; engine core pid {pid})")
         sys.stdout.flush()
 
+    from lm_console.engine.entrypoints.openai.errors import OpenAIError
+
     try:
         code = run_server(engine, settings, on_ready=on_ready)
     except OSError as error:  # the port is taken, the host is not ours
         typer.echo(f"error: cannot listen on {host}:{port}: {error}", err=True)
+        raise typer.Exit(2) from error
+    except OpenAIError as error:  # a --lora-modules adapter that this engine cannot run
+        typer.echo(f"error: --lora-modules: {error.message}", err=True)
         raise typer.Exit(2) from error
     raise typer.Exit(code)

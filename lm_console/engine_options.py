@@ -53,6 +53,29 @@ LivenessTimeoutOpt = Annotated[float, typer.Option(
     help="Seconds without a heartbeat from the engine core before it is declared dead (a stopped or hung "
          "core: requests then fail with EngineUnresponsiveError and `lmc serve` exits 1); 0: never.")]
 
+EnableLoraOpt = Annotated[bool, typer.Option(
+    "--enable-lora", help="Serve LoRA adapters (PEFT format) on top of the base model.")]
+MaxLorasOpt = Annotated[int, typer.Option(
+    "--max-loras", min=1, help="Adapters resident at once (and the most distinct adapters in one step).")]
+MaxLoraRankOpt = Annotated[int, typer.Option("--max-lora-rank", min=1, help="Largest adapter rank accepted.")]
+MaxCpuLorasOpt = Annotated[Optional[int], typer.Option(
+    "--max-cpu-loras", min=1, help="Adapters kept in host memory, least recently used evicted (default: --max-loras).")]
+
+
+def lora_args(enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+              max_cpu_loras: int | None = None) -> dict[str, Any]:
+    """EngineArgs keyword arguments of the LoRA flags (defaults left out; the engine checks them)."""
+    args: dict[str, Any] = {}
+    if enable_lora:
+        args["enable_lora"] = True
+    if max_loras != 1:
+        args["max_loras"] = max_loras
+    if max_lora_rank != 16:
+        args["max_lora_rank"] = max_lora_rank
+    if max_cpu_loras is not None:
+        args["max_cpu_loras"] = max_cpu_loras
+    return args
+
 
 def liveness_args(liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_S) -> dict[str, Any]:
     """EngineArgs keyword arguments of --liveness-timeout ({} at the default; 0 -> None, never)."""

@@ -182,8 +182,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one or more OpenAI-style conversations via the chat template."""
+        """Generate replies to one or more OpenAI-style conversations via the chat template
+        (lora_request as in generate)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidPromptError("messages must be a non-empty list of {'role', 'content'} dicts "
                                      "(or a list of such lists).")
@@ -196,7 +198,7 @@ class LLM:
                               check_text=self.input_processor.check_prompt_text)
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -71,6 +71,14 @@ class KVBlockResidencyStats(msgspec.Struct, array_like=True, gc=False):
     reuse_gaps_s: list[float] = msgspec.field(default_factory=list)  # between consecutive accesses
 
 
+class LoRAStats(msgspec.Struct, array_like=True, gc=False):
+    """The adapters of the running and the waiting requests (vLLM's vllm:lora_requests_info)."""
+
+    max_lora: int
+    running_lora_adapters: list[str] = []  # adapter names, each once, in order of first use
+    waiting_lora_adapters: list[str] = []
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """Scheduler and KV cache state after one step (the console's main feed).
 
@@ -99,6 +107,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     kv_tiers: list[KVTierStats] | None = None  # KV offload tiers (kv_transfer_config), else None
     engine_index: int = 0  # the engine core's data_parallel_rank (several cores: data parallelism)
     kv_block_residency: KVBlockResidencyStats | None = None  # kv_cache_metrics: this step's observations
+    lora: LoRAStats | None = None  # enable_lora only
 
 
 # The SchedulerStats fields that describe one step (not the engine's state after it): a merged

@@ -26,7 +26,7 @@ from lm_console.engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from lm_console.engine.core.sched.request_queue import create_request_queue
 from lm_console.engine.errors import DuplicateRequestError
-from lm_console.engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats
+from lm_console.engine.metrics.stats import LoRAStats, PrefixCacheStatsSnapshot, SchedulerStats
 from lm_console.engine.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
@@ -601,7 +601,18 @@ class Scheduler:
             kv_tiers=self.kv_transfer.kv_tier_stats,
             kv_block_residency=(pool.metrics_collector.take_stats()
                                 if drain and pool.metrics_collector is not None else None),
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.max_loras is None:
+            return None
+
+        def names(requests: Iterable[Request]) -> list[str]:
+            return list(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
+
+        return LoRAStats(max_lora=self.max_loras, running_lora_adapters=names(self.running),
+                         waiting_lora_adapters=names(self.waiting))
 
 
 def _take_prompt_logprobs(request: Request, chunk: tuple[int, LogprobsLists] | None) -> LogprobsLists | None:

@@ -119,7 +119,8 @@ class OpenAIServingChat:
         params = make_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                       stream=bool(request.stream))
         request_id = random_id("chatcmpl")
-        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0)
+        engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0,
+                                       ctx.lora_for(model))
         await engine_request.start()
         try:
             token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))

@@ -60,7 +60,7 @@ class OpenAIServingCompletion:
                                           logprobs=request.logprobs, stream=bool(request.stream),
                                           prompt_logprobs=echo_logprobs)
             engine_requests.append(EngineRequest(ctx, f"{request_id}-{index}", engine_prompt, params,
-                                                 request.cache_salt, request.priority or 0))
+                                                 request.cache_salt, request.priority or 0, ctx.lora_for(model)))
             prompt_texts.append(echo_text)
         await start_all(engine_requests)
         try:

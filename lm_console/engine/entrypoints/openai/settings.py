@@ -40,6 +40,8 @@ class ServerSettings:
     max_n: int = 128
     max_prompts: int = 256  # prompts in one /v1/completions request
     log_level: str = "info"
+    # (name, adapter directory) of each --lora-modules adapter, chosen by a request's `model`
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
