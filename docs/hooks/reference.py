@@ -43,6 +43,7 @@ PACKAGE = ROOT / "lm_console"
 CONFIG_FILES = [
     "lm_console/engine/config/model.py", "lm_console/engine/config/cache.py",
     "lm_console/engine/config/scheduler.py", "lm_console/engine/config/parallel.py",
+    "lm_console/engine/config/lora.py",
     "lm_console/engine/config/device.py", "lm_console/engine/config/engine_config.py",
     "lm_console/engine/config/structured_outputs.py", "lm_console/engine/multimodal/config.py",
     "lm_console/engine/distributed/kv_transfer/config.py", "lm_console/engine/distributed/ec_transfer/config.py",

@@ -161,3 +161,17 @@ def test_max_loras_limits_the_adapters_per_step_and_the_lru_reloads(tiny_llama_d
             assert out.outputs[0].token_ids == mixed[i].outputs[0].token_ids, i
     finally:
         alone.shutdown()
+
+
+def test_the_core_reports_each_requests_adapter_to_the_console(lora_llm, tiny_llama_adapters) -> None:
+    llm, _ = lora_llm
+    lora = LoRARequest("all-r8", 1, str(tiny_llama_adapters["all-r8"]))
+    children = llm.input_processor.process_request("console-row", {"prompt_token_ids": [5, 6, 7]}, GREEDY,
+                                                   lora_request=lora)
+    plain = llm.input_processor.process_request("console-plain", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    llm.engine_core.add_requests([c[1] for c in children + plain])
+    try:
+        rows = {r.request_id: r for r in llm.get_request_blocks().requests}
+        assert rows["console-row"].lora_name == "all-r8" and rows["console-plain"].lora_name is None
+    finally:
+        llm.engine_core.abort_requests(["console-row", "console-plain"])

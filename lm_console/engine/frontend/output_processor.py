@@ -55,6 +55,7 @@ class RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     priority: int = 0  # as sent (scheduling_policy="priority"), for the console's request table
+    lora_name: str | None = None  # its LoRA adapter, for the console's request table
 
 
 class OutputProcessor:
@@ -113,6 +114,7 @@ class OutputProcessor:
             child_index=child_index,
             queue=queue,
             priority=request.priority,
+            lora_name=request.lora_request.lora_name if request.lora_request is not None else None,
         )
 
     def has_unfinished_requests(self) -> bool:

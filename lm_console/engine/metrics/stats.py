@@ -150,6 +150,7 @@ class RequestBlocks(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int
     num_cached_tokens: int  # prefix-cache hit at its first scheduling (-1 before it)
     block_ids: list[list[int]]  # per KV cache group, in token order (the null block 0 where skipped)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 class RequestBlocksState(msgspec.Struct, array_like=True, gc=False):
