@@ -175,3 +175,27 @@ def test_the_core_reports_each_requests_adapter_to_the_console(lora_llm, tiny_ll
         assert rows["console-row"].lora_name == "all-r8" and rows["console-plain"].lora_name is None
     finally:
         llm.engine_core.abort_requests(["console-row", "console-plain"])
+
+
+def test_lmc_generate_with_lora(tiny_llama_dir, tiny_llama_adapters, tmp_path) -> None:
+    """`lmc generate --lora NAME=PATH` runs the prompt with the adapter: its text is the one
+    LLM.generate gives with that adapter (and not the base model's); a bad spec is refused."""
+    from typer.testing import CliRunner
+
+    from lm_console.cli import app
+
+    runner = CliRunner()
+    path = tiny_llama_adapters["all-r8"]
+    args = ["generate", "Hello there", "--model", str(tiny_llama_dir), "--max-tokens", "6", "--dtype", "float32"]
+    tuned = runner.invoke(app, [*args, "--lora", f"tuned={path}"])
+    base = runner.invoke(app, args)
+    assert tuned.exit_code == 0 and base.exit_code == 0, tuned.output + base.output
+    llm = LLM(str(tiny_llama_dir), dtype="float32", multiprocess=False, enable_lora=True)
+    try:
+        (out,) = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False,
+                              lora_request=LoRARequest("tuned", 1, str(path)))
+    finally:
+        llm.shutdown()
+    assert tuned.stdout.strip() == out.outputs[0].text.strip() != base.stdout.strip()
+    bad = runner.invoke(app, [*args, "--lora", str(path)])
+    assert bad.exit_code == 2 and "NAME=PATH" in bad.output
