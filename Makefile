@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup lock run test test-fast test-hostile test-latest lint package-check docs bench mutation clean
+.PHONY: setup lock run test test-fast test-hostile test-vllm test-latest lint package-check docs bench bench-smoke bench-baseline bench-vllm-env mutation clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,15 @@ test-fast: $(STAMP)
 test-hostile: $(STAMP)
 	$(PY) -m pytest -q -m hostile
 
+# The console against a real vLLM server (tests marked vllm): vLLM's CPU build in a venv of its own
+# (tools/vllm_env.sh; VLLM_VENV), started over the embedded model with KV events on. Not in `make test`
+# or CI: on a busy 2-core machine the install took 3 minutes (3.5 GB, warm pip cache) and the tests
+# 5.3 minutes, most of it vLLM's start (docs/development.md).
+VLLM_VENV ?= .venv-vllm
+test-vllm: $(STAMP)
+	tools/vllm_env.sh $(VLLM_VENV)
+	LMC_TEST_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -q -p no:randomly -m vllm
+
 # ruff and mypy, configured in pyproject.toml (installed by the [test] extra).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -59,8 +68,32 @@ test-latest:
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
+# The headline benchmarks, one after the other; each writes its JSON (with the machine's fingerprint:
+# lm_console/bench/fingerprint.py) to bench-results/ and appends it to benchmarks/history.jsonl.
+# vs_vllm runs where .venv-vllm exists (make bench-vllm-env). Wall-clock figures need a quiet machine:
+# the load average is recorded beside them.
+BENCH_OUT ?= bench-results
 bench: $(STAMP)
-	$(PY) benchmarks/throughput.py
+	mkdir -p $(BENCH_OUT)
+	-$(PY) benchmarks/perf_smoke.py --save-result $(BENCH_OUT)/perf_smoke.json
+	$(PY) benchmarks/vs_llamacpp.py --rounds 1 --skip cold --save-result $(BENCH_OUT)/vs_llamacpp.json
+	if [ -x .venv-vllm/bin/python ]; then $(PY) benchmarks/vs_vllm.py --save-result $(BENCH_OUT)/vs_vllm.json; fi
+	$(PY) benchmarks/shared_machine.py --save-result $(BENCH_OUT)/shared_machine.json
+	$(PY) benchmarks/throughput.py --save-result $(BENCH_OUT)/throughput.json
+
+# CI's perf smoke (benchmarks/perf_smoke.py): output tokens per CPU-second of the dense bf16 and the
+# default paths against this machine's baseline (benchmarks/baselines/<fingerprint id>.json, recorded
+# on the first run); a drop of more than 25% fails. bench-baseline records the baseline anew: run it
+# deliberately, on a machine as quiet as it gets, and commit the file.
+bench-smoke: $(STAMP)
+	$(PY) benchmarks/perf_smoke.py
+
+bench-baseline: $(STAMP)
+	$(PY) benchmarks/perf_smoke.py --update-baseline
+
+# vLLM's own CPU build in .venv-vllm (tools/vllm_env.sh), for benchmarks/vs_vllm.py.
+bench-vllm-env:
+	tools/vllm_env.sh .venv-vllm
 
 # Mutation testing (cosmic-ray) of the KV cache, the block hashing, the scheduler, the sampler and
 # the detokenizer against their tests; reports in mutation/. Not in CI (hours on 2 cores):

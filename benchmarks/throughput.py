@@ -38,7 +38,6 @@ def main() -> None:
     import torch
 
     from lm_console.bench.runner import Baseline, Workload, bench_throughput
-    from lm_console.engine_options import engine_args
 
     torch.set_num_threads(args.threads)
     low_in, high_in = map(int, args.prompt_range.split(","))
@@ -47,10 +46,11 @@ def main() -> None:
                         output_range=(low_out, high_out))
     baseline = Baseline("none" if args.skip_hf else "hf", tuple(map(int, args.hf_batch_sizes.split(","))),
                         tuple(args.hf_dtypes.split(",")))
-    engine = engine_args(args.engine_dtype, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         num_threads=max(args.threads // args.data_parallel_size, 1),
-                         async_scheduling=args.async_scheduling)
+    engine = {"dtype": args.engine_dtype, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "num_threads": max(args.threads // args.data_parallel_size, 1)}
+    if args.async_scheduling:
+        engine["async_scheduling"] = True
     if args.data_parallel_size > 1:
         engine["data_parallel_size"] = args.data_parallel_size
     sys.exit(1 if bench_throughput(None, engine, workload, baseline, args.save_result) else 0)

@@ -40,6 +40,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _record import record  # noqa: E402
+
 
 def workload(seed: int, vocab: int, n: int = 32) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
@@ -47,7 +50,8 @@ def workload(seed: int, vocab: int, n: int = 32) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def lmc_batched(variant: str, requests, threads: int, single: bool = True) -> dict[str, Any]:
+def lmc_batched(variant: str | None, requests, threads: int, single: bool = True) -> dict[str, Any]:
+    from lm_console.bench.fingerprint import ProcessTreeCpu
     from lm_console.engine import LLM, SamplingParams
 
     # The KV cache's pages are touched at start-up, as llama.cpp's (cleared when its context is
@@ -58,14 +62,20 @@ def lmc_batched(variant: str, requests, threads: int, single: bool = True) -> di
         prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        # CPU seconds of this process and the engine core's (a child): on a shared machine the
+        # CPU time per token is the steadier figure.
+        cpu = ProcessTreeCpu().start()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
+        cpu_s = cpu.stop()
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         stream = _lmc_single_stream(llm, requests[0][0][:32]) if single else {}
     finally:
         llm.shutdown()
-    return {"output_tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, **stream}
+    return {"output_tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, "cpu_s": cpu_s,
+            "tok_per_cpu_s": tokens / cpu_s if cpu_s else None,
+            "outputs": [list(o.outputs[0].token_ids) for o in outputs], **stream}
 
 
 def _lmc_single_stream(llm, prompt: list[int], n: int = 128) -> dict[str, float]:
@@ -410,6 +420,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         if "batched" not in skip:
             report["lmc"][variant] = lmc_batched(variant, requests, args.threads)
+            report["lmc"][variant].pop("outputs")
             print(variant, json.dumps(report["lmc"][variant]), flush=True)
         if "breakdown" not in skip:
             report["breakdown"][variant] = lmc_step_breakdown(variant, args.threads)
@@ -437,8 +448,7 @@ def main() -> None:
         for variant, r in report["lmc"].items():
             print(f"{variant}: batched {r['output_tok_s'] / hf['output_tok_s']:.2f}x HF's best ({hf['system']})"
                   f"{_rounds_summary(report, variant, 'hf')}")
-    if args.save_result:
-        Path(args.save_result).write_text(json.dumps(report, indent=1))
+    record("vs_llamacpp", report, args.save_result)  # fingerprinted, appended to benchmarks/history.jsonl
 
 
 if __name__ == "__main__":

@@ -18,16 +18,18 @@ if TYPE_CHECKING:
     from lm_console.engine import (
         LLM,
         AsyncLLM,
+        BeamSearchParams,
         CompletionOutput,
         EngineArgs,
         RequestOutput,
         RequestOutputKind,
         SamplingParams,
         StructuredOutputsParams,
+        PoolingParams,
     )
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "BeamSearchParams", "PoolingParams"]
 
 # The engine package resolves each name (lazily too): one table of where they live, there.
 __getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, "lm_console.engine"))

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import typer
 
+from lm_console.engine_options import engine_flags
 from lm_console.extras import extra_of_module, missing_message, require
 
 app = typer.Typer(
@@ -68,7 +69,9 @@ def models_path(name: Optional[str] = typer.Argument(None, help="Model name, dir
 
 
 @app.command()
+@engine_flags()
 def generate(
+    engine_kwargs: dict[str, Any],
     prompt: str = typer.Argument(..., help="The prompt text."),
     model: Optional[str] = typer.Option(None, help="Model name, HF-format directory or .gguf file."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
@@ -82,12 +85,6 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
     n: int = typer.Option(1, help="Number of completions."),
     stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16"),
-    max_model_len: Optional[int] = typer.Option(None),
-    quantization: Optional[str] = typer.Option(
-        None, help="gguf (a .gguf model's own quantized weights) | int8 | none (default: auto, dense)."),
-    kv_cache_dtype: str = typer.Option(
-        "auto", help="auto | int8 | the model's dtype (auto: int8 where the weights run quantized on the CPU)."),
     lora: Optional[str] = typer.Option(
         None, "--lora", help="Run with this LoRA adapter, NAME=PATH (a PEFT adapter directory)."),
 ) -> None:
@@ -110,8 +107,8 @@ def generate(
         )
         # One process: the engine core runs here (InprocClient), so torch and the engine import
         # once, not again in a forked core; the tokenizer loads on a thread meanwhile.
-        llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
-                  kv_cache_dtype=kv_cache_dtype, multiprocess=False, **lora_engine_args)
+        # --lora turns LoRA on with room for its rank, unless the flags say otherwise.
+        llm = LLM(model=model, **{**lora_engine_args, **engine_kwargs, "multiprocess": False})
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})

@@ -11,20 +11,18 @@ from typing import IO, Annotated, Any, BinaryIO, Optional, TextIO
 import typer
 
 from lm_console.batch import DEFAULT_MAX_LINE_BYTES
-from lm_console.engine_options import (
-    DtypeOpt, LivenessTimeoutOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt, NumThreadsOpt, engine_args,
-    liveness_args,
-)
+from lm_console.engine_options import ModelOpt, engine_flags
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, check_remote_flags, refuse_local_flags
 from lm_console.extras import require
 
 
+@engine_flags()
 def batch(
     ctx: typer.Context,
+    engine_kwargs: dict[str, Any],
     input_file: Annotated[str, typer.Option("--input-file", "-i", help="Input .jsonl ('-' for stdin).")],
     output_file: Annotated[str, typer.Option("--output-file", "-o", help="Output .jsonl ('-' for stdout).")],
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, max_num_seqs: MaxNumSeqsOpt = 128, num_threads: NumThreadsOpt = None,
+    model: ModelOpt = None,
     max_tokens: Annotated[int, typer.Option(help="max_tokens for requests that do not set it.")] = 256,
     max_line_bytes: Annotated[int, typer.Option(
         min=1, help="Longest input line; a longer one becomes an error record, unread.")] = DEFAULT_MAX_LINE_BYTES,
@@ -33,7 +31,6 @@ def batch(
     concurrency: Annotated[Optional[int], typer.Option(
         min=1, help="Most requests in flight at once (default: 64 with --url; a local engine takes up to "
                     "512 and schedules them itself).")] = None,
-    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Run an OpenAI batch file (/v1/chat/completions, /v1/completions) like `vllm run-batch`.
 
@@ -49,8 +46,7 @@ def batch(
         require("lmc batch", "engine")
     source = _open_input(input_file)
     target = _open_output(output_file, input_file)
-    args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs, num_threads=num_threads)
-    args.update(liveness_args(liveness_timeout))
+    args = dict(engine_kwargs)
 
     def write(record: dict) -> None:
         try:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from lm_console.engine_options import (
-    BlockSizeOpt, DtypeOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt, NumBlocksOpt,
-    AsyncSchedulingOpt, LivenessTimeoutOpt, NumThreadsOpt, PrefixCachingOpt, engine_args, liveness_args,
-)
+from lm_console.engine_options import ModelOpt, engine_flags
 from lm_console.remote_options import ApiKeyOpt, UrlOpt, refuse_local_flags
 
 bench_app = typer.Typer(help="Benchmarks after `vllm bench`: throughput, serve, prefix.", no_args_is_help=True)
@@ -57,38 +54,33 @@ def _baseline(kind: str, batch_sizes: str, dtypes: str):  # noqa: ANN202
 
 
 @bench_app.command()
+@engine_flags()
 def throughput(
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     dataset_name: Annotated[str, typer.Option(help="random | prefix (shared prefixes).")] = "random",
     num_prompts: NumPromptsOpt = 64, random_input_len: InputLenOpt = 128, random_output_len: OutputLenOpt = 64,
     random_range_ratio: RangeRatioOpt = 0.5, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
     num_prefixes: NumPrefixesOpt = 4, seed: SeedOpt = 0, save_result: SaveOpt = None,
     baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
     hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
-    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Offline throughput (engine.LLM) on a random or shared-prefix workload."""
     from lm_console.bench.runner import Workload, bench_throughput
 
     workload = Workload(dataset_name, num_prompts, random_input_len, random_output_len, random_range_ratio,
                         prefix_len, suffix_len, num_prefixes, seed)
-    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads, async_scheduling)
-    args.update(liveness_args(liveness_timeout))
+    args = dict(engine_kwargs)
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     _finish(lambda: bench_throughput(model, args, workload, hf, save_result, progress))
 
 
 @bench_app.command()
+@engine_flags()
 def serve(
     ctx: typer.Context,
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     dataset_name: Annotated[str, typer.Option(help="random | prefix (shared prefixes).")] = "random",
     num_prompts: NumPromptsOpt = 64, random_input_len: InputLenOpt = 128, random_output_len: OutputLenOpt = 64,
     random_range_ratio: RangeRatioOpt = 0.5, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
@@ -104,7 +96,6 @@ def serve(
     in_process: Annotated[bool, typer.Option(
         "--in-process", help="Send the requests straight to AsyncLLM in this process (no HTTP).")] = False,
     label: Annotated[Optional[str], typer.Option(help="A label saved with the result.")] = None,
-    liveness_timeout: LivenessTimeoutOpt = 30.0,
     save_trace: Annotated[Optional[str], typer.Option(
         "--save-trace", help="Write the requests sent as a Mooncake-style JSONL trace (arrival ms, input and "
                              "output lengths, prompt block hash ids) for --replay-trace.")] = None,
@@ -128,9 +119,7 @@ def serve(
         raise typer.BadParameter(f"--percentile-metrics: unknown {unknown}; allowed: ttft,tpot,itl,e2el")
     workload = Workload(dataset_name, num_prompts, random_input_len, random_output_len, random_range_ratio,
                         prefix_len, suffix_len, num_prefixes, seed)
-    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads)
-    args.update(liveness_args(liveness_timeout))
+    args = dict(engine_kwargs)
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     percentiles = [float(p) for p in metric_percentiles.split(",")]
     if max_concurrency is not None and max_concurrency < 1:
@@ -170,24 +159,21 @@ def serve(
 
 
 @bench_app.command()
+@engine_flags(exclude=("enable_prefix_caching",))  # it runs both
 def prefix(
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, num_threads: NumThreadsOpt = None,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     num_prompts: NumPromptsOpt = 64, prefix_len: PrefixLenOpt = 256, suffix_len: SuffixLenOpt = 32,
     num_prefixes: NumPrefixesOpt = 4, output_len: OutputLenOpt = 32, seed: SeedOpt = 0,
     save_result: SaveOpt = None, baseline: BaselineOpt = "none", hf_batch_sizes: HfBatchOpt = "8,16,32",
     hf_dtypes: HfDtypesOpt = "float32,bfloat16", progress: ProgressOpt = True,
-    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """The same shared-prefix prompts with prefix caching on and off."""
     from lm_console.bench.runner import Workload, bench_prefix
 
     workload = Workload("prefix", num_prompts, random_output_len=output_len, prefix_len=prefix_len,
                         suffix_len=suffix_len, num_prefixes=num_prefixes, seed=seed)
-    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       True, num_threads)
-    args.update(liveness_args(liveness_timeout))
+    args = dict(engine_kwargs)
     hf = _baseline(baseline, hf_batch_sizes, hf_dtypes)
     _finish(lambda: bench_prefix(model, args, workload, hf, save_result, progress))
 
@@ -198,15 +184,16 @@ DiskPathOpt = Annotated[Optional[str], typer.Option("--kv-offload-disk", help="D
 
 
 @bench_app.command()
+@engine_flags(only=("dtype", "block_size", "num_threads"))
 def offload(
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", block_size: BlockSizeOpt = 16,
-    num_threads: NumThreadsOpt = None, prompt_len: PromptLenOpt = 2048, kv_chunk_size: ChunkSizeOpt = 256,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None, prompt_len: PromptLenOpt = 2048, kv_chunk_size: ChunkSizeOpt = 256,
     kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0, save_result: SaveOpt = None,
 ) -> None:
     """TTFT of a repeated prompt after prefix-cache eviction: recompute vs CPU tier vs disk tier (restart)."""
     from lm_console.bench.offload import bench_offload, offload_lines
 
-    args = engine_args(dtype, None, None, block_size, num_threads=num_threads)
+    args = dict(engine_kwargs)
 
     def run() -> int:
         results = bench_offload(model, args, prompt_len, kv_chunk_size, kv_offload_disk, seed)
@@ -222,16 +209,17 @@ def offload(
 
 
 @bench_app.command()
+@engine_flags(only=("dtype", "num_threads", "liveness_timeout_s"))
 def pd(
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", num_threads: NumThreadsOpt = None,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     prompt_len: PromptLenOpt = 1024, output_len: OutputLenOpt = 16, kv_chunk_size: ChunkSizeOpt = 256,
-    kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0, liveness_timeout: LivenessTimeoutOpt = 30.0,
+    kv_offload_disk: DiskPathOpt = None, seed: SeedOpt = 0,
 ) -> None:
     """Prefill/decode disaggregation: a producer engine prefills, a consumer engine loads and decodes."""
     from lm_console.bench.offload import bench_pd, pd_lines
 
-    args = engine_args(dtype, num_threads=num_threads)
-    args.update(liveness_args(liveness_timeout))
+    args = dict(engine_kwargs)
 
     def run() -> int:
         result = bench_pd(model, args, prompt_len, output_len, kv_offload_disk, kv_chunk_size, seed)

@@ -5,15 +5,12 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from lm_console.engine_options import (
-    BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt, ExecutorBackendOpt, FakeOpt,
-    KVCacheMetricsOpt, KVCacheMetricsSampleOpt, MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
-    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, console_threads,
-    LivenessTimeoutOpt, engine_args, liveness_args, parallel_args, parse_range,
+    FakeOpt, ModelOpt, SpeculativeConfigOpt, console_threads, engine_flags, parse_range, speculative_args,
 )
 from lm_console.extras import require
 from lm_console.kv_options import (
@@ -89,12 +86,11 @@ FleetFileOpt = Annotated[Optional[Path], typer.Option(
                     "of its servers (and of any --url).", dir_okay=False)]
 
 
+@engine_flags()
 def tui(
     ctx: typer.Context,
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     load: Annotated[bool, typer.Option("--load/--no-load", help="Start the built-in load generator at once.")] = False,
     rate: RateOpt = 1.0, prompt_len: PromptLenOpt = "32-192", output_len: OutputLenOpt = "16-96",
     shared_prefix: SharedOpt = 0.5, prefix_len: PrefixLenOpt = 96, fake: FakeOpt = False,
@@ -103,11 +99,7 @@ def tui(
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     url: TuiUrlsOpt = None, fleet: FleetFileOpt = None, api_key: ApiKeyOpt = None,
     kv_events_endpoint: KVEventsEndpointOpt = None,
-    tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
-    distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
-    data_parallel_backend: DataParallelBackendOpt = "mp",
-    scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
-    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, liveness_timeout: LivenessTimeoutOpt = 30.0,
+    speculative_config: SpeculativeConfigOpt = None,
 ) -> None:
     """The operator console: a live dashboard and a chat, of its own engine, of a server (--url), or of
     a fleet of servers (--url repeated, or --fleet FILE)."""
@@ -120,15 +112,10 @@ def tui(
     refuse_local_flags(ctx, single)
     from lm_console.tui.app import ConsoleApp
 
-    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs,
-                       max_num_batched_tokens, enable_prefix_caching, console_threads(num_threads))
+    args = {**engine_kwargs, "num_threads": console_threads(engine_kwargs.get("num_threads"))}
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
-    args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
-                              data_parallel_routing, data_parallel_backend))
-    args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
-                kv_cache_metrics_sample=kv_cache_metrics_sample)
-    args.update(liveness_args(liveness_timeout))
+    args.update(speculative_args(speculative_config))
     shape = make_shape(rate, prompt_len, output_len, shared_prefix, prefix_len)
     client = make_client(fake, model, args, single, api_key, kv_events_endpoint)
     run_app(ConsoleApp(client, load=load, shape=shape, log_path=default_log_path()))
@@ -155,10 +142,12 @@ def _run_fleet(urls: list[str], fleet: Path | None, api_key: str | None, kv_even
         app.run()
 
 
+# One person chats: a small batch leaves the console's memory small.
+@engine_flags({"max_num_seqs": 16})
 def chat(
     ctx: typer.Context,
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, max_num_seqs: MaxNumSeqsOpt = 16, num_threads: NumThreadsOpt = None,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     plain: Annotated[bool, typer.Option("--plain", help="Line-based REPL: stdin lines in, replies on stdout.")] = False,
     system: Annotated[Optional[str], typer.Option(help="System prompt ('' for none).")] = None,
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.7,
@@ -170,16 +159,13 @@ def chat(
         "--image", help="Attach an image file to the first message (repeatable; needs a VLM, e.g. "
                         "--model demo-vlm).")] = None,
     fake: FakeOpt = False, url: UrlOpt = None, api_key: ApiKeyOpt = None,
-    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Chat with the model: the chat screen, or with --plain a REPL for scripts and pipes."""
     refuse_local_flags(ctx, url)
     from lm_console.chat_session import DEFAULT_SYSTEM_PROMPT, ChatSession
     from lm_console.client.types import GenParams
 
-    args = engine_args(dtype, max_model_len, num_blocks, max_num_seqs=max_num_seqs,
-                       num_threads=console_threads(num_threads))
-    args.update(liveness_args(liveness_timeout))
+    args = {**engine_kwargs, "num_threads": console_threads(engine_kwargs.get("num_threads"))}
     client = make_client(fake, model, args, url, api_key, command="lmc chat")
     params = GenParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     system_prompt = DEFAULT_SYSTEM_PROMPT if system is None else system
@@ -201,10 +187,11 @@ def chat(
     run_app(app)
 
 
+@engine_flags()
 def events(
     ctx: typer.Context,
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", num_blocks: NumBlocksOpt = None,
-    max_model_len: MaxModelLenOpt = None, num_threads: NumThreadsOpt = None,
+    engine_kwargs: dict[str, Any],
+    model: ModelOpt = None,
     endpoint: Annotated[Optional[str], typer.Option(
         help="Attach to a running engine's KV-event PUB socket (e.g. ipc:///tmp/x) instead of starting one.")] = None,
     server_key: Annotated[Optional[str], typer.Option(
@@ -215,7 +202,6 @@ def events(
         "--load/--no-load", help="Drive the built-in load so blocks move (default: on, off with --url).")] = None,
     rate: RateOpt = 4.0, fake: FakeOpt = False,
     url: UrlOpt = None, api_key: ApiKeyOpt = None, kv_events_endpoint: KVEventsEndpointOpt = None,
-    liveness_timeout: LivenessTimeoutOpt = 30.0,
 ) -> None:
     """Print the KV-cache event stream (BlockStored / BlockRemoved / AllBlocksCleared) as JSON lines."""
     from lm_console import events as events_mod
@@ -236,8 +222,7 @@ def events(
                            "ipc:///path or tcp://127.0.0.1:5557; a tcp one needs --server-key)", err=True)
                 raise typer.Exit(2) from None
             return
-        args = engine_args(dtype, max_model_len, num_blocks, num_threads=console_threads(num_threads))
-        args.update(liveness_args(liveness_timeout))
+        args = {**engine_kwargs, "num_threads": console_threads(engine_kwargs.get("num_threads"))}
         client = make_client(fake, model, args, url, api_key, kv_events_endpoint, command="lmc events")
         shape = make_shape(rate, "32-192", "16-64", 0.5, 96)
         asyncio.run(events_mod.print_client_events(client, sys.stdout, count=count, duration=duration,

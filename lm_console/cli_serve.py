@@ -7,21 +7,15 @@ core died (so a supervisor restarts the server), 2 when the engine or the flags 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from lm_console.engine_options import (
-    AsyncSchedulingOpt, BlockSizeOpt, DataParallelBackendOpt, DataParallelOpt, DataParallelRoutingOpt, DtypeOpt,
-    ExecutorBackendOpt, KVCacheDtypeOpt, LivenessTimeoutOpt, KVCacheMetricsOpt, KVCacheMetricsSampleOpt, KVCachePrefaultOpt,
-    MaxModelLenOpt, MaxNumBatchedTokensOpt, MaxNumSeqsOpt, ModelOpt,
-    NumBlocksOpt, NumThreadsOpt, PrefixCachingOpt, SchedulingPolicyOpt, TensorParallelOpt, engine_args,
-    EnableLoraOpt, MaxCpuLorasOpt, MaxLoraRankOpt, MaxLorasOpt, lora_args,
-    liveness_args, parallel_args,
-)
+from lm_console.engine_options import ModelOpt, SpeculativeConfigOpt, engine_flags, speculative_args
 from lm_console.extras import require
 from lm_console.kv_options import (
     KVChunkSizeOpt, KVOffloadCpuBytesOpt, KVOffloadDiskBytesOpt, KVOffloadDiskOpt, KVOffloadOpt, KVTransferConfigOpt,
@@ -32,23 +26,16 @@ ModelArg = Annotated[Optional[str], typer.Argument(
     metavar="MODEL", help="Model name, HF-format directory or .gguf file (same as --model).")]
 
 
+# A server runs for long: its first requests should not pay the KV cache's page faults.
+@engine_flags({"kv_cache_prefault": True})
 def serve(
+    engine_kwargs: dict[str, Any],
     model_arg: ModelArg = None,
-    model: ModelOpt = None, dtype: DtypeOpt = "auto", max_model_len: MaxModelLenOpt = None,
-    num_blocks: NumBlocksOpt = None, block_size: BlockSizeOpt = 16, max_num_seqs: MaxNumSeqsOpt = 128,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 2048, enable_prefix_caching: PrefixCachingOpt = True,
-    num_threads: NumThreadsOpt = None, async_scheduling: AsyncSchedulingOpt = False,
-    tensor_parallel_size: TensorParallelOpt = 1, data_parallel_size: DataParallelOpt = 1,
-    distributed_executor_backend: ExecutorBackendOpt = "uni", data_parallel_routing: DataParallelRoutingOpt = "least_loaded",
-    data_parallel_backend: DataParallelBackendOpt = "mp",
+    model: ModelOpt = None,
     kv_transfer_config: KVTransferConfigOpt = None, kv_offload: KVOffloadOpt = False,
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
-    scheduling_policy: SchedulingPolicyOpt = "fcfs", kv_cache_metrics: KVCacheMetricsOpt = False,
-    kv_cache_metrics_sample: KVCacheMetricsSampleOpt = 0.01, kv_cache_prefault: KVCachePrefaultOpt = True,
-    kv_cache_dtype: KVCacheDtypeOpt = "auto", liveness_timeout: LivenessTimeoutOpt = 30.0,
-    enable_lora: EnableLoraOpt = False, max_loras: MaxLorasOpt = 1, max_lora_rank: MaxLoraRankOpt = 16,
-    max_cpu_loras: MaxCpuLorasOpt = None,
+    speculative_config: SpeculativeConfigOpt = None,
     lora_modules: Annotated[Optional[list[str]], typer.Option(
         "--lora-modules", help="A LoRA adapter to serve as NAME=PATH (repeatable; needs --enable-lora): requests "
                                "choose it with model=NAME, /v1/models lists it with the base model as parent.")] = None,
@@ -87,9 +74,22 @@ def serve(
         help="Publish KV cache events on this ZMQ endpoint for outside subscribers, e.g. tcp://127.0.0.1:5557 "
              "(tcp is CURVE-authenticated: the start-up line prints the server key; ipc:// is plain).",
     )] = None,
+    otlp_traces_endpoint: Annotated[Optional[str], typer.Option(
+        help="Export one OpenTelemetry span per finished request (\"llm_request\", vLLM's attributes) to this "
+             "OTLP/HTTP URL, e.g. http://localhost:4318/v1/traces; a client's traceparent header is its parent. "
+             "Needs the otel extra.")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        help="Serve tool_choice 'auto' (the default when a request has tools): the model's calls are read "
+             "from its text by --tool-call-parser.")] = False,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        help="How tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call> blocks, "
+             "the format of the shipped ChatML templates).")] = None,
+    pooler_config: Annotated[Optional[str], typer.Option(
+        help='How /v1/embeddings pools the last hidden states, as JSON: {"pooling_type": "LAST" | "MEAN", '
+             '"normalize": true | false} (default LAST, normalized).')] = None,
 ) -> None:
     """Serve the OpenAI API (completions, chat, tokenizer) and Prometheus /metrics over HTTP."""
     require("lmc serve", "engine", "serve")
@@ -114,11 +114,19 @@ def serve(
         modules = parse_lora_modules(lora_modules or [])
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
-    if modules and not enable_lora:
+    if modules and not engine_kwargs.get("enable_lora", False):
         raise typer.BadParameter("--lora-modules needs --enable-lora.")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
+    from lm_console.engine.errors import InvalidSamplingParamsError
+    from lm_console.engine.sampling_params import PoolingParams
+
+    try:
+        pooling = PoolingParams(**json.loads(pooler_config)) if pooler_config else PoolingParams()
+    except (ValueError, TypeError, InvalidSamplingParamsError) as error:
+        raise typer.BadParameter(f"--pooler-config {pooler_config!r}: {error} (keys: pooling_type, normalize)."
+                                 ) from error
     try:
         settings = ServerSettings(host=host, port=port, api_key=api_key or None,
                                   served_model_names=tuple(served_model_name or ()),
@@ -130,22 +138,19 @@ def serve(
                                   media_fetch_timeout_s=media_fetch_timeout,
                                   max_structured_output_bytes=max_structured_output_bytes,
                                   max_structured_output_choices=max_structured_output_choices,
-                                  log_level=log_level.lower(), lora_modules=tuple(modules))
+                                  log_level=log_level.lower(),
+                                  enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                                  pooler_config=pooling, lora_modules=tuple(modules))
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
-    args = engine_args(dtype, max_model_len, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                       enable_prefix_caching, num_threads, async_scheduling)
-    args.update(parallel_args(tensor_parallel_size, data_parallel_size, distributed_executor_backend,
-                              data_parallel_routing, data_parallel_backend))
+    args = dict(engine_kwargs)
     args.update(kv_transfer_args(kv_transfer_config, kv_offload, kv_offload_disk, kv_offload_cpu_bytes,
                                  kv_offload_disk_bytes, kv_chunk_size))
     if kv_events_endpoint is not None:
         args.update(enable_kv_cache_events=True, kv_events_endpoint=kv_events_endpoint)
-    args.update(scheduling_policy=scheduling_policy, kv_cache_metrics=kv_cache_metrics,
-                kv_cache_metrics_sample=kv_cache_metrics_sample, kv_cache_prefault=kv_cache_prefault,
-                kv_cache_dtype=kv_cache_dtype)
-    args.update(liveness_args(liveness_timeout))
-    args.update(lora_args(enable_lora, max_loras, max_lora_rank, max_cpu_loras))
+    if otlp_traces_endpoint is not None:
+        args.update(otlp_traces_endpoint=otlp_traces_endpoint)
+    args.update(speculative_args(speculative_config))
     from lm_console.engine.entrypoints.openai.api_server import run_server
     from lm_console.engine import AsyncLLM
 
@@ -162,8 +167,9 @@ def serve(
         if kv_events_endpoint:
             events = f"; KV events on {engine.kv_events_endpoint}" + (f" (CURVE server key {key})" if key else "")
         pid = engine.engine_core.ready_info.pid
+        traces = f"; request spans to {otlp_traces_endpoint}" if otlp_traces_endpoint else ""
         typer.echo(f"lmc serve: {name} ready at {url} (OpenAI API under {url}/v1, metrics at {url}/metrics"
-                   f"{events}; engine core pid {pid})")
+                   f"{events}{traces}; engine core pid {pid})")
         sys.stdout.flush()
 
     from lm_console.engine.entrypoints.openai.errors import OpenAIError

@@ -1,125 +1,186 @@
-"""Engine flags shared by `lmc tui`, `chat`, `events`, `bench` and `batch` (Typer annotations)."""
+"""The engine's `lmc` flags, derived from the knobs' declarations (lm_console/engine/config/).
+
+Each knob declared with a flag (knob(cli=...), lm_console/engine/config/fields.py) becomes an
+option of every command that starts an engine (@engine_flags): its name, type, choices, bounds,
+help and default come from the declaration, so a new knob is written once, on its config class.
+The command receives `engine_kwargs`: the EngineArgs keywords of the flags whose value differs from
+the knob's default (the engine's own default applies to the rest).
+"""
 
 from __future__ import annotations
 
-import os
-from typing import Annotated, Any, Optional
+import enum
+import functools
+import inspect
+import json
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
-ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="Model name, HF-format directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
-DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | bfloat16.")]
-MaxModelLenOpt = Annotated[Optional[int], typer.Option(help="Longest prompt + output, in tokens.")]
-NumBlocksOpt = Annotated[Optional[int], typer.Option(
-    "--num-blocks", help="KV cache blocks (overrides the memory budget; the block map shows each).")]
-BlockSizeOpt = Annotated[int, typer.Option(help="Tokens per KV block.")]
-MaxNumSeqsOpt = Annotated[int, typer.Option(help="Most requests in one step.")]
-MaxNumBatchedTokensOpt = Annotated[int, typer.Option(help="Token budget of one step.")]
-PrefixCachingOpt = Annotated[bool, typer.Option(
-    "--enable-prefix-caching/--no-enable-prefix-caching", help="Share the KV blocks of common prefixes.")]
-NumThreadsOpt = Annotated[Optional[int], typer.Option(
-    help="torch threads on CPU (default: all cores; tui/chat/events: all but one, which the console uses).")]
-AsyncSchedulingOpt = Annotated[bool, typer.Option(
-    "--async-scheduling", help="Schedule step N+1 while step N runs (placeholders for the tokens in flight).")]
-SchedulingPolicyOpt = Annotated[str, typer.Option(
-    help="fcfs | priority (requests' `priority`: a lower value first; it preempts lower ones).")]
-KVCacheMetricsOpt = Annotated[bool, typer.Option(
-    "--kv-cache-metrics/--no-kv-cache-metrics", help="Sample KV block lifetimes, idle and reuse times.")]
-KVCachePrefaultOpt = Annotated[bool, typer.Option(
-    "--kv-cache-prefault/--no-kv-cache-prefault",
-    help="Touch every page of the CPU KV cache at start-up (steady speed from the first request; "
-         "off: pages are faulted in when first written).")]
-KVCacheDtypeOpt = Annotated[str, typer.Option(
-    help="auto | int8 | the model's dtype. auto: int8 (half the bytes per cached token) where the weights "
-         "run quantized on the CPU, the model's dtype elsewhere.")]
-KVCacheMetricsSampleOpt = Annotated[float, typer.Option(help="Fraction of KV blocks sampled by --kv-cache-metrics.")]
+from lm_console.engine.config.fields import Declaration
+from lm_console.engine.config.knobs import engine_arg_declarations
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 FakeOpt = Annotated[bool, typer.Option("--fake", help="Use the built-in fake engine (no model; for demos and tests).")]
-# Scaling out (docs/scaling-out.md, "Data parallelism and Ray").
-TensorParallelOpt = Annotated[int, typer.Option(help="Workers per engine core, each holding a slice of the model.")]
-DataParallelOpt = Annotated[int, typer.Option(
-    help="Engine cores behind one frontend, each with the whole model and its own KV cache (the console: c cycles).")]
-ExecutorBackendOpt = Annotated[str, typer.Option(
-    help="Where a core's workers run: uni (in the core) | ray (Ray actors, across a Ray cluster).")]
-DataParallelBackendOpt = Annotated[str, typer.Option(
-    help="Where the --data-parallel-size engine cores run: mp (processes here) | ray (Ray actors, across a Ray cluster).")]
-DataParallelRoutingOpt = Annotated[str, typer.Option(
-    help="least_loaded | prefix (prefer the core holding the request's longest cached prefix).")]
 
 
-DEFAULT_LIVENESS_TIMEOUT_S = 30.0  # EngineArgs.liveness_timeout_s's default
-LivenessTimeoutOpt = Annotated[float, typer.Option(
-    "--liveness-timeout", min=0.0,
-    help="Seconds without a heartbeat from the engine core before it is declared dead (a stopped or hung "
-         "core: requests then fail with EngineUnresponsiveError and `lmc serve` exits 1); 0: never.")]
-
-EnableLoraOpt = Annotated[bool, typer.Option(
-    "--enable-lora", help="Serve LoRA adapters (PEFT format) on top of the base model.")]
-MaxLorasOpt = Annotated[int, typer.Option(
-    "--max-loras", min=1, help="Adapters resident at once (and the most distinct adapters in one step).")]
-MaxLoraRankOpt = Annotated[int, typer.Option("--max-lora-rank", min=1, help="Largest adapter rank accepted.")]
-MaxCpuLorasOpt = Annotated[Optional[int], typer.Option(
-    "--max-cpu-loras", min=1, help="Adapters kept in host memory, least recently used evicted (default: --max-loras).")]
+def flag_declarations() -> dict[str, Declaration]:
+    """EngineArgs keyword -> declaration, for the knobs that have an `lmc` flag."""
+    return {name: decl for name, decl in engine_arg_declarations().items() if decl.flag is not None}
 
 
-def lora_args(enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-              max_cpu_loras: int | None = None) -> dict[str, Any]:
-    """EngineArgs keyword arguments of the LoRA flags (defaults left out; the engine checks them)."""
+def param_name(decl: Declaration) -> str:
+    """The command parameter of a knob's flag (--num-blocks: num_blocks), as click names it."""
+    flag = decl.flag
+    assert flag is not None
+    return flag.split()[0].lstrip("-").replace("-", "_")
+
+
+def engine_flag_params() -> frozenset[str]:
+    """The command parameters of every engine flag (--url refuses them: remote_options.py)."""
+    return frozenset(param_name(decl) for decl in flag_declarations().values())
+
+
+@functools.cache
+def _choice_enum(decl: Declaration) -> type[enum.Enum]:
+    """A str Enum of the knob's choices: typer (every version we support) renders and checks it."""
+    choices = [c for c in decl.choices or () if c is not None]
+    return enum.Enum(decl.arg.title().replace("_", ""), {str(c): str(c) for c in choices}, type=str)  # type: ignore[return-value]
+
+
+def flag_option(decl: Declaration) -> tuple[Any, Any]:
+    """(annotation, default) of a knob's flag: Annotated[type, typer.Option(...)] and the flag's
+    spelling of the knob's default."""
+    flag = decl.flag
+    assert flag is not None
+    decls = flag.split()
+    spec = decl.spec
+    default = decl.default_value()
+    if default is None and spec.cli_none is not None:
+        default = spec.cli_none
+    hint = decl.arg_type
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args and typing.get_origin(hint) is not \
+        typing.Literal else hint
+    options: dict[str, Any] = {"help": spec.help, "rich_help_panel": "Engine options"}
+    if decl.choices is not None:
+        kind: Any = _choice_enum(decl)
+        default = None if default is None else kind(str(default))
+    elif base is bool:
+        kind = bool
+        decls = [f"{decls[0]}/--no-{decls[0][2:]}", *decls[1:]]
+    else:
+        kind = base
+        # Closed bounds here; an open one (gt, lt) is refused by the engine with its message.
+        low = spec.ge if spec.ge is not None else spec.gt
+        high = spec.le if spec.le is not None else spec.lt
+        if spec.cli_none is not None and low is not None:
+            low = min(low, spec.cli_none)
+        if low is not None:
+            options["min"] = kind(low)
+        if high is not None:
+            options["max"] = kind(high)
+    annotation = Optional[kind] if (optional and spec.cli_none is None) or default is None else kind
+    return Annotated[annotation, typer.Option(*decls, **options)], default
+
+
+def engine_flags(defaults: Mapping[str, Any] | None = None, *, only: Iterable[str] | None = None,
+                 exclude: Iterable[str] = ()) -> Callable[[F], F]:
+    """Give a Typer command every engine flag (those its own signature does not declare), or
+    `only` those, less `exclude` (EngineArgs keywords).
+
+    The command takes `engine_kwargs: dict[str, Any]`: the EngineArgs keywords of the flags set away
+    from their knob's default. `defaults` (EngineArgs keyword -> value) changes a flag's default
+    for this command (`lmc chat`: 16 sequences; `lmc serve`: kv_cache_prefault on).
+    """
+    defaults = dict(defaults or {})
+    exclude = set(exclude)
+    unknown = sorted((set(defaults) | exclude | set(only or ())) - set(flag_declarations()))
+    if unknown:
+        raise ValueError(f"engine_flags: no engine flag for {unknown}")
+    chosen = [name for name in (only if only is not None else flag_declarations()) if name not in exclude]
+
+    def wrap(func: F) -> F:
+        signature = inspect.signature(func, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "engine_kwargs"]
+        taken = {p.name for p in own}
+        added: dict[str, Declaration] = {}
+        params = list(own)
+        for name in chosen:
+            decl = flag_declarations()[name]
+            pname = param_name(decl)
+            if pname in taken:
+                continue  # the command spells this flag itself
+            annotation, default = flag_option(decl)
+            if name in defaults:
+                default = defaults[name]
+            added[pname] = decl
+            params.append(inspect.Parameter(pname, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=annotation))
+
+        @functools.wraps(func)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            flags = {pname: kwargs.pop(pname) for pname in added}
+            given = {added[p].arg: v for p, v in flags.items()}
+            return func(*args, engine_kwargs=engine_kwargs(given, keep=defaults), **kwargs)
+
+        command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command  # type: ignore[return-value]
+
+    return wrap
+
+
+def engine_kwargs(values: Mapping[str, Any], keep: Iterable[str] = ()) -> dict[str, Any]:
+    """EngineArgs keywords of flag values (keyword -> value as the flag gave it): a choice as its
+    str, the flag's stand-in for None as None; the knobs' defaults left out, but for the `keep`
+    keywords (a command's own defaults, passed on whatever their value)."""
+    keep = set(keep)
+    declared = flag_declarations()
     args: dict[str, Any] = {}
-    if enable_lora:
-        args["enable_lora"] = True
-    if max_loras != 1:
-        args["max_loras"] = max_loras
-    if max_lora_rank != 16:
-        args["max_lora_rank"] = max_lora_rank
-    if max_cpu_loras is not None:
-        args["max_cpu_loras"] = max_cpu_loras
+    for name, value in values.items():
+        decl = declared[name]
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if decl.spec.cli_none is not None and value == decl.spec.cli_none:
+            value = None
+        if name in keep or value != decl.default_value() or type(value) is not type(decl.default_value()):
+            args[name] = value
     return args
 
 
-def liveness_args(liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_S) -> dict[str, Any]:
-    """EngineArgs keyword arguments of --liveness-timeout ({} at the default; 0 -> None, never)."""
-    if liveness_timeout == DEFAULT_LIVENESS_TIMEOUT_S:
-        return {}
-    return {"liveness_timeout_s": liveness_timeout or None}
+def engine_option(name: str) -> Any:
+    """The Annotated type of one knob's flag, for a command that declares it itself (--model)."""
+    return flag_option(flag_declarations()[name])[0]
 
 
-def parallel_args(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                  distributed_executor_backend: str = "uni",
-                  data_parallel_routing: str = "least_loaded", data_parallel_backend: str = "mp") -> dict[str, Any]:
-    """EngineArgs keyword arguments of the scale-out flags (defaults left out; the engine checks them)."""
-    args: dict[str, Any] = {}
-    if tensor_parallel_size != 1:
-        args["tensor_parallel_size"] = tensor_parallel_size
-    if data_parallel_size != 1:
-        args["data_parallel_size"] = data_parallel_size
-    if distributed_executor_backend != "uni":
-        args["distributed_executor_backend"] = distributed_executor_backend
-    if data_parallel_routing != "least_loaded":
-        args["data_parallel_routing"] = data_parallel_routing
-    if data_parallel_backend != "mp":
-        args["data_parallel_backend"] = data_parallel_backend
-    return args
+ModelOpt = engine_option("model")
 
 
-def engine_args(dtype: str = "auto", max_model_len: int | None = None, num_blocks: int | None = None,
-                block_size: int = 16, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                enable_prefix_caching: bool = True, num_threads: int | None = None,
-                async_scheduling: bool = False) -> dict[str, Any]:
-    """EngineArgs keyword arguments from the shared flags (unset ones left to the engine)."""
-    args: dict[str, Any] = {
-        "dtype": dtype, "block_size": block_size, "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens, "enable_prefix_caching": enable_prefix_caching,
-    }
-    if max_model_len is not None:
-        args["max_model_len"] = max_model_len
-    if num_blocks is not None:
-        args["num_gpu_blocks_override"] = num_blocks
-    if num_threads is not None:
-        args["num_threads"] = num_threads
-    if async_scheduling:
-        args["async_scheduling"] = True
-    return args
+def serve_flags(engine_args: Mapping[str, Any]) -> list[str]:
+    """The `lmc serve` flags that give an engine these EngineArgs keywords (keywords without a
+    flag: ValueError)."""
+    declared = flag_declarations()
+    flags: list[str] = []
+    for name, value in engine_args.items():
+        decl = declared.get(name)
+        if decl is None:
+            raise ValueError(f"{name} has no `lmc serve` flag")
+        flag = decl.flag.split()[0]  # type: ignore[union-attr]
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif value is None:
+            if decl.spec.cli_none is None:
+                continue  # the flag's own default
+            none = decl.spec.cli_none
+            flags += [flag, str(int(none)) if isinstance(none, float) and none.is_integer() else str(none)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def console_threads(num_threads: int | None) -> int:
@@ -130,7 +191,9 @@ def console_threads(num_threads: int | None) -> int:
     """
     if num_threads is not None:
         return num_threads
-    return max((os.cpu_count() or 2) - 1, 1)
+    from lm_console.engine.platform import usable_cpus
+
+    return max(usable_cpus() - 1, 1)
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -143,3 +206,19 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
     if not 1 <= pair[0] <= pair[1]:
         raise typer.BadParameter(f"{name} must satisfy 1 <= min <= max, got {text!r}")
     return pair
+
+
+SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
+    "--speculative-config",
+    help='Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
+         'methods: ngram, suffix.')]
+
+
+def speculative_args(speculative_config: str | None) -> dict[str, Any]:
+    """{"speculative_config": ...} for EngineArgs, or {} when speculation was not asked for."""
+    if not speculative_config:
+        return {}
+    try:
+        return {"speculative_config": json.loads(speculative_config)}
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--speculative-config is not valid JSON: {exc}") from None

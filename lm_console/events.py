@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from typing import TextIO
 
 from lm_console.client.asyncllm import kv_records_of
 from lm_console.client.protocol import ConsoleClient
-from lm_console.client.types import UNAVAILABLE_KV_EVENTS, EngineUnavailable, KVEventRecord
+from lm_console.client.types import UNAVAILABLE_KV_EVENTS, EngineUnavailable, KVEventRecord, KVEventStreamError
 from lm_console.load_generator import LoadGenerator, LoadShape
 from lm_console.request_book import RequestBook
 
@@ -51,6 +52,9 @@ async def print_client_events(client: ConsoleClient, out: TextIO, *, count: int 
     except EngineUnavailable as error:
         out.flush()
         raise SystemExit(f"error: the engine stopped: {error}") from error
+    except KVEventStreamError as error:  # the event source failed, not the engine
+        out.flush()
+        raise SystemExit(f"error: the KV event stream failed: {error}") from error
     finally:
         await generator.close()
         await client.shutdown()
@@ -92,7 +96,12 @@ async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None
             if not await socket.poll(None if timeout is None else int(timeout * 1000)):
                 break
             frames = await socket.recv_multipart()
-            for record in records_of_message(frames)[: None if count is None else count - printed]:
+            try:
+                records = records_of_message(frames)
+            except ValueError as error:  # one bad message: say so and keep reading the stream
+                print(f"warning: skipped an undecodable KV event message: {error}", file=sys.stderr)
+                continue
+            for record in records[: None if count is None else count - printed]:
                 out.write(json.dumps(record.to_json_dict()) + "\n")
                 printed += 1
             out.flush()
@@ -103,8 +112,12 @@ async def print_endpoint_events(endpoint: str, out: TextIO, *, count: int | None
 
 
 def records_of_message(frames: list[bytes]) -> list[KVEventRecord]:
-    """The rows of one PUB message, decoded with the engine's typed decoder (vLLM's wire shape)."""
-    from lm_console.engine.metrics.kv_events import decode_kv_event_message
+    """The rows of one PUB message of any producer (ours, vLLM's current map form or its older arrays).
 
-    _, seq, batch = decode_kv_event_message(frames)
+    An event type this console does not know becomes a row of its own (KVEventRecord.is_unknown);
+    ValueError only when the message itself is malformed (wrong frames, not a batch).
+    """
+    from lm_console.engine.metrics.kv_events import decode_kv_event_message_lenient
+
+    _, seq, batch = decode_kv_event_message_lenient(frames)
     return kv_records_of(batch, seq)

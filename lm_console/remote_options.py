@@ -18,15 +18,19 @@ KVEventsEndpointOpt = Annotated[Optional[str], typer.Option(
                                  "servers whose KV events do not come over HTTP (vLLM's --kv-events-config).")]
 
 
-# Flags that configure an engine of the console's own: with --url they would mean nothing.
-LOCAL_ENGINE_FLAGS = frozenset({
-    "model", "dtype", "max_model_len", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-    "enable_prefix_caching", "num_threads", "fake", "kv_transfer_config", "kv_offload", "kv_offload_disk",
-    "kv_offload_cpu_bytes", "kv_offload_disk_bytes", "kv_chunk_size", "endpoint",
-    "tensor_parallel_size", "data_parallel_size", "distributed_executor_backend", "data_parallel_routing",
-    "data_parallel_backend",
-    "scheduling_policy", "kv_cache_metrics", "kv_cache_metrics_sample", "liveness_timeout",
+# Flags that configure an engine of the console's own: with --url they would mean nothing (every
+# engine flag, engine_options.engine_flag_params(), and these).
+LOCAL_FLAGS = frozenset({
+    "model", "fake", "kv_transfer_config", "kv_offload", "kv_offload_disk", "kv_offload_cpu_bytes",
+    "kv_offload_disk_bytes", "kv_chunk_size", "endpoint", "speculative_config",
 })
+
+
+def local_engine_flags() -> frozenset[str]:
+    """The command parameters that configure a local engine."""
+    from lm_console.engine_options import engine_flag_params
+
+    return LOCAL_FLAGS | engine_flag_params()
 
 
 def refuse_local_flags(ctx: typer.Context, url: str | None, allowed: frozenset[str] = frozenset()) -> None:
@@ -34,7 +38,8 @@ def refuse_local_flags(ctx: typer.Context, url: str | None, allowed: frozenset[s
     if url is None:
         return
     # By name: Typer may carry its own copy of click's ParameterSource enum.
-    given = sorted(name for name in ctx.params if name in LOCAL_ENGINE_FLAGS - allowed
+    local = local_engine_flags() - allowed
+    given = sorted(name for name in ctx.params if name in local
                    and getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT"))
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)

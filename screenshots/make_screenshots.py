@@ -3,6 +3,8 @@
     python screenshots/make_screenshots.py              # run the engine: every scene (minutes on a CPU)
     python screenshots/make_screenshots.py --replay     # re-render from the recordings (seconds, no engine)
     python screenshots/make_screenshots.py --scene image_chat   # one scene (e.g. after demo-vlm changed)
+    python screenshots/make_screenshots.py --vllm http://127.0.0.1:8000 --kv-events-endpoint tcp://127.0.0.1:5557
+                                                        # vllm_dashboard: the console on a running vLLM server
 
 Each scene drives `lmc tui` / `lmc chat` over the real engine stepped by hand (SteppedEngineClient:
 the embedded SmolLM2, or demo-vlm for the image chat) on a fixed clock, with fixed seeds, so a
@@ -23,6 +25,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
@@ -176,6 +179,42 @@ async def run_scene(name: str, out_dir: Path, replay: bool) -> list[Path]:
     return saved
 
 
+async def vllm_shot(url: str, kv_events_endpoint: str, out_dir: Path) -> Path:
+    """`lmc tui --url` on a running vLLM server (KV events on) under `lmc bench serve --url` load.
+
+    Not a replayed scene: vLLM is not deterministic on a CPU, so this picture is taken live (see the
+    module docstring) and no test compares it.
+    """
+    from lm_console.client.remote import RemoteConsoleClient
+    from lm_console.engine.metrics.stats import BLOCK_STATE_CACHED
+    from lm_console.tui.app import ConsoleApp
+    from lm_console.tui.widgets.kv_event_log import KVEventLog
+
+    client = RemoteConsoleClient(url, kv_events_endpoint=kv_events_endpoint, poll_interval_s=0.5)
+    app = ConsoleApp(client, tick_hz=4)
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "lm_console.cli", "bench", "serve", "--url", url, "--dataset-name", "prefix",
+         "--num-prompts", "60", "--prefix-len", "256", "--suffix-len", "200", "--num-prefixes", "3",
+         "--random-output-len", "16", "--max-concurrency", "4", "--request-rate", "3", "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            log = app.query_one(KVEventLog)
+            deadline = time.monotonic() + 600
+            while not (log.num_received >= 12 and app.telemetry.view.num_finished >= 8 and app.telemetry.view.block_states
+                       and app.telemetry.view.block_states.count(BLOCK_STATE_CACHED) > 0):
+                if app.dead_error is not None or time.monotonic() > deadline or bench.poll() is not None:
+                    raise SystemExit(f"the console saw too little of the server's load (dead: {app.dead_error!r})")
+                await pilot.pause(0.25)
+            await pilot.pause(1.0)
+            app.save_screenshot("vllm_dashboard.svg", str(out_dir))
+            await pilot.press("q")
+    finally:
+        bench.kill()
+        bench.wait()
+    return out_dir / "vllm_dashboard.svg"
+
+
 def svg_text(path: Path) -> list[str]:
     """The screen's text, row by row, from a Textual SVG screenshot."""
     import html
@@ -213,8 +252,16 @@ def main() -> None:
     parser.add_argument("--scene", action="append", choices=sorted(SCENES), help="only these scenes")
     parser.add_argument("--replay", action="store_true", help="re-render from scenes/*.json (no engine)")
     parser.add_argument("--no-png", action="store_true")
+    parser.add_argument("--vllm", metavar="URL", help="only the console on this running vLLM server (live, under load)")
+    parser.add_argument("--kv-events-endpoint", default="tcp://127.0.0.1:5557", help="with --vllm: its KV events")
     args = parser.parse_args()
     time.tzset()
+    if args.vllm:
+        svg = asyncio.run(vllm_shot(args.vllm, args.kv_events_endpoint, HERE))
+        made = [svg.name] + ([svg.with_suffix(".png").name] if not args.no_png and to_png(svg, svg.with_suffix(".png"))
+                             else [])
+        print(f"vllm: {', '.join(made)}")
+        return
     os.chdir(HERE.parent)  # the image's path as `lmc chat --image` shows it: relative to the repository
     if not IMAGE.exists():
         make_picture(IMAGE)

@@ -121,3 +121,16 @@ def make_llm():
     for llm in built:
         assert_no_leaked_blocks(llm)
         llm.shutdown()
+
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`vllm` tests run only against an installed vLLM venv: each skips, saying why, without one."""
+    from vllm_helpers import vllm_skip_reason
+
+    reason = vllm_skip_reason()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))

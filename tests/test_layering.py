@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "lm_console.engine.admission",
         # Connector configs are parsed by EngineArgs in the frontend, before any process starts.
-        "lm_console.engine.distributed.kv_transfer.config", "lm_console.engine.distributed.ec_transfer.config",
+        "lm_console.engine.config.kv_transfer", "lm_console.engine.config.ec_transfer",
         # What the worker-side connector reports back inside ModelRunnerOutput.
         "lm_console.engine.distributed.kv_transfer.output",
     )),

@@ -2,10 +2,12 @@
 
 A page holds a marker line and the hook puts the generated Markdown in its place:
 
-- `<!-- gen:engine-args -->`: every field of EngineArgs (lm_console/engine/config/engine_args.py),
-  with its type, default and the comment beside or above it, read with `ast`/`tokenize` (no import,
-  so no torch);
-- `<!-- gen:config-classes -->`: the fields of the config dataclasses the engine resolves them into;
+- `<!-- gen:engine-args -->`: every field of EngineArgs, from the knobs' declarations on the config
+  classes (lm_console/engine/config/fields.py; imported: the config modules are torch-free): what
+  it accepts (choices or type and bounds), default, `lmc` flag, the class it is declared on, help;
+- `<!-- gen:config-classes -->`: the fields of the config dataclasses the engine resolves them into
+  (a knob's declaration, or for a resolved fact the comment beside or above it, read with
+  `ast`/`tokenize`);
 - `<!-- gen:env-vars -->`: every environment variable the package reads: those declared in
   lm_console/engine/envs.py (name, default, meaning, and where `envs.NAME` is read), then any
   other read (`os.environ.get`, `os.getenv`, `os.environ[...]`, a Typer option's `envvar=`);
@@ -22,7 +24,10 @@ the benchmark files give (`python docs/hooks/benchmarks.py --readme` rewrites it
 from __future__ import annotations
 
 import ast
+import dataclasses
 import html
+import importlib
+import inspect
 import io
 import os
 import re
@@ -39,14 +44,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchmarks  # noqa: E402  (docs/hooks/benchmarks.py, beside this file)
 
+from lm_console.engine.config.fields import UNSET, declarations  # noqa: E402  (torch-free)
+from lm_console.engine.config.knobs import engine_arg_declarations  # noqa: E402
+
 PACKAGE = ROOT / "lm_console"
 CONFIG_FILES = [
     "lm_console/engine/config/model.py", "lm_console/engine/config/cache.py",
     "lm_console/engine/config/scheduler.py", "lm_console/engine/config/parallel.py",
-    "lm_console/engine/config/lora.py",
-    "lm_console/engine/config/device.py", "lm_console/engine/config/engine_config.py",
-    "lm_console/engine/config/structured_outputs.py", "lm_console/engine/multimodal/config.py",
-    "lm_console/engine/distributed/kv_transfer/config.py", "lm_console/engine/distributed/ec_transfer/config.py",
+    "lm_console/engine/config/device.py", "lm_console/engine/config/frontend.py",
+    "lm_console/engine/config/engine_config.py",
+    "lm_console/engine/config/structured_outputs.py", "lm_console/engine/config/multimodal.py",
+    "lm_console/engine/config/kv_transfer.py", "lm_console/engine/config/ec_transfer.py",
+    "lm_console/engine/config/observability.py",
+    "lm_console/engine/config/speculative.py", "lm_console/engine/config/lora.py",
 ]
 
 
@@ -113,26 +123,61 @@ def fields_table(fields: list[dict[str, str]]) -> str:
     return "\n".join(rows)
 
 
+def _knob_type(decl: Any) -> str:
+    """A knob's accepted values in words: its choices, or its type and bounds."""
+    return decl.describe()
+
+
+def _default_text(decl: Any) -> str:
+    if decl.default_factory is not dataclasses.MISSING and decl.spec.arg_default is UNSET:
+        return f"{decl.default_value()!r} (computed)"
+    return repr(decl.default_value())
+
+
 def engine_args_markdown() -> str:
-    path = PACKAGE / "engine/config/engine_args.py"
-    [(name, fields, doc)] = dataclass_fields(path, "EngineArgs")
-    # A field without a comment of its own takes the comment of the config field it becomes.
-    config_docs = {f["name"]: f["doc"] for rel in CONFIG_FILES for _, fs, _ in dataclass_fields(ROOT / rel)
-                   for f in fs if f["doc"]}
-    for f in fields:
-        f["doc"] = f["doc"] or config_docs.get(f["name"], "")
-    return (f"Generated from `{path.relative_to(ROOT)}` ({len(fields)} fields). The same names are "
-            "the keyword arguments of `LLM(...)` and `AsyncLLM(...)`; most are also `lmc` flags "
-            "(`max_num_seqs` is `--max-num-seqs`; see the [CLI reference](cli.md)).\n\n" + fields_table(fields))
+    """EngineArgs from the knobs' declarations (imported: the config modules are torch-free)."""
+    rows = ["| name | accepts | default | `lmc` flag | declared on | what it does |", "|---|---|---|---|---|---|"]
+    decls = engine_arg_declarations()
+    for name, decl in decls.items():
+        flag = f"`{decl.flag.split()[0]}`" if decl.flag else ""
+        rows.append(f"| `{name}` | {cell(_knob_type(decl))} | {code(_default_text(decl))} | {flag} | "
+                    f"`{decl.owner.__name__}.{decl.field}` | {cell(decl.spec.help)} |")
+    return (f"Generated from the knobs declared on the config classes ({len(decls)} fields; "
+            "`lm_console/engine/config/knobs.py` lists the classes). The same names are the keyword arguments "
+            "of `LLM(...)` and `AsyncLLM(...)`; those with a flag are `lmc` options of every command that "
+            "starts an engine (see the [CLI reference](cli.md)).\n\n" + "\n".join(rows))
 
 
 def config_classes_markdown() -> str:
+    """Each config class's fields: a knob's declaration, or the comment beside a resolved fact."""
     parts = []
     for rel in CONFIG_FILES:
-        for name, fields, doc in dataclass_fields(ROOT / rel):
-            if not fields:
+        module_name = rel.removesuffix(".py").replace("/", ".")
+        module = importlib.import_module(module_name)
+        comments = {name: {f["name"]: f for f in fields} for name, fields, _ in dataclass_fields(ROOT / rel)}
+        for class_name, by_name in comments.items():
+            cls = getattr(module, class_name)
+            if not dataclasses.is_dataclass(cls) or not by_name:
                 continue
-            parts.append(f"### {name}\n\n{doc}\n\nIn `{rel}`.\n\n{fields_table(fields)}")
+            knobs = {d.field: d for d in declarations(cls)}
+            rows = ["| name | type | default | what it does |", "|---|---|---|---|"]
+            for field in dataclasses.fields(cls):
+                if field.name.startswith("_"):
+                    continue
+                decl = knobs.get(field.name)
+                if decl is not None:
+                    default = ("(resolved)" if field.default is dataclasses.MISSING
+                               and field.default_factory is dataclasses.MISSING else _default_text(decl))
+                    what = decl.spec.help + ("" if decl.spec.user else " (set by the engine)")
+                    arg = f" (`{decl.arg}`)" if decl.arg != decl.field and decl.spec.user else ""
+                    rows.append(f"| `{field.name}`{arg} | {cell(decl.describe(by_arg=False))} | {code(default)} | "
+                                f"{cell(what)} |")
+                else:
+                    info = by_name.get(field.name, {"type": str(field.type), "default": "", "doc": ""})
+                    rows.append(f"| `{field.name}` | {code(info['type'])} | {code(info['default'])} | "
+                                f"{cell(info['doc'])} |")
+            doc = inspect.getdoc(cls) or ""
+            parts.append(f"### {class_name}\n\n{doc}\n\nIn `{rel}`.\n\n" + "\n".join(rows))
     return "\n\n".join(parts)
 
 

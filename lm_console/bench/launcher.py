@@ -20,12 +20,6 @@ from typing import Any
 
 import httpx
 
-# EngineArgs keys (lm_console.engine_options.engine_args) -> `lmc serve` flags.
-_FLAGS = {"dtype": "--dtype", "max_model_len": "--max-model-len", "num_gpu_blocks_override": "--num-blocks",
-          "block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
-          "max_num_batched_tokens": "--max-num-batched-tokens", "num_threads": "--num-threads"}
-
-
 class ServeLaunchError(RuntimeError):
     """`lmc serve` is missing, exited, or did not become ready; the message says which and why."""
 
@@ -37,19 +31,10 @@ def free_port() -> int:
 
 
 def serve_flags(engine_args: dict[str, Any]) -> list[str]:
-    """`lmc serve` flags for the shared engine options."""
-    flags: list[str] = []
-    for key, flag in _FLAGS.items():
-        if engine_args.get(key) is not None:
-            flags += [flag, str(engine_args[key])]
-    if "enable_prefix_caching" in engine_args:
-        flags.append("--enable-prefix-caching" if engine_args["enable_prefix_caching"]
-                     else "--no-enable-prefix-caching")
-    if engine_args.get("async_scheduling"):
-        flags.append("--async-scheduling")
-    if "liveness_timeout_s" in engine_args:  # None: never (the flag's 0)
-        flags += ["--liveness-timeout", str(engine_args["liveness_timeout_s"] or 0)]
-    return flags
+    """`lmc serve` flags for these EngineArgs keywords (each knob's own flag, from its declaration)."""
+    from lm_console.engine_options import serve_flags as flags_of
+
+    return flags_of(engine_args)
 
 
 def serve_command(model: str | None, port: int, engine_args: dict[str, Any]) -> list[str]:

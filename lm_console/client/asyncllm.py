@@ -22,7 +22,7 @@ from lm_console.client.protocol import ClientCapabilities
 
 if TYPE_CHECKING:
     from lm_console.server_requests import ServerRequests
-    from lm_console.engine.metrics.kv_events import KVEventBatch
+    from lm_console.engine.metrics.kv_events import DecodedKVEventBatch, KVEventBatch
     from lm_console.engine.metrics.stats import RequestBlocksState, SchedulerStats
     from lm_console.engine.outputs import RequestOutput
 
@@ -44,6 +44,7 @@ class AsyncLLMConsoleClient:
         self.llm: Any = None
         self.tokenizer: Any = None
         self.num_dropped_frames = 0  # in process: nothing in between to drop frames
+        self.num_kv_undecodable = 0  # the engine's own events, read with its own types
         self.server_requests: ServerRequests | None = None  # no server
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -234,8 +235,8 @@ def _model_notice(model_dir: Any) -> str | None:
         return None
 
 
-def kv_records_of(batch: KVEventBatch, seq: int = 0) -> list[KVEventRecord]:
-    """The rows of one engine KVEventBatch."""
+def kv_records_of(batch: KVEventBatch | DecodedKVEventBatch, seq: int = 0) -> list[KVEventRecord]:
+    """The rows of one KV event batch (an engine's own, or one read leniently from another producer)."""
     return [KVEventRecord(batch.ts, event, seq) for event in batch.events]
 
 
@@ -245,7 +246,7 @@ def chunk_of(output: RequestOutput) -> StreamChunk:
     metrics = output.metrics
     timeline = None if metrics is None else RequestTimeline(
         metrics.arrival_time, metrics.queued_time, metrics.first_scheduled_time, metrics.first_token_time,
-        list(metrics.preempted_times), metrics.finished_time)
+        list(metrics.preempted_times), metrics.finished_time, metrics.last_token_time)
     return StreamChunk(
         request_id=output.request_id, text=completion.text if completion else "",
         num_new_tokens=len(completion.token_ids) if completion else 0,

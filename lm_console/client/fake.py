@@ -63,6 +63,7 @@ class FakeConsoleClient:
     """
 
     num_dropped_frames = 0  # nothing in between to drop frames
+    num_kv_undecodable = 0
     server_requests: ServerRequests | None = None  # no server
 
     def __init__(self, *, num_blocks: int = 512, block_size: int = 16, token_budget: int = 256,

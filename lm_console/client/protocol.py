@@ -43,6 +43,8 @@ class ConsoleClient(Protocol):
     info: EngineInfo
     # Frames an attached server dropped for this console because it read too slowly (0 elsewhere).
     num_dropped_frames: int
+    # KV event messages from another producer that could not be read at all, skipped (0 elsewhere).
+    num_kv_undecodable: int
     # An attached lm-console server's request table, once the client knows it has one.
     server_requests: ServerRequests | None
 

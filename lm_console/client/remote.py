@@ -24,14 +24,16 @@ import httpx
 import msgspec
 
 from lm_console.client.asyncllm import kv_records_of
+from lm_console.client.event_block_map import EventBlockMap
 from lm_console.client.openai_http import (
     KEY_HINT, RemoteRequestError, auth_headers, error_message, openai_messages, raise_for_status, sampling_body,
     stream_openai, unreachable,
 )
 from lm_console.client.sse import iter_sse
 from lm_console.client.types import (
-    UNAVAILABLE_BLOCK_MAP, UNAVAILABLE_KV_EVENTS, UNAVAILABLE_REQUESTS, UNAVAILABLE_STEPS, EngineInfo,
-    EngineUnavailable, GenParams, KVEventRecord, StatsSnapshot, StreamChunk,
+    UNAVAILABLE_BLOCK_MAP, UNAVAILABLE_KV_EVENTS, UNAVAILABLE_LATENCY, UNAVAILABLE_REQUESTS, UNAVAILABLE_STEPS,
+    EngineInfo,
+    EngineUnavailable, GenParams, KVEventRecord, KVEventStreamError, StatsSnapshot, StreamChunk,
 )
 from lm_console.client.protocol import ClientCapabilities
 from lm_console.server_requests import ServerRequests
@@ -46,10 +48,13 @@ NO_KV_EVENTS = ("no KV events from this server: pass --kv-events-endpoint tcp://
                 "(vLLM publishes them with --kv-events-config)")
 NO_KV_EVENTS_LMC = "KV events are off on this server (start it with --kv-events-endpoint)"
 NO_METRICS = "no /metrics with vLLM's names on this server: no scheduler stats"
+NO_POOL_SIZE = "no block map: the server's /metrics has no cache_config_info num_gpu_blocks"
+EVENT_MAP_SOURCE = "cells: hashes in its prefix cache (KV events), not its block ids"
 NO_REQUESTS = "the server's requests are not published: this table shows this console's own"
 _LOST_HINT = "The server stopped or the network failed; restart the console once the server is back."
 STREAM_READ_TIMEOUT_S = 35.0  # the server sends a keep-alive every 10 s: silence this long means it is gone
 _SNAPSHOT_DECODER = msgspec.json.Decoder(StatsSnapshot)  # the stream's `snapshot` event, not a step
+KNOWN_STREAM_EVENTS = ("hello", "stats", "snapshot", "kv", "requests", "lag", "error")
 
 
 class RemoteConsoleClient:
@@ -73,6 +78,11 @@ class RemoteConsoleClient:
         self.server_requests: ServerRequests | None = None
         self.num_dropped_frames = 0  # frames the server dropped for this console (it was slow)
         self.num_kv_gaps = 0  # KV batches lost between two received ones
+        self.num_kv_undecodable = 0  # KV event messages that could not be read at all (skipped)
+        self.num_kv_unknown = 0  # events of a type this console does not know (shown, counted)
+        self.last_kv_decode_error = ""
+        # A vLLM server's prefix cache drawn from its KV events (its own block map is not published).
+        self.event_map: EventBlockMap | None = None
         self.http: httpx.AsyncClient | None = None
         self._requests: dict[str, asyncio.Task[None]] = {}
         self._closed = asyncio.Event()
@@ -119,7 +129,7 @@ class RemoteConsoleClient:
         )
 
     async def _start_openai(self) -> None:
-        from lm_console.client.vllm_metrics import parse_metrics
+        from lm_console.client.vllm_metrics import TPOT, parse_metrics, server_figures
 
         self.mode = OPENAI
         response = await self._request("GET", "/v1/models")
@@ -139,17 +149,30 @@ class RemoteConsoleClient:
                 snapshot = parse_metrics(metrics.text)
         self.has_metrics = snapshot is not None and snapshot.is_vllm
         config = snapshot.cache_config if snapshot is not None else {}
-        unavailable = {UNAVAILABLE_BLOCK_MAP: NO_BLOCK_MAP, UNAVAILABLE_REQUESTS: NO_REQUESTS,
+        unavailable = {UNAVAILABLE_REQUESTS: NO_REQUESTS,
                        UNAVAILABLE_STEPS: NO_STEPS.format(interval=self.poll_interval_s) if self.has_metrics
                        else NO_METRICS}
+        num_blocks = int(float(config.get("num_gpu_blocks") or 0))
+        block_map_source = ""
         if not self.zmq_endpoint:
             unavailable[UNAVAILABLE_KV_EVENTS] = NO_KV_EVENTS
+            unavailable[UNAVAILABLE_BLOCK_MAP] = NO_BLOCK_MAP
+        elif not num_blocks:
+            unavailable[UNAVAILABLE_BLOCK_MAP] = NO_POOL_SIZE
+        else:
+            self.event_map = EventBlockMap(num_blocks)
+            block_map_source = EVENT_MAP_SOURCE
+        missing = server_figures(snapshot).missing if snapshot is not None and self.has_metrics else []
+        if missing:
+            unavailable[UNAVAILABLE_LATENCY] = (
+                f"no {', '.join(missing)} on this server"
+                + (" (vLLM exports request_time_per_output_token_seconds from 0.11 on)" if TPOT in missing else ""))
         self.info = EngineInfo(
             model=self.served_model, device="?", dtype=str(config.get("cache_dtype") or "?"),
             block_size=int(float(config.get("block_size") or 16)),
-            num_blocks=int(float(config.get("num_gpu_blocks") or 0)), max_model_len=max_model_len,
+            num_blocks=num_blocks, max_model_len=max_model_len,
             # Token ids below 1000 exist in any real vocabulary: the load generator stays valid.
-            vocab_size=1000, url=self.url, unavailable=unavailable,
+            vocab_size=1000, url=self.url, unavailable=unavailable, block_map_source=block_map_source,
         )
 
     async def shutdown(self) -> None:
@@ -201,7 +224,9 @@ class RemoteConsoleClient:
                 if event == "kv":
                     self._count_gap(last_seq, payload.seq)
                     last_seq = payload.seq
-                    yield kv_records_of(payload.batch, payload.seq)
+                    records = kv_records_of(payload.batch, payload.seq)
+                    self.num_kv_unknown += sum(record.is_unknown for record in records)
+                    yield records
             return
         if self.zmq_endpoint:
             async for records in self._zmq_events(self.zmq_endpoint):
@@ -223,8 +248,18 @@ class RemoteConsoleClient:
                     raise_for_status(self.url, response.status_code, await response.aread())
                     raise EngineUnavailable(f"The console stream failed: {error_message(await response.aread(), 400)}")
                 async for sse in iter_sse(response.aiter_lines()):
-                    payload = (_SNAPSHOT_DECODER.decode(sse.data) if sse.event == "snapshot"
-                               else decode_event(sse.event, sse.data))
+                    if sse.event not in KNOWN_STREAM_EVENTS:
+                        continue  # a newer server's event: nothing this console shows
+                    try:
+                        payload = (_SNAPSHOT_DECODER.decode(sse.data) if sse.event == "snapshot"
+                                   else decode_event(sse.event, sse.data))
+                    except (ValueError, msgspec.MsgspecError) as error:
+                        if sse.event == "kv":  # KV events are monitoring: skip the frame, count it
+                            self.num_kv_undecodable += 1
+                            self.last_kv_decode_error = str(error)
+                            continue
+                        raise EngineUnavailable(f"This console cannot read the server's {sse.event!r} frames: {error}",
+                                                "Run the same lm-console version here and on the server.") from error
                     if sse.event == "error":
                         message = error_message(sse.data, 503)
                         raise EngineUnavailable(f"The server's engine stopped: {message}",
@@ -255,7 +290,11 @@ class RemoteConsoleClient:
                 raise_for_status(self.url, response.status_code, response.content)
                 failures = 0
                 if self.has_metrics:
-                    yield sampler.sample(parse_metrics(response.text))
+                    sample = sampler.sample(parse_metrics(response.text))
+                    if self.event_map is not None:
+                        sample.block_states = bytes(self.event_map.states)
+                        sample.block_map_from_events = True
+                    yield sample
             except (EngineUnavailable, RemoteRequestError, httpx.HTTPError, ValueError) as error:
                 failures += 1
                 if failures >= 3:
@@ -277,13 +316,30 @@ class RemoteConsoleClient:
         socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(endpoint)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as error:
+            socket.close(linger=0)
+            context.term()
+            raise KVEventStreamError(f"cannot subscribe to {endpoint}: {error}") from error
         last_seq = -1
         try:
             while not self._closed.is_set():
-                if not await socket.poll(250):
+                try:
+                    if not await socket.poll(250):
+                        continue
+                    frames = await socket.recv_multipart()
+                except zmq.ZMQError as error:
+                    raise KVEventStreamError(f"the KV event socket {endpoint} failed: {error}") from error
+                try:
+                    records = records_of_message(frames)
+                except ValueError as error:  # another producer's message we cannot read: count it, go on
+                    self.num_kv_undecodable += 1
+                    self.last_kv_decode_error = str(error)
                     continue
-                records = records_of_message(await socket.recv_multipart())
+                self.num_kv_unknown += sum(record.is_unknown for record in records)
+                if self.event_map is not None:
+                    self.event_map.apply(records)
                 if records:
                     seq = records[0].seq  # the publisher's batch number
                     self._count_gap(last_seq, seq)

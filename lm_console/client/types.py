@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
+import msgspec
+
+from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent, UnknownKVEvent
 from lm_console.engine.metrics.stats import SchedulerStats
 
 
@@ -44,6 +46,7 @@ class EngineInfo:
     # Panels whose data this engine does not publish -> what the panel says instead of zeros.
     # Keys: UNAVAILABLE_* below.
     unavailable: dict[str, str] = field(default_factory=dict)
+    block_map_source: str = ""  # where the block map comes from when not the engine's own pool
 
 
 # Keys of EngineInfo.unavailable: the panels a remote server may have no source for.
@@ -51,6 +54,31 @@ UNAVAILABLE_BLOCK_MAP = "block_map"
 UNAVAILABLE_STEPS = "steps"  # per-step scheduler stats: token budget, tokens/step, step time
 UNAVAILABLE_KV_EVENTS = "kv_events"
 UNAVAILABLE_REQUESTS = "requests"  # the server's own request table
+UNAVAILABLE_LATENCY = "latency"  # a latency histogram the server does not export (TTFT, TPOT, ITL)
+
+
+class KVEventStreamError(Exception):
+    """A KV-event source failed (bad endpoint, socket error): that panel stops, the engine is fine."""
+
+
+class ServerFigures(msgspec.Struct, gc=False):
+    """An attached server's cumulative figures from its /metrics at one poll (lm_console/client/vllm_metrics.py).
+
+    The quantiles are Prometheus' histogram_quantile() over everything the server observed since it
+    started (None: no observation, or the histogram is not exported: see `missing`).
+    """
+
+    num_finished: int = 0  # request_success_total over every finished_reason but abort and error
+    num_failed: int = 0  # ... with reason abort or error
+    prefix_queries: int = 0  # prefix_cache_queries_total (tokens looked up)
+    prefix_hits: int = 0
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    tpot_p50: float | None = None  # per request: (e2e - TTFT) / (output tokens - 1)
+    tpot_p95: float | None = None
+    itl_p50: float | None = None  # between two consecutive tokens of a request
+    itl_p95: float | None = None
+    missing: list[str] = msgspec.field(default_factory=list)  # histogram names the server does not export
 
 
 class StatsSnapshot(SchedulerStats):
@@ -61,7 +89,14 @@ class StatsSnapshot(SchedulerStats):
     /metrics poll becomes one (its counters as deltas since the previous poll). Its counters
     still count towards the rates; it does not count as a step (steps/s, tokens per step).
     Console-side: the engine never sends this type.
+
+    server: a vLLM-compatible server's cumulative figures (its /metrics), None otherwise.
+    block_map_from_events: the block map was drawn from the server's KV events (which blocks its
+    prefix cache holds, by hash, in slots of our own): the usage gauge, not the map, counts blocks in use.
     """
+
+    server: ServerFigures | None = None
+    block_map_from_events: bool = False
 
 
 @dataclass(slots=True)
@@ -73,18 +108,27 @@ class KVEventRecord:
     """
 
     ts: float
-    event: KVCacheEvent  # BlockStored | BlockRemoved | AllBlocksCleared
+    # BlockStored | BlockRemoved | AllBlocksCleared; UnknownKVEvent: a type this console does not
+    # know or an event it could not read (another producer's), counted and shown, never fatal.
+    event: KVCacheEvent | UnknownKVEvent
     seq: int = 0
 
     @property
     def kind(self) -> str:
-        return type(self.event).__name__
+        event = self.event
+        return event.event_type if isinstance(event, UnknownKVEvent) else type(event).__name__
+
+    @property
+    def is_unknown(self) -> bool:
+        return isinstance(self.event, UnknownKVEvent)
 
     @property
     def block_hashes(self) -> list[str]:
-        """The event's block hashes as hex (none for AllBlocksCleared)."""
+        """The event's block hashes as hex (none for AllBlocksCleared or an unknown event)."""
         event = self.event
-        return [] if isinstance(event, AllBlocksCleared) else [hash_hex(h) for h in event.block_hashes]
+        if isinstance(event, (AllBlocksCleared, UnknownKVEvent)):
+            return []
+        return [hash_hex(h) for h in event.block_hashes]
 
     @property
     def parent_block_hash(self) -> str | None:
@@ -100,11 +144,19 @@ class KVEventRecord:
     def to_json_dict(self) -> dict[str, Any]:
         """The record as `lmc events` prints it."""
         event = self.event
-        return {
+        if isinstance(event, UnknownKVEvent):
+            return {"ts": self.ts, "seq": self.seq, "type": event.event_type, "unknown": event.reason}
+        row: dict[str, Any] = {
             "ts": self.ts, "seq": self.seq, "type": self.kind, "block_hashes": self.block_hashes,
             "parent_block_hash": self.parent_block_hash, "num_tokens": self.num_tokens,
             "block_size": event.block_size if isinstance(event, BlockStored) else 0, "medium": event.medium,
         }
+        group_idx = getattr(event, "group_idx", None)
+        if group_idx is not None:
+            row["group_idx"] = group_idx
+        if isinstance(event, BlockStored) and event.lora_name is not None:
+            row["lora_name"] = event.lora_name
+        return row
 
 
 def hash_hex(block_hash: Any) -> str:
@@ -154,3 +206,4 @@ class RequestTimeline:
     first_token: float | None = None
     preempted: list[float] = field(default_factory=list)
     finished: float | None = None
+    last_token: float | None = None  # the decode phase ends here (finished may come later: a stop string)

@@ -14,12 +14,13 @@ from lm_console._lazy import lazy_exports
 if TYPE_CHECKING:
     from lm_console.engine.config.engine_args import EngineArgs
     from lm_console.engine.frontend.async_llm import AsyncLLM
+    from lm_console.engine.frontend.beam_search import BeamSearchParams
     from lm_console.engine.frontend.llm import LLM
     from lm_console.engine.outputs import CompletionOutput, RequestOutput
-    from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+    from lm_console.engine.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "EngineArgs",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "BeamSearchParams", "PoolingParams"]
 
 __getattr__ = lazy_exports(__name__, {
     "LLM": "lm_console.engine.frontend.llm",
@@ -30,4 +31,6 @@ __getattr__ = lazy_exports(__name__, {
     "SamplingParams": "lm_console.engine.sampling_params",
     "StructuredOutputsParams": "lm_console.engine.sampling_params",
     "RequestOutputKind": "lm_console.engine.sampling_params",
+    "BeamSearchParams": "lm_console.engine.frontend.beam_search",
+    "PoolingParams": "lm_console.engine.sampling_params",
 })

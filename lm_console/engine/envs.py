@@ -99,6 +99,11 @@ LMC_QUANT_DENSE_ROWS = _declare(
 LMC_LORA_KERNEL = _declare(
     "LMC_LORA_KERNEL", "auto", "the batched LoRA kernel: auto (the C kernel on the CPU, Triton on CUDA), torch (the "
     "reference), cpu, triton")
+LMC_OMP_SPIN = _declare(
+    "LMC_OMP_SPIN", "1000", "GOMP_SPINCOUNT the engine gives OpenMP (torch's and our kernels' one runtime) unless "
+    "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: how long an idle thread spins before it sleeps; off: libgomp's own "
+    "default (300000 spins: on a shared machine a thread waiting for a descheduled partner burns its core); 0: "
+    "sleep at once (as OMP_WAIT_POLICY=PASSIVE)")
 LMC_MALLOC_TUNING = _declare(
     "LMC_MALLOC_TUNING", "1", "0 leaves glibc's allocator settings as they are (no mallopt, no huge-page heap)")
 
@@ -120,6 +125,13 @@ LMC_STARTUP_TRACE = _declare(
 VLLM_ALLOW_RUNTIME_LORA_UPDATING = _declare(
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0", "1/true: `lmc serve --enable-lora` answers /v1/load_lora_adapter and "
     "/v1/unload_lora_adapter (vLLM's switch, same name); off, they answer 404")
+# -- benchmarks --------------------------------------------------------------------------------
+LMC_BENCH_HISTORY = _declare(
+    "LMC_BENCH_HISTORY", "", "the JSON-lines file each benchmark run appends its figures and machine fingerprint "
+    "to; default benchmarks/history.jsonl in the checkout; 0/off: none")
+LMC_BENCH_BASELINES = _declare(
+    "LMC_BENCH_BASELINES", "", "the folder of the perf smoke's per-machine baselines (<fingerprint id>.json); "
+    "default benchmarks/baselines in the checkout")
 
 # -- the console -----------------------------------------------------------------------------
 LMC_API_KEY = _declare(
@@ -138,6 +150,10 @@ LMC_RAY_CORE_START_TIMEOUT = _declare(
 PYTHONHASHSEED = _declare(
     "PYTHONHASHSEED", "", "Python's hash seed: prefix-cache hashes with hash_algo 'builtin' agree across processes "
     "only when it is set")
+OMP_WAIT_POLICY = _declare(
+    "OMP_WAIT_POLICY", "", "OpenMP's wait policy (ACTIVE or PASSIVE); when set, the engine leaves OpenMP's waiting alone")
+GOMP_SPINCOUNT = _declare(
+    "GOMP_SPINCOUNT", "", "libgomp's spin count before an idle thread sleeps; when set, LMC_OMP_SPIN is not applied")
 CUDA_VISIBLE_DEVICES = _declare("CUDA_VISIBLE_DEVICES", "", "the GPUs a process may use (CUDA's own variable)")
 TRITON_INTERPRET = _declare(
     "TRITON_INTERPRET", "0", "1: Triton runs its kernels in its interpreter (on the CPU); the attention selector sets "

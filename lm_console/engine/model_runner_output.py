@@ -26,6 +26,8 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
     # Prompt logprobs computed this step: request id -> (first prompt position, its rows).
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    # Embeddings of the pooling requests whose prompt completed this step (worker/pooling.py).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

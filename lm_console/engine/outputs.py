@@ -82,6 +82,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector (P/D), on the final output
+    pooled: list[float] | None = None  # the prompt's embedding, for a pooling request (SamplingParams.pooling)
 
     def add(self, next_output: RequestOutput) -> None:
         """Merge a later DELTA output into this one (a slow consumer gets one combined delta)."""
@@ -104,3 +105,29 @@ class RequestOutput:
         self.num_cached_tokens = next_output.num_cached_tokens
         self.metrics = next_output.metrics
         self.kv_transfer_params = next_output.kv_transfer_params
+        if next_output.pooled is not None:
+            self.pooled = next_output.pooled
+
+
+@dataclass
+class EmbeddingOutput:
+    """A prompt's embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape: output.outputs.embedding)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        if output.pooled is None:
+            raise ValueError(f"request {output.request_id} carries no embedding (it was not a pooling request).")
+        return cls(output.request_id, list(output.prompt_token_ids), EmbeddingOutput(list(output.pooled)),
+                   output.finished)

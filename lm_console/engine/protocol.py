@@ -111,6 +111,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Prompt logprobs rows computed this step (row i: prompt token num_sent + i + 1); a partial
     # prefill sends them with no new token.
     new_prompt_logprobs: LogprobsLists | None = None
+    # A pooling request's embedding (SamplingParams.pooling), with the step that completes its prompt.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json as _json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from lm_console.engine.errors import InvalidSamplingParamsError
 _GREEDY_EPSILON = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 256  # completions per request: each is a request in the engine
+_DECIMAL_KEY = re.compile(r"-?[0-9]{1,19}")  # a logit_bias key as JSON sends it ("1234")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -113,6 +115,31 @@ class StructuredOutputsParams:
         return kind, spec
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass
+class PoolingParams:
+    """Ask for the prompt's embedding instead of text (vLLM's pooler config names).
+
+    pooling_type: LAST (the last prompt token's final hidden state, before the LM head) or MEAN
+    (the average over all prompt tokens); normalize: L2-normalise the vector.
+    """
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pooling_type, str):
+            self.pooling_type = self.pooling_type.upper()
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidSamplingParamsError(f"PoolingParams.pooling_type={_short_repr(self.pooling_type)} is "
+                                             f"invalid: use one of {', '.join(POOLING_TYPES)}.")
+        if not isinstance(self.normalize, bool):
+            raise InvalidSamplingParamsError(f"PoolingParams.normalize={_short_repr(self.normalize)} is invalid: "
+                                             "normalize must be True or False.")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, validated in __post_init__ (vLLM-compatible fields).
@@ -143,13 +170,25 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding (lm_console/engine/structured_output/): JSON schema, regex, choice, grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> value added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Sampling picks only among these ids (every other logit is -inf); None: no restriction.
+    allowed_token_ids: list[int] | None = None
     # Free-form per-request extras; "kv_transfer_params" reaches the KV connector (P/D).
     extra_args: dict[str, Any] | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): the output carries the pooled prompt.
+    pooling: PoolingParams | None = None
     # Filled by the InputProcessor from the tokenizer; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.verify()
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Whether no prompt token may be skipped (prefix cache hits, KV loads): prompt logprobs
+        and MEAN pooling read every prompt position's hidden state."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.pooling_type == "MEAN")
 
     def verify(self) -> None:
         """Normalise and validate every field (InvalidSamplingParamsError names the first bad one).
@@ -179,6 +218,16 @@ class SamplingParams:
                 raise InvalidSamplingParamsError(
                     f"SamplingParams.structured_outputs: {error}; allowed keys: json, regex, choice, "
                     "grammar, json_object, disable_any_whitespace.") from None
+        if isinstance(self.logit_bias, dict):
+            # String keys are how JSON carries ids (OpenAI's field): read them as ints here.
+            normalized: dict[Any, Any] = {}
+            for key, value in self.logit_bias.items():
+                if isinstance(key, str) and _DECIMAL_KEY.fullmatch(key):
+                    key = int(key)
+                normalized[key] = float(value) if _is_int(value) else value
+            self.logit_bias = normalized or None
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
         if isinstance(self.all_stop_token_ids, (set, frozenset, list, tuple)) and isinstance(self.stop_token_ids, list):
@@ -236,6 +285,18 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, getattr(self, name), f"{name} must be True or False")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(not _is_int(k) or k < 0 for k in self.logit_bias):
+                fail("logit_bias", self.logit_bias, "logit_bias must map token ids (integers >= 0) to biases")
+            bad = [k for k, v in self.logit_bias.items() if not _is_number(v) or not -100.0 <= v <= 100.0]
+            if bad:
+                fail("logit_bias", {k: self.logit_bias[k] for k in bad[:5]},
+                     "each bias must be a number in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                    or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+                fail("allowed_token_ids", self.allowed_token_ids,
+                     "allowed_token_ids must be None or a non-empty list of token ids (integers >= 0)")
         if self.extra_args is not None:
             if not isinstance(self.extra_args, dict) or any(not isinstance(k, str) or not _is_utf8(k)
                                                             for k in self.extra_args):
@@ -244,6 +305,15 @@ class SamplingParams:
             if kv_params is not None and not (isinstance(kv_params, dict)
                                               and all(isinstance(k, str) for k in kv_params)):
                 fail("extra_args", self.extra_args, "extra_args['kv_transfer_params'] must be a dict with str keys")
+        if self.pooling is not None:
+            if isinstance(self.pooling, dict):
+                self.pooling = PoolingParams(**self.pooling)
+            if not isinstance(self.pooling, PoolingParams):
+                fail("pooling", self.pooling, "pooling must be a PoolingParams or None")
+            self.pooling.__post_init__()
+            if self.max_tokens != 1 or self.n != 1 or self.structured_outputs is not None:
+                fail("pooling", self.pooling, "a pooling request runs its prompt only: max_tokens=1, n=1 and no "
+                                              "structured_outputs")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", self.structured_outputs,
@@ -274,9 +344,9 @@ class SamplingParams:
         try:
             clone = copy.copy(self)
             # Fresh containers (the only mutable fields); extra_args may nest, so it is copied deeply.
-            for name in ("stop", "stop_token_ids", "all_stop_token_ids"):
+            for name in ("stop", "stop_token_ids", "all_stop_token_ids", "logit_bias", "allowed_token_ids"):
                 value = getattr(self, name)
-                if isinstance(value, (list, set)):
+                if isinstance(value, (list, set, dict)):
                     setattr(clone, name, type(value)(value))
             if self.extra_args is not None:
                 clone.extra_args = copy.deepcopy(self.extra_args)

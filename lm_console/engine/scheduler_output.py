@@ -81,6 +81,9 @@ class SchedulerOutput:
     # the token bitmask (int32 numpy [len(ids), ceil(vocab / 32)]; bit t set: token t allowed).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding: request id -> the draft tokens it verifies this step (scheduled
+    # after its one real token; num_scheduled_tokens counts them). Absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -7,6 +7,7 @@ them to the widgets a few times a second inside batch_update(). No torch is impo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -139,7 +140,8 @@ class ConsoleApp(App[None]):
                                   seed=self.seed, clock=self.clock)
         if not self.chat_only:
             self.server_requests = self.client.server_requests
-            self.query_one(Dashboard).set_unavailable(self.info.unavailable, self.server_requests is not None)
+            self.query_one(Dashboard).set_unavailable(self.info.unavailable, self.server_requests is not None,
+                                                      self.info.block_map_source)
             endpoint = self.client.kv_events_endpoint
             if endpoint:
                 self.query_one(KVEventsPanel).border_subtitle = f"lmc events --endpoint {endpoint}"
@@ -161,10 +163,21 @@ class ConsoleApp(App[None]):
         try:
             async for records in self.client.kv_events_stream():
                 self.telemetry.add_events(records)
-        except Exception as error:  # noqa: BLE001
+        except EngineUnavailable as error:  # the server's stream was lost: the engine went away
             self.engine_died(error)
+        except Exception as error:  # noqa: BLE001 - a monitoring stream failed; the engine is not dead
+            self._kv_events_failed(error)
         else:
             self._stream_ended("KV event")
+
+    def _kv_events_failed(self, error: BaseException) -> None:
+        """The KV-event source failed (a socket error, a bug): its panel says so, the rest goes on."""
+        message = str(error) or type(error).__name__
+        with contextlib.suppress(NoMatches):
+            panel = self.query_one(KVEventsPanel)
+            panel.note = f"[#e06c75]stopped: {message}[/]"
+            panel.update_title()
+        self.notify(f"KV events stopped: {message}", severity="warning", timeout=6)
 
     def _stream_ended(self, name: str) -> None:
         """A stream that ends while the console runs means the engine went away."""
@@ -208,7 +221,7 @@ class ConsoleApp(App[None]):
                 dropped = self.client.num_dropped_frames
                 if dropped:  # the server sampled this console's stream: it read too slowly
                     self.query_one("#scheduler").border_subtitle = f"sampled: {dropped:,} frames dropped"
-                self.query_one(KVEventsPanel).add(self.telemetry.take_events())
+                self.query_one(KVEventsPanel).add(self.telemetry.take_events(), self.client.num_kv_undecodable)
                 self._show_selection(now)
             self.query_one(ChatView).flush()
             if not self.chat_only and self._active_tab() == "charts-tab":

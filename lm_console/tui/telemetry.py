@@ -18,10 +18,13 @@ import numpy as np
 
 from lm_console.engine.metrics.stats import (
     BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, EncoderCacheStats, KVTierStats, SchedulerStats,
+    SpecDecodingStats,
 )
-from lm_console.client.types import KVEventRecord, StatsSnapshot
+from lm_console.client.types import KVEventRecord, ServerFigures, StatsSnapshot
 from lm_console.tui.block_residency import BlockResidency
 from lm_console.request_book import RequestBook, percentile
+
+SPEC_HISTORY = 120  # acceptance-rate points the speculative-decoding sparkline keeps
 
 
 @dataclass(slots=True)
@@ -59,9 +62,21 @@ class DashboardView:
     ttft_p95: float | None = None
     tpot_p50: float | None = None
     tpot_p95: float | None = None
+    itl_p50: float | None = None  # an attached server's histogram only (the console's requests have no ITL)
+    itl_p95: float | None = None
+    # "server": requests done, latency and the overall hit rate are an attached server's own cumulative
+    # figures (its /metrics); "": the requests this console sent.
+    figures_source: str = ""
+    missing_histograms: list[str] = field(default_factory=list)  # the server's, when figures_source
     num_events: int = 0
     num_stats: int = 0
     encoder_cache: EncoderCacheStats | None = None  # latest; None for a text-only engine
+    # Speculative decoding (None: the engine does not speculate): the latest cumulative counters,
+    # and the acceptance rate / mean accepted length between the last two samples that verified drafts.
+    spec_decoding: SpecDecodingStats | None = None
+    spec_acceptance_recent: float | None = None
+    spec_mean_length_recent: float | None = None
+    spec_acceptance_history: list[float] = field(default_factory=list)
     kv_tiers: list[KVTierStats] = field(default_factory=list)  # latest, cumulative counters
     kv_tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # medium -> (in, out) B/s
     # Data parallelism: the gauges and the block map are one core's (selected_core; `c` cycles);
@@ -115,6 +130,7 @@ class Telemetry:
         # Per block: when it last left the free state (its content's age), NaN while free.
         self.block_since = np.zeros(0, dtype=np.float64)
         self._block_array = np.zeros(0, dtype=np.uint8)
+        self.server: ServerFigures | None = None  # an attached server's latest cumulative figures
 
     def block_age(self, block_id: int, now: float) -> float | None:
         """Seconds since the block was last allocated (seen leaving the free state), None when free."""
@@ -133,6 +149,18 @@ class Telemetry:
             self.block_since[occupied & ~was_occupied] = ts
             self.block_since[~occupied] = np.nan
         self._block_array = new
+
+    def _fold_spec_decoding(self, spec: SpecDecodingStats, view: DashboardView) -> None:
+        """Rates between this sample and the last one (the counters are cumulative)."""
+        last = view.spec_decoding
+        if last is not None and spec.num_draft_tokens > last.num_draft_tokens:
+            drafts = spec.num_drafts - last.num_drafts
+            accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+            view.spec_acceptance_recent = accepted / (spec.num_draft_tokens - last.num_draft_tokens)
+            view.spec_mean_length_recent = 1 + accepted / drafts if drafts else None
+            view.spec_acceptance_history = [*view.spec_acceptance_history[-(SPEC_HISTORY - 1):],
+                                            view.spec_acceptance_recent]
+        view.spec_decoding = spec
 
     def add_stats(self, sample: SchedulerStats) -> None:
         self.pending_stats.append(sample)
@@ -168,14 +196,23 @@ class Telemetry:
         view.gen_history = list(self._gen_hist)
         self._kv_hist.append(view.kv_usage)
         view.kv_history = list(self._kv_hist)
-        view.num_finished, view.num_failed = self.book.num_finished, self.book.num_failed
         view.tokens_per_step = list(self._tokens_per_step)
         if view.hit_rate_recent is not None:
             self._hit_hist.append(view.hit_rate_recent)
         view.hit_rate_history = list(self._hit_hist)
-        ttfts, tpots = list(self.book.ttft_samples), list(self.book.tpot_samples)
-        view.ttft_p50, view.ttft_p95 = percentile(ttfts, 50), percentile(ttfts, 95)
-        view.tpot_p50, view.tpot_p95 = percentile(tpots, 50), percentile(tpots, 95)
+        server = self.server
+        if server is not None:  # the server serves others too: its own figures, not this console's
+            view.figures_source, view.missing_histograms = "server", list(server.missing)
+            view.num_finished, view.num_failed = server.num_finished, server.num_failed
+            view.ttft_p50, view.ttft_p95 = server.ttft_p50, server.ttft_p95
+            view.tpot_p50, view.tpot_p95 = server.tpot_p50, server.tpot_p95
+            view.itl_p50, view.itl_p95 = server.itl_p50, server.itl_p95
+            view.hit_rate_all = server.prefix_hits / server.prefix_queries if server.prefix_queries else None
+        else:
+            view.num_finished, view.num_failed = self.book.num_finished, self.book.num_failed
+            ttfts, tpots = list(self.book.ttft_samples), list(self.book.tpot_samples)
+            view.ttft_p50, view.ttft_p95 = percentile(ttfts, 50), percentile(ttfts, 95)
+            view.tpot_p50, view.tpot_p95 = percentile(tpots, 50), percentile(tpots, 95)
         if not self.chart or now - self.chart[-1].ts >= self.chart_step_s:
             self.chart.append(ChartPoint(now, view.prompt_tps, view.gen_tps, view.kv_usage,
                                          view.ttft_p50, view.tpot_p50))
@@ -205,6 +242,9 @@ class Telemetry:
 
     def _fold(self, sample: SchedulerStats, view: DashboardView) -> None:
         is_step = not isinstance(sample, StatsSnapshot)
+        from_events = isinstance(sample, StatsSnapshot) and sample.block_map_from_events
+        if isinstance(sample, StatsSnapshot) and sample.server is not None:
+            self.server = sample.server
         view.num_stats += 1
         core = sample.engine_index
         view.cores[core] = (sample.num_running_reqs, sample.num_waiting_reqs, sample.kv_cache_usage)
@@ -238,12 +278,16 @@ class Telemetry:
             view.block_ref_counts = sample.block_ref_counts
             states = sample.block_states
             view.num_cached_blocks = states.count(BLOCK_STATE_CACHED)
-            view.num_used_blocks = states.count(BLOCK_STATE_IN_USE)
-            view.num_free_blocks = states.count(BLOCK_STATE_FREE) + view.num_cached_blocks
+            if not from_events:  # a map drawn from KV events knows cached blocks only: the gauges count the rest
+                view.num_used_blocks = states.count(BLOCK_STATE_IN_USE)
+                view.num_free_blocks = states.count(BLOCK_STATE_FREE) + view.num_cached_blocks
         if sample.prefix_cache.queries:
             self._fold_prefix(sample, view)
         if sample.encoder_cache is not None:
             view.encoder_cache = sample.encoder_cache
+        spec = getattr(sample, "spec_decoding", None)
+        if spec is not None:
+            self._fold_spec_decoding(spec, view)
         if sample.kv_tiers:
             self._fold_tiers(sample, view)
         residency = getattr(sample, "kv_block_residency", None)

@@ -220,7 +220,7 @@ def test_info_and_auth(served) -> None:  # noqa: ANN001
             assert refused.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(url + "/metrics").status_code == 200  # open, as in vLLM
     info = httpx.get(url + "/lmc/v1/info", headers=HEADERS).json()
-    assert info["server"] == "lm-console" and info["stream_version"] == 1
+    assert info["server"] == "lm-console" and info["stream_version"] == 2
     assert info["num_blocks"] == 4096 and info["block_size"] == 16 and info["max_num_seqs"] == 2
     assert info["kv_events"] is True and info["dtype"] == "float32" and "model_dir" not in info
     bad = httpx.get(url + "/lmc/v1/stream", params={"topics": "stats,gossip"}, headers=HEADERS)

@@ -243,7 +243,9 @@ def test_executor_rpc_replies_and_non_blocking_sample_tokens(tiny_llama_dir: Pat
         assert isinstance(executor, MultiprocExecutor)
         # A module-level function runs on every rank; each rank takes its share of the cores.
         # (Results travel as msgpack: a tuple comes back as a list.)
-        threads = max(1, (os.cpu_count() or 1) // 2)
+        from lm_console.engine.platform import usable_cpus
+
+        threads = max(1, usable_cpus() // 2)  # the CPUs this process may use, not the machine's
         assert executor.collective_rpc(_rank_and_threads) == [[0, threads], [1, threads]]
         assert executor.collective_rpc(_rank_and_threads, unique_reply_rank=1) == [[1, threads]]
         specs = executor.get_kv_cache_spec()

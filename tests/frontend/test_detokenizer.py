@@ -132,9 +132,18 @@ def test_earliest_of_several_stop_strings_wins(smollm2_tokenizer: Any) -> None:
     assert detok.update(ids, False) == "quick"  # all tokens in one update
     assert detok.output_text == " The "
     params = SamplingParams(stop=["over the", "over"], include_stop_str_in_output=True)
-    detok = IncrementalDetokenizer.from_new_request(tok, [], params)
-    assert detok.update(ids, False) == "over the"  # same start: the one listed first
-    assert detok.output_text == TEXT[:TEXT.index("over the") + len("over the")]
+    # Tokens arriving together (speculative decoding) stop where they would one at a time:
+    # "over" is complete a token before "over the", and the tokens after it are dropped.
+    for updates in ([ids], [[t] for t in ids]):
+        detok = IncrementalDetokenizer.from_new_request(tok, [], params)
+        stops = [None]
+        for update in updates:
+            stops.append(detok.update(update, False))
+            if stops[-1] is not None:
+                break  # the request ends at its first stop
+        assert stops[-1] == "over"
+        assert detok.output_text == TEXT[:TEXT.index("over") + len("over")]
+        assert tok.decode(detok.token_ids).endswith("over")
 
 
 @pytest.mark.parametrize("use_fast", [True, False])

@@ -34,6 +34,7 @@ class StandinState:
     fail_stream_after: int | None = None  # drop the connection after this many chunks
     in_flight: int = 0
     max_in_flight: int = 0
+    metrics_text: str | None = None  # served as /metrics instead of the registry's (a real server's text)
 
 
 def _metrics_registry() -> tuple[CollectorRegistry, dict[str, Any]]:
@@ -77,7 +78,7 @@ def standin_app(state: StandinState) -> FastAPI:
     async def prometheus():  # noqa: ANN202
         if not state.metrics:
             return PlainTextResponse("not found", status_code=404)
-        return PlainTextResponse(generate_latest(registry).decode())
+        return PlainTextResponse(state.metrics_text or generate_latest(registry).decode())
 
     async def completion(request: Request, chat: bool):  # noqa: ANN202
         if not authorized(request):

@@ -69,14 +69,13 @@ def test_serve_passes_the_hostile_input_limits(captured: dict[str, Any]) -> None
 
 def test_serve_async_scheduling_flag(captured: dict[str, Any]) -> None:
     from lm_console.bench.launcher import serve_flags
-    from lm_console.engine_options import engine_args
 
     assert runner.invoke(app, ["serve", "--port", "0"]).exit_code == 0
     assert "async_scheduling" not in captured["args"]  # off unless asked for
     result = runner.invoke(app, ["serve", "--port", "0", "--async-scheduling"])
     assert result.exit_code == 0, result.output
     assert captured["args"]["async_scheduling"] is True
-    assert "--async-scheduling" in serve_flags(engine_args(async_scheduling=True))
+    assert "--async-scheduling" in serve_flags({"async_scheduling": True})
 
 
 def test_serve_reads_the_api_key_from_the_environment(captured: dict[str, Any]) -> None:

@@ -6,12 +6,12 @@ import pytest
 from typer.testing import CliRunner
 
 from lm_console.cli import app as cli_app
-from lm_console.engine_options import parallel_args
+from lm_console.engine_options import engine_kwargs
 
 
 def test_parallel_args_pass_a_non_default_backend_only() -> None:
-    assert "data_parallel_backend" not in parallel_args(data_parallel_size=2)
-    assert parallel_args(data_parallel_size=2, data_parallel_backend="ray") == {
+    assert "data_parallel_backend" not in engine_kwargs({"data_parallel_size": 2, "data_parallel_backend": "mp"})
+    assert engine_kwargs({"data_parallel_size": 2, "data_parallel_backend": "ray"}) == {
         "data_parallel_size": 2, "data_parallel_backend": "ray"}
 
 

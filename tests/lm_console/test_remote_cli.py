@@ -182,9 +182,8 @@ def test_bench_serve_launches_lmc_serve_with_its_own_options() -> None:
     import typer
 
     from lm_console.bench.launcher import serve_command
-    from lm_console.engine_options import engine_args
-
-    args = engine_args("float32", 256, 64, 32, 4, 512, False, 2)  # every shared engine flag set
+    args = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 64, "block_size": 32,
+            "max_num_seqs": 4, "max_num_batched_tokens": 512, "enable_prefix_caching": False, "num_threads": 2}
     command = serve_command("some-model", 8123, args)
     argv = command[command.index("serve") + 1:]
     serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]

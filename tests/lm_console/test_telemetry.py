@@ -62,3 +62,23 @@ def test_request_book_states_and_latency() -> None:
 def test_render_helpers() -> None:
     assert sparkline([0, 1, 2], 5) == "  ▁▅█"
     assert bar(0.5, 4) == "██  " and bar(1.5, 2) == "██"
+
+
+def test_spec_decoding_rates_between_samples() -> None:
+    from lm_console.engine.metrics.stats import SpecDecodingStats
+
+    telemetry = Telemetry(RequestBook(), window_s=2.0)
+    assert telemetry.flush(100.0).spec_decoding is None  # an engine that does not speculate
+    first = SpecDecodingStats(num_spec_tokens=3, num_drafts=10, num_draft_tokens=30, num_accepted_tokens=15,
+                              num_accepted_tokens_per_pos=[7, 5, 3])
+    second = SpecDecodingStats(num_spec_tokens=3, num_drafts=20, num_draft_tokens=60, num_accepted_tokens=42,
+                               num_accepted_tokens_per_pos=[16, 14, 12])
+    telemetry.add_stats(SchedulerStats(timestamp=100.0, spec_decoding=first))
+    view = telemetry.flush(100.1)
+    assert view.spec_acceptance_recent is None and view.spec_decoding.acceptance_rate == 0.5
+    telemetry.add_stats(SchedulerStats(timestamp=100.2, spec_decoding=second))
+    telemetry.add_stats(SchedulerStats(timestamp=100.3, spec_decoding=second))  # no new drafts: no new point
+    view = telemetry.flush(100.4)
+    assert view.spec_acceptance_recent == 27 / 30 and view.spec_mean_length_recent == 1 + 27 / 10
+    assert view.spec_acceptance_history == [27 / 30]
+    assert view.spec_decoding.mean_acceptance_length == 1 + 42 / 20

@@ -111,24 +111,52 @@ def test_bad_lora_requests_are_refused(kwargs, match) -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"max_loras": 0}, "max_loras must be an int"),
-    ({"max_lora_rank": 0}, "max_lora_rank must be an int"),
-    ({"max_lora_rank": 1024}, "max_lora_rank must be an int"),
+    ({"max_loras": 0}, r"max_loras=0 is invalid: it must be an integer >= 1 and <= 256"),
+    ({"max_lora_rank": 0}, r"max_lora_rank=0 is invalid: it must be an integer >= 1 and <= 512"),
+    ({"max_lora_rank": 1024}, r"max_lora_rank=1024 is invalid"),
+    ({"max_cpu_loras": 0}, r"max_cpu_loras=0 is invalid: it must be an integer >= 1, or None"),
     ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras=2 is below max_loras=4"),
-    ({"enable_lora": 1}, "enable_lora must be a bool"),
+    ({"enable_lora": 1}, r"enable_lora=1 is invalid: it must be True or False"),
 ])
 def test_lora_config_is_validated(kwargs, match) -> None:
+    from lm_console.engine.config.engine_args import EngineArgs
+
     with pytest.raises(InvalidEngineArgsError, match=match):
         LoRAConfig(**{"enable_lora": True, **kwargs})
+    # the same declaration checks the EngineArgs keywords before anything starts
+    with pytest.raises(InvalidEngineArgsError, match=match):
+        EngineArgs(**{"enable_lora": True, **kwargs})._verify()
     assert LoRAConfig(enable_lora=True, max_loras=2).cpu_capacity == 2
 
 
 def test_lora_knobs_without_enable_lora_and_lora_with_tensor_parallelism_are_refused() -> None:
     from lm_console.engine.config.engine_args import EngineArgs
 
-    with pytest.raises(InvalidEngineArgsError, match="apply only with enable_lora=True"):
-        EngineArgs(max_loras=2).create_lora_config()
+    with pytest.raises(InvalidEngineArgsError, match="max_loras apply only with enable_lora=True"):
+        EngineArgs(max_loras=2)._verify()
+    with pytest.raises(InvalidEngineArgsError, match="max_lora_rank, max_cpu_loras apply only with enable_lora"):
+        LoRAConfig(max_lora_rank=8, max_cpu_loras=2)
     with pytest.raises(InvalidEngineArgsError, match="tensor-parallel rank only"):
-        EngineArgs(enable_lora=True, tensor_parallel_size=2).create_lora_config()
+        EngineArgs(enable_lora=True, tensor_parallel_size=2)._verify()
+    assert EngineArgs().create_lora_config() is None
     config = EngineArgs(enable_lora=True, max_loras=3, max_lora_rank=8).create_lora_config()
     assert config is not None and (config.max_loras, config.max_lora_rank, config.cpu_capacity) == (3, 8, 3)
+
+
+def test_lora_with_speculative_decoding_is_refused_at_start() -> None:
+    from lm_console.engine.config.engine_args import EngineArgs
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(InvalidEngineArgsError, match="speculative_config cannot be combined with enable_lora=True"):
+        EngineArgs(enable_lora=True, speculative_config=spec)._verify()
+    # negative controls: each alone is accepted
+    EngineArgs(speculative_config=spec)._verify()
+    EngineArgs(enable_lora=True)._verify()
+
+
+def test_lora_flags_come_from_the_declarations() -> None:
+    from lm_console.engine_options import flag_declarations
+
+    flags = {name: decl.flag for name, decl in flag_declarations().items()}
+    assert {flags[k] for k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")} == {
+        "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"}

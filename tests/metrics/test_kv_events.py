@@ -24,9 +24,17 @@ def test_wire_shape_is_vllms() -> None:
         BlockStored(block_hashes=[b"h1", b"h2"], parent_block_hash=None, token_ids=list(range(32)), block_size=16),
         BlockRemoved(block_hashes=[b"h1"]), AllBlocksCleared()])
     raw = msgspec.msgpack.decode(encode_kv_event_batch(batch))
-    assert raw[0] == 1.5 and raw[2] is None
-    assert raw[1][0] == ["BlockStored", [b"h1", b"h2"], None, list(range(32)), 16, None, "GPU", None]
-    assert raw[1][1] == ["BlockRemoved", [b"h1"], "GPU"] and raw[1][2] == ["AllBlocksCleared", "GPU"]
+    assert raw[0] == 1.5 and raw[2] is None  # the batch: an array [ts, events, data_parallel_rank]
+    # Each event: a map tagged by "type" with every field, defaults included (vLLM's own decoder
+    # requires lora_id, medium and lora_name).
+    assert raw[1][0] == {"type": "BlockStored", "block_hashes": [b"h1", b"h2"], "parent_block_hash": None,
+                         "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU",
+                         "lora_name": None, "extra_keys": None, "group_idx": None, "kv_cache_spec_kind": None,
+                         "kv_cache_spec_sliding_window": None, "locality": None, "ownership": None,
+                         "session_id": None}
+    assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [b"h1"], "medium": "GPU", "group_idx": None,
+                         "locality": None, "ownership": None}
+    assert raw[1][2] == {"type": "AllBlocksCleared", "medium": "GPU"}
     context = zmq.Context()
     publisher = KVEventPublisher(context, "inproc://kv-test")
     subscriber = KVEventSubscriber(publisher.endpoint, context=context)

@@ -307,3 +307,57 @@ def test_from_params_reads_the_widest_logprobs(make_metadata: MakeMetadata) -> N
         [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=5)], 10)
     assert metadata.max_num_logprobs == 5
     assert make_metadata([SamplingParams()], 10).max_num_logprobs is None
+
+
+# -- logit_bias and allowed_token_ids ----------------------------------------------------------
+
+def test_logit_bias_moves_greedy_and_is_per_row(make_metadata: MakeMetadata) -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40)
+    target = int(logits[0].argmin())  # the least likely token of row 0
+    params = [SamplingParams(temperature=0.0, logit_bias={target: 100.0}),
+              SamplingParams(temperature=0.0),  # negative control: the same logits, no bias
+              SamplingParams(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}),
+              SamplingParams(temperature=0.0, logit_bias={"5": 0.5})]  # JSON's string key
+    out = _sample(make_metadata, logits, params)
+    assert out.sampled_token_ids[0].item() == target
+    assert out.sampled_token_ids[1].item() == int(logits[1].argmax())
+    assert out.sampled_token_ids[2].item() == int(logits[2].topk(2).indices[1])  # the runner-up
+    expected = logits[3].clone()
+    expected[5] += 0.5
+    assert out.sampled_token_ids[3].item() == int(expected.argmax())
+
+
+def test_logit_bias_applies_to_random_rows_too(make_metadata: MakeMetadata) -> None:
+    logits = torch.zeros(8, 30)
+    params = [SamplingParams(temperature=1.0, seed=row, logit_bias={7: 100.0}) for row in range(8)]
+    out = _sample(make_metadata, logits, params)
+    assert out.sampled_token_ids.tolist() == [7] * 8  # e^100 outweighs the other 29 tokens
+
+
+def test_allowed_token_ids_restrict_only_their_row(make_metadata: MakeMetadata) -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(3, 50)
+    allowed = [int(i) for i in logits[0].topk(50).indices[-3:]]  # the three least likely
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[11, 12])]
+    out = _sample(make_metadata, logits, params)
+    assert out.sampled_token_ids[0].item() == max(allowed, key=lambda t: logits[0, t].item())
+    assert out.sampled_token_ids[1].item() == int(logits[1].argmax())  # unrestricted
+    assert out.sampled_token_ids[2].item() in (11, 12)
+    seeded = [SamplingParams(temperature=1.0, seed=seed, allowed_token_ids=[11, 12]) for seed in range(20)]
+    assert set(_sample(make_metadata, _repeat(logits[2], 20), seeded).sampled_token_ids.tolist()) <= {11, 12}
+
+
+def test_logit_bias_and_allowed_ids_are_validated() -> None:
+    import pytest
+
+    from lm_console.engine.errors import InvalidSamplingParamsError
+
+    for bad in ({3: 100.5}, {3: float("nan")}, {-1: 1.0}, {"x": 1.0}, {3: True}):
+        with pytest.raises(InvalidSamplingParamsError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    for bad in ([], [-1], [1.5], [True]):
+        with pytest.raises(InvalidSamplingParamsError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(logit_bias={"12": -100, 3: 100.0}).logit_bias == {12: -100.0, 3: 100.0}

@@ -3,22 +3,21 @@ max_cpu_loras)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from lm_console.engine.config.fields import DeclaredConfig, knob
 from lm_console.engine.errors import InvalidEngineArgsError
 
 MAX_LORA_RANK_LIMIT = 512
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise InvalidEngineArgsError(f"{name} must be an int {bound}, got {value!r:.40}.")
-    return value
+MAX_LORAS_LIMIT = 256
+# The LoRA knobs' defaults: any other value without enable_lora would do nothing, so it is refused.
+_LORA_DEFAULTS: dict[str, Any] = {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
 
 
 @dataclass(frozen=True)
-class LoRAConfig:
+class LoRAConfig(DeclaredConfig):
     """How many adapters run at once and how large they may be.
 
     max_loras adapters are resident (stacked in the model's LoRA slots) and may run in one step;
@@ -30,22 +29,30 @@ class LoRAConfig:
     both size the memory LoRA takes.
     """
 
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = knob(False, help="Serve LoRA adapters (per request: LoRARequest, or the server's "
+                                         "--lora-modules / a request's model).")
+    max_loras: int = knob(1, ge=1, le=MAX_LORAS_LIMIT,
+                          help="Adapters resident at once (the most distinct adapters in one step).")
+    max_lora_rank: int = knob(16, ge=1, le=MAX_LORA_RANK_LIMIT,
+                              help="Largest adapter rank accepted (sizes the adapter slots).")
+    max_cpu_loras: int | None = knob(None, ge=1, help="Adapters kept in host memory, least recently used "
+                                                      "evicted (>= max_loras; None: max_loras).")
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.enable_lora, bool):
-            raise InvalidEngineArgsError(f"enable_lora must be a bool, got {self.enable_lora!r:.40}.")
-        _check_int("max_loras", self.max_loras, 1, 256)
-        _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK_LIMIT)
-        if self.max_cpu_loras is not None:
-            _check_int("max_cpu_loras", self.max_cpu_loras, 1)
-            if self.max_cpu_loras < self.max_loras:
+    @classmethod
+    def verify_relations(cls, values: Mapping[str, Any]) -> None:
+        """The LoRA knobs need enable_lora; max_cpu_loras holds every resident adapter."""
+        if not values.get("enable_lora", False):
+            changed = [name for name, default in _LORA_DEFAULTS.items() if values.get(name, default) != default]
+            if changed:
                 raise InvalidEngineArgsError(
-                    f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}: every resident "
-                    "adapter is also kept in host memory; raise max_cpu_loras or leave it unset (= max_loras).")
+                    f"{', '.join(changed)} apply only with enable_lora=True (--enable-lora); "
+                    "set enable_lora=True or leave them at their defaults.")
+            return
+        max_loras, max_cpu_loras = values.get("max_loras", 1), values.get("max_cpu_loras")
+        if max_cpu_loras is not None and max_cpu_loras < max_loras:
+            raise InvalidEngineArgsError(
+                f"max_cpu_loras={max_cpu_loras} is below max_loras={max_loras}: every resident "
+                "adapter is also kept in host memory; raise max_cpu_loras or leave it unset (= max_loras).")
 
     @property
     def cpu_capacity(self) -> int:

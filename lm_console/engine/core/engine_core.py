@@ -78,6 +78,7 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager,
             policy=config.scheduler_config.policy,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
+            speculative_config=config.speculative_config,
         )
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)

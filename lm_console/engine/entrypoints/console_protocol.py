@@ -14,16 +14,20 @@
 Torch-free and FastAPI-free: the console's RemoteConsoleClient decodes with the same types.
 SchedulerStats and KVEventBatch are array_like, so a field appended later decodes as its default
 in an older console and is ignored by an older server's console (msgspec reads arrays by position).
+The events inside a batch are maps tagged by "type" (vLLM's current form) since stream version 2;
+a console reads a version-1 server's array events too (kv_events.decode_kv_event_payload).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
-from lm_console.engine.metrics.kv_events import KVEventBatch
+from lm_console.engine.metrics.kv_events import JSON, DecodedKVEventBatch, KVEventBatch, decode_kv_event_payload
 from lm_console.engine.metrics.stats import SchedulerStats
 
-STREAM_VERSION = 1
+STREAM_VERSION = 2  # 2: KV events as tagged maps (vLLM's current wire format)
 TOPICS = ("stats", "kv", "requests")  # what a console may subscribe to (?topics=stats,kv)
 STREAM_PATH = "/lmc/v1/stream"
 INFO_PATH = "/lmc/v1/info"
@@ -47,6 +51,31 @@ class KVEventsFrame(msgspec.Struct, array_like=True, gc=False):
 
     seq: int
     batch: KVEventBatch
+
+
+@dataclass(slots=True)
+class DecodedKVEventsFrame:
+    """A `kv` frame as the console reads it: events it cannot read are UnknownKVEvent rows."""
+
+    seq: int
+    batch: DecodedKVEventBatch
+
+
+class _RawKVEventsFrame(msgspec.Struct, array_like=True, gc=False):
+    seq: int
+    batch: msgspec.Raw
+
+
+_RAW_KV_FRAME = msgspec.json.Decoder(_RawKVEventsFrame)
+
+
+def decode_kv_frame(data: bytes | str) -> DecodedKVEventsFrame:
+    """A `kv` event's payload, its events read leniently (another server version's); ValueError if malformed."""
+    try:
+        frame = _RAW_KV_FRAME.decode(data)
+    except msgspec.MsgspecError as error:
+        raise ValueError(f"not a KV events frame: {error}") from error
+    return DecodedKVEventsFrame(frame.seq, decode_kv_event_payload(bytes(frame.batch), JSON))
 
 
 class RequestRow(msgspec.Struct, array_like=True, gc=False):
@@ -83,7 +112,6 @@ DECODERS: dict[str, msgspec.json.Decoder] = {
     "hello": msgspec.json.Decoder(StreamHello),
     "stats": msgspec.json.Decoder(SchedulerStats),
     "snapshot": msgspec.json.Decoder(SchedulerStats),
-    "kv": msgspec.json.Decoder(KVEventsFrame),
     "requests": msgspec.json.Decoder(RequestsFrame),
     "lag": msgspec.json.Decoder(LagFrame),
 }
@@ -96,6 +124,8 @@ def sse_frame(event: str, payload: object) -> bytes:
 
 def decode_event(event: str, data: bytes | str) -> object:
     """The typed payload of one stream event; a dict for `error`; ValueError for an unknown event."""
+    if event == "kv":
+        return decode_kv_frame(data)
     decoder = DECODERS.get(event)
     if decoder is not None:
         return decoder.decode(data)

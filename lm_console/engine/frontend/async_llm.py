@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from lm_console.engine.frontend.input_processor import InputProcessor, PromptTyp
 from lm_console.engine.frontend.client_factory import make_async_client
 from lm_console.engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from lm_console.engine.frontend.output_processor import OutputProcessor
+from lm_console.engine.frontend.tracing import make_tracer
 from lm_console.engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
 from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.metrics.kv_events import KVEventBatch
@@ -43,6 +44,8 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, *, stat_loggers: list[StatLoggerBase] | None = None,
                  **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        # Refused before the engine core starts (a bad URL, OpenTelemetry not installed).
+        observability = self.engine_args.create_observability_config()
         # The tokenizer code imports while the engine core process starts.
         # AsyncMPClient, or AsyncDPClient for data_parallel_size > 1 (lm_console/engine/frontend/dp_client.py).
         self.engine_core = make_async_client(self.engine_args, while_starting=preload_tokenizer_modules)
@@ -54,7 +57,7 @@ class AsyncLLM:
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
             max_logprobs=self.engine_args.max_logprobs,
             scheduling_policy=self.config.scheduler_config.policy, lora=lora_admission(self.config))
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer=make_tracer(observability))
         if stat_loggers is None:
             stat_loggers = [LoggingStatLogger()] if self.engine_args.log_stats else []
         self.stat_loggers = list(stat_loggers)
@@ -110,8 +113,14 @@ class AsyncLLM:
     # -- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           cache_salt: str | None = None, priority: int = 0,
+                          trace_headers: Mapping[str, str] | None = None,
                           lora_request: LoRARequest | None = None) -> RequestOutputCollector:
-        """Validate and send one request (n children when n > 1); returns its collector."""
+        """Validate and send one request (n children when n > 1); returns its collector.
+
+        trace_headers: the caller's W3C trace context (traceparent), the parent of the request's
+        span when tracing is on (otlp_traces_endpoint). lora_request: the LoRA adapter it runs
+        with (None: the base model; needs enable_lora).
+        """
         self._check_alive()
         self._ensure_output_handler()
         if _needs_processing(prompt):
@@ -127,7 +136,7 @@ class AsyncLLM:
             children = self.input_processor.process_request(request_id, prompt, params, cache_salt, priority,
                                                             lora_request)
         collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
-        self.output_processor.add_requests(children, queue=collector)  # all or none
+        self.output_processor.add_requests(children, queue=collector, trace_headers=trace_headers)  # all or none
         try:
             requests = [request for _, request, _, _ in children]
             self.input_processor.finalize_for_send(requests)
@@ -139,17 +148,20 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
+                       trace_headers: Mapping[str, str] | None = None,
                        lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's RequestOutputs (kind per sampling_params.output_kind).
 
         Stopping the iteration early (break, aclose, cancellation) aborts the request and
         frees its KV blocks. cache_salt: only requests with the same salt share prefix blocks.
         priority: with scheduling_policy="priority", a lower value is scheduled first.
+        trace_headers: the caller's traceparent (the parent of the request's OTLP span).
         lora_request: the LoRA adapter it runs with (None: the base model; needs enable_lora).
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = sampling_params if sampling_params is not None else SamplingParams()
-        collector = await self.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
+        collector = await self.add_request(request_id, prompt, params, cache_salt, priority, trace_headers,
+                                           lora_request)
         finished = False
         try:
             while not finished:
@@ -241,6 +253,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the engine core and end every stream (idempotent, any thread)."""
         self.engine_core.shutdown()
+        if self.output_processor.tracer is not None:
+            self.output_processor.tracer.shutdown()
         if self._input_executor is not None:
             self._input_executor.shutdown(wait=False, cancel_futures=True)
 

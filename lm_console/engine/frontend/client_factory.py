@@ -9,6 +9,7 @@ from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.frontend.core_client import EngineCoreClient, InprocClient
 from lm_console.engine.frontend.dp_client import AsyncDPClient, SyncDPClient
 from lm_console.engine.frontend.mp_client import AsyncMPClient, SyncMPClient
+from lm_console.engine.platform import apply_openmp_wait_environment
 from lm_console.engine.startup_trace import mark
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ def make_client(engine_args: EngineArgs, while_starting: Callable[[], None] | No
     if engine_args.multiprocess:
         mp_client = SyncMPClient(engine_args, while_starting=while_starting)
         return mp_client, engine_args.create_frontend_config(mp_client.ready_info)
+    apply_openmp_wait_environment()  # the in-process core: before torch's first import, where it is not in yet
     config = engine_args.create_engine_config()
     mark("config")
     if on_config is not None:

@@ -84,7 +84,9 @@ class IncrementalDetokenizer:
 
         stop_terminated: the last token is an EOS / stop token id; its text is left out unless
         include_stop_str_in_output. On a stop string, output_text is cut at it (keeping it when
-        include_stop_str_in_output); tokens after it stay in token_ids.
+        include_stop_str_in_output); the rest of the token that completed it stays in token_ids,
+        later tokens of new_token_ids (several arrive at once with speculative decoding) are
+        dropped, as if they had arrived one at a time and the first stop had ended the request.
         """
         if not new_token_ids:
             return None
@@ -94,17 +96,25 @@ class IncrementalDetokenizer:
         # Only text after stop_check_offset may complete a stop string: what the first
         # min_tokens - 1 tokens produced cannot end the request.
         stop_check_offset = len(self._text)
+        check = bool(self._stop)
         for token_id in to_decode:
             self.token_ids.append(token_id)
             if self._decoder is not None:
                 self._text += self._decoder.decode_next(token_id)
             if len(self.token_ids) < self._min_tokens:
                 stop_check_offset = len(self._text)
+            elif check:
+                stop = self._cut_at_stop_string(len(self._text) - stop_check_offset)
+                if stop is not None:
+                    return stop
+                stop_check_offset = len(self._text)
         if len(to_decode) < len(new_token_ids):
             self.token_ids.append(new_token_ids[-1])
-        if not self._stop or len(self.token_ids) < self._min_tokens:
-            return None
-        match = self._find_stop_string(len(self._text) - stop_check_offset)
+        return None
+
+    def _cut_at_stop_string(self, num_new_chars: int) -> str | None:
+        """Cut output_text at a stop string ending in the last num_new_chars characters; return it."""
+        match = self._find_stop_string(num_new_chars)
         if match is None:
             return None
         stop, index = match

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -34,7 +33,14 @@ from lm_console.engine.frontend.engine_process import EngineProcess
 from lm_console.engine.frontend.mp_client import (
     AsyncMPClient, MPClient, OutputSink, SinkStateMixin, SyncMPClient, _AsyncSink, _SyncSink,
 )
-from lm_console.engine.metrics.stats import PER_STEP_FIELDS, BlockPoolState, PrefixCacheStatsSnapshot, SchedulerStats
+from lm_console.engine.metrics.stats import (
+    PER_STEP_FIELDS,
+    BlockPoolState,
+    PrefixCacheStatsSnapshot,
+    SchedulerStats,
+    SpecDecodingStats,
+)
+from lm_console.engine.platform import usable_cpus
 from lm_console.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -46,7 +52,7 @@ def core_engine_args(engine_args: EngineArgs, rank: int) -> EngineArgs:
         changes["enable_kv_cache_events"] = True
     if engine_args.num_threads is None and engine_args.device != "cuda":
         # N cores each using every CPU thread would fight over them; on CUDA torch threads matter little.
-        changes["num_threads"] = max((os.cpu_count() or 1) // engine_args.data_parallel_size, 1)
+        changes["num_threads"] = max(usable_cpus() // engine_args.data_parallel_size, 1)
     return dataclasses.replace(engine_args, **changes)
 
 
@@ -280,7 +286,22 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         timestamp=max((s.timestamp for s in stats), default=0.0),
         block_states=b"".join(states) if all(x is not None for x in states) else None,  # type: ignore[arg-type]
         block_ref_counts=b"".join(ref_counts) if all(x is not None for x in ref_counts) else None,  # type: ignore[arg-type]
+        spec_decoding=_merge_spec_decoding([s.spec_decoding for s in stats if s.spec_decoding is not None]),
     )
+
+
+def _merge_spec_decoding(parts: list[SpecDecodingStats]) -> SpecDecodingStats | None:
+    """The cores' cumulative speculative-decoding counters, summed (None: no core speculates)."""
+    if not parts:
+        return None
+    merged = SpecDecodingStats.new(max(p.num_spec_tokens for p in parts))
+    for part in parts:
+        merged.num_drafts += part.num_drafts
+        merged.num_draft_tokens += part.num_draft_tokens
+        merged.num_accepted_tokens += part.num_accepted_tokens
+        for position, count in enumerate(part.num_accepted_tokens_per_pos):
+            merged.num_accepted_tokens_per_pos[position] += count
+    return merged
 
 
 def merge_block_pool_states(states: list[BlockPoolState]) -> BlockPoolState:

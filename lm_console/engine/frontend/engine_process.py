@@ -28,6 +28,7 @@ from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, EngineStartupError
 from lm_console.engine.ipc import EngineAddresses, MsgpackDecoder, MsgpackEncoder, make_engine_addresses, make_socket
 from lm_console.engine.malloc_tuning import huge_page_heap
+from lm_console.engine.platform import apply_openmp_wait_environment
 from lm_console.engine.process_flags import children_allowed
 from lm_console.engine.protocol import (
     EngineCoreReadyInfo, EngineCoreRequestType, EngineCoreStartupFailure,
@@ -49,6 +50,9 @@ def mp_context() -> Any:
     default = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     method = envs.LMC_ENGINE_START_METHOD.get() or default
     context = multiprocessing.get_context(method)
+    # Before the forkserver starts: it imports torch (its OpenMP reads its variables then) and
+    # every core it forks inherits them.
+    apply_openmp_wait_environment()
     if method == "forkserver":
         context.set_forkserver_preload(_FORKSERVER_PRELOAD)
     return context

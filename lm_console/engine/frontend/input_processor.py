@@ -249,6 +249,18 @@ class InputProcessor:
             raise InvalidSamplingParamsError(
                 f"SamplingParams.prompt_logprobs={params.prompt_logprobs} is invalid: at most max_logprobs="
                 f"{self.max_logprobs} (an engine argument) logprobs per prompt token may be requested.")
+        if params.logit_bias is not None:
+            invalid = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            if invalid:
+                raise InvalidSamplingParamsError(
+                    f"SamplingParams.logit_bias={_first(invalid)} is invalid: token id(s) {_first(invalid)} in "
+                    f"logit_bias are out of vocabulary (vocab_size {self.vocab_size}).")
+        if params.allowed_token_ids is not None:
+            invalid = sorted({t for t in params.allowed_token_ids if t >= self.vocab_size})
+            if invalid:
+                raise InvalidSamplingParamsError(
+                    f"SamplingParams.allowed_token_ids={_first(invalid)} is invalid: token id(s) {_first(invalid)} "
+                    f"in allowed_token_ids are out of vocabulary (vocab_size {self.vocab_size}).")
         if any(t >= self.vocab_size for t in params.stop_token_ids or ()):
             raise InvalidSamplingParamsError(
                 f"SamplingParams.stop_token_ids={params.stop_token_ids} is invalid: token ids must be "
@@ -287,6 +299,12 @@ class InputProcessor:
                                             sampling_params=child_params)
             children.append((text, child, parent, index))
         return children
+
+
+def _first(ids: list[int], limit: int = 10) -> str:
+    """The first ids of a list for an error message (a client may send thousands)."""
+    shown = ", ".join(str(t) for t in ids[:limit])
+    return f"[{shown}{', ...' if len(ids) > limit else ''}]"
 
 
 def _wrap_int64(value: int) -> int:

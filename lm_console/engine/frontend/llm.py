@@ -13,10 +13,12 @@ from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.errors import (
     EngineDeadError, InvalidLoRARequestError, InvalidPromptError, InvalidSamplingParamsError, fresh_error,
 )
+from lm_console.engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams
 from lm_console.engine.frontend.core_client import EngineCoreClient
 from lm_console.engine.frontend.client_factory import make_client
 from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, lora_admission, make_mm_processor
 from lm_console.engine.frontend.output_processor import OutputProcessor
+from lm_console.engine.frontend.tracing import make_tracer
 from lm_console.engine.frontend.tokenizer import (
     is_plain_fast_tokenizer,
     load_tokenizer,
@@ -24,8 +26,8 @@ from lm_console.engine.frontend.tokenizer import (
     stop_token_ids_of,
 )
 from lm_console.engine.lora.request import LoRARequest
-from lm_console.engine.outputs import RequestOutput
-from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
+from lm_console.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from lm_console.engine.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from lm_console.engine.startup_trace import mark
 
 if TYPE_CHECKING:
@@ -44,6 +46,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
+        # Refused before the engine core starts (a bad URL, OpenTelemetry not installed).
+        observability = self.engine_args.create_observability_config()
         mark("engine_args")
         # The tokenizer code imports while the engine core process starts; with the core in
         # this process, a plain tokenizer.json loads on a thread while the weights load (their
@@ -79,7 +83,7 @@ class LLM:
             scheduling_policy=self.config.scheduler_config.policy,
             lora=lora_admission(self.config),
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer=make_tracer(observability))
         self._request_counter = itertools.count()
         self._marked_first_token = False
 
@@ -200,6 +204,63 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's LLM.beam_search): params.beam_width sequences per prompt, best first.
+
+        Each step generates one token for every live beam of every prompt in one batch, with the
+        2 x beam_width most likely next tokens' logprobs (so beam_width <= max_logprobs / 2).
+        Stop tokens are the model's EOS and end-of-turn tokens. Prompts: a str, {"prompt": str}
+        or {"prompt_token_ids": [...]}, or a list of them.
+        """
+        from lm_console.engine.frontend.beam_search import candidates_of, start_searches
+
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidSamplingParamsError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        searches = start_searches(self.input_processor, list(prompts), params)
+        step = params.step_params()
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=params.max_tokens, desc="Beam search steps", dynamic_ncols=True)
+        try:
+            while True:
+                pending = [search.pending() for search in searches]
+                batch = [{"prompt_token_ids": tokens} for beams in pending for tokens in beams]
+                if not batch:
+                    break
+                outputs = iter(self.generate(batch, step, use_tqdm=False))
+                for search, beams in zip(searches, pending):
+                    if beams:
+                        search.advance([candidates_of(next(outputs)) for _ in beams])
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        skip, tokenizer = params.skip_special_tokens, self.tokenizer
+        assert tokenizer is not None  # loaded in __init__
+        return [search.result(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)) for search in searches]
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (in input order): the model's last hidden states
+        (before the LM head) pooled as pooling_params says (default: LAST, L2-normalised).
+
+        Each prompt runs as a request of one step past its prefill (the sampled token is
+        discarded); MEAN pooling skips the prefix cache, since it needs every token's state.
+        """
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling_params or PoolingParams(),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        return [EmbeddingRequestOutput.from_request_output(output)
+                for output in self.generate(prompts, params, use_tqdm=use_tqdm)]
+
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
@@ -224,6 +285,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine core (idempotent)."""
         self.engine_core.shutdown()
+        if self.output_processor.tracer is not None:
+            self.output_processor.tracer.shutdown()
 
     # -- internals ------------------------------------------------------------------------
     def _process(self, prompt: PromptType, params: SamplingParams, priority: int = 0,  # type: ignore[no-untyped-def]

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lm_console.engine.errors import DuplicateRequestError, error_type_named, fresh_error
 from lm_console.engine.frontend.detokenizer import IncrementalDetokenizer
 from lm_console.engine.frontend.logprobs import LogprobsProcessor
+from lm_console.engine.metrics.phases import request_phases
 from lm_console.engine.metrics.stats import FinishedRequestStats, IterationStats
 from lm_console.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lm_console.engine.protocol import (
-    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestError,
+    EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, LogprobsLists,
+    RequestError,
 )
 from lm_console.engine.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from lm_console.engine.frontend.tracing import RequestTracer
+
+logger = logging.getLogger(__name__)
 
 
 class OutputQueue(Protocol):
@@ -54,7 +63,13 @@ class RequestState:
     num_sent_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    pooled: list[float] | None = None  # a pooling request's embedding (SamplingParams.pooling)
     priority: int = 0  # as sent (scheduling_policy="priority"), for the console's request table
+    max_tokens_param: int | None = None  # after the InputProcessor's default (up to the context)
+    # For the request's OTLP span: its sampling knobs and the caller's trace context (traceparent).
+    temperature: float | None = None
+    top_p: float | None = None
+    trace_headers: Mapping[str, str] | None = None
     lora_name: str | None = None  # its LoRA adapter, for the console's request table
 
 
@@ -66,20 +81,24 @@ class OutputProcessor:
     its parent's id, and a parent is dropped when its last child finishes or is aborted.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tracer: RequestTracer | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tracer = tracer  # one span per finished request when tracing is on
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
                     parent: ParentRequest | None = None, child_index: int = 0,
-                    queue: OutputQueue | None = None) -> None:
+                    queue: OutputQueue | None = None, trace_headers: Mapping[str, str] | None = None) -> None:
         """Track one request (DuplicateRequestError if its id, or its parent's, is live)."""
-        self.add_requests([(prompt, request, parent, child_index)], queue)
+        self.add_requests([(prompt, request, parent, child_index)], queue, trace_headers)
 
     def add_requests(self, children: list[tuple[str | None, EngineCoreRequest, ParentRequest | None, int]],
-                     queue: OutputQueue | None = None) -> None:
-        """Track a user request's children, all or none: every id is checked before any is added."""
+                     queue: OutputQueue | None = None, trace_headers: Mapping[str, str] | None = None) -> None:
+        """Track a user request's children, all or none: every id is checked before any is added.
+
+        trace_headers: the caller's W3C trace context (traceparent), the parent of its spans.
+        """
         new_ids = [request.request_id for _, request, _, _ in children]
         new_parents = {id(parent): parent for _, _, parent, _ in children if parent is not None}
         for request_id in new_ids:
@@ -92,10 +111,10 @@ class OutputProcessor:
             if (live is not None and live is not parent) or parent.request_id in self.request_states:
                 raise DuplicateRequestError(f"Request id {parent.request_id!r} is already running; use a new id.")
         for prompt, request, parent, child_index in children:
-            self._add(request, prompt, parent, child_index, queue)
+            self._add(request, prompt, parent, child_index, queue, trace_headers)
 
     def _add(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None,
-             child_index: int, queue: OutputQueue | None) -> None:
+             child_index: int, queue: OutputQueue | None, trace_headers: Mapping[str, str] | None = None) -> None:
         request_id = request.request_id
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
@@ -114,6 +133,10 @@ class OutputProcessor:
             child_index=child_index,
             queue=queue,
             priority=request.priority,
+            max_tokens_param=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            trace_headers=trace_headers,
             lora_name=request.lora_request.lora_name if request.lora_request is not None else None,
         )
 
@@ -189,6 +212,8 @@ class OutputProcessor:
                     iteration_stats.e2e_latencies.append(now - state.metrics.arrival_time)
                     iteration_stats.finished_requests.append(
                         _finished_stats(state, finish_reason, now))
+                if self.tracer is not None:
+                    self._trace(state, self.tracer)
             request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 if state.queue is not None:
@@ -201,6 +226,22 @@ class OutputProcessor:
         if unqueued_error is not None:
             raise unqueued_error
         return request_outputs, reqs_to_abort
+
+    @staticmethod
+    def _trace(state: RequestState, tracer: RequestTracer) -> None:
+        """Queue the finished request's span; a tracing failure never fails the request."""
+        from lm_console.engine.frontend.tracing import span_attributes
+
+        metrics = state.metrics
+        parent = state.parent
+        params = {"max_tokens": state.max_tokens_param, "temperature": state.temperature, "top_p": state.top_p,
+                  "n": parent.n if parent is not None else 1}
+        try:
+            attributes = span_attributes(parent.request_id if parent is not None else state.request_id, metrics,
+                                         len(state.prompt_token_ids), len(state.token_ids), params)
+            tracer.record(attributes, metrics.arrival_time, metrics.finished_time or time.time(), state.trace_headers)
+        except Exception:
+            logger.warning("could not record the span of request %s", state.request_id, exc_info=True)
 
     def _fail(self, state: RequestState, wire_error: RequestError, reqs_to_abort: list[str]) -> BaseException | None:
         """End a refused request (with its siblings when n > 1); the error if it has no queue."""
@@ -250,16 +291,26 @@ class OutputProcessor:
     @staticmethod
     def _update_state(state: RequestState, output: EngineCoreOutput
                       ) -> tuple[str | None, int | str | None]:
-        state.token_ids.extend(output.new_token_ids)
         if output.kv_transfer_params is not None:
             state.kv_transfer_params = output.kv_transfer_params
+        if output.pooled is not None:
+            state.pooled = output.pooled
         finish_reason = str(output.finish_reason) if output.finish_reason is not None else None
         stop_reason = output.stop_reason
         # The core stops only on EOS or a stop token id, whose text is not part of the output.
         stop_terminated = output.finish_reason == FinishReason.STOP
+        num_before = state.detokenizer.num_output_tokens
         stop_string = state.detokenizer.update(output.new_token_ids, stop_terminated)
-        if output.new_logprobs is not None:
-            state.logprobs_processor.update_from_output(output.new_logprobs)
+        # A stop string inside a multi-token output (speculative decoding) drops the tokens after it.
+        num_kept = state.detokenizer.num_output_tokens - num_before
+        state.token_ids.extend(output.new_token_ids[:num_kept])
+        new_logprobs = output.new_logprobs
+        if new_logprobs is not None:
+            if len(new_logprobs.sampled_token_ranks) > num_kept:
+                new_logprobs = LogprobsLists(new_logprobs.logprob_token_ids[:num_kept],
+                                             new_logprobs.logprobs[:num_kept],
+                                             new_logprobs.sampled_token_ranks[:num_kept])
+            state.logprobs_processor.update_from_output(new_logprobs)
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string
         return finish_reason, stop_reason
@@ -296,6 +347,7 @@ class OutputProcessor:
                 prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
                 num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
                 kv_transfer_params=state.kv_transfer_params, prompt_logprobs=prompt_logprobs,
+                pooled=state.pooled,
             )
         parent.completions[state.child_index] = completion
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not parent.is_finished():
@@ -313,14 +365,13 @@ class OutputProcessor:
 def _finished_stats(state: RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
     """The phase durations of a request that just finished (0 for a phase it never reached)."""
     metrics = state.metrics
-    scheduled = metrics.first_scheduled_time
-    first_token, last_token = metrics.first_token_time, metrics.last_token_time
-
-    def span(start: float | None, end: float | None) -> float:
-        return max(end - start, 0.0) if start is not None and end is not None else 0.0
-
+    # The same split the request's OTLP span and the console's inspector show (metrics/phases.py).
+    phases = request_phases(metrics.arrival_time, metrics.queued_time, metrics.first_scheduled_time,
+                            metrics.first_token_time, metrics.last_token_time, now)
     return FinishedRequestStats(
         finish_reason=finish_reason, e2e_latency=now - metrics.arrival_time,
         num_prompt_tokens=len(state.prompt_token_ids), num_generation_tokens=len(state.token_ids),
-        queued_time=span(metrics.queued_time, scheduled), prefill_time=span(scheduled, first_token),
-        decode_time=span(first_token, last_token), inference_time=span(scheduled, last_token))
+        queued_time=phases.time_in_queue, prefill_time=phases.prefill,
+        decode_time=phases.decode, inference_time=phases.inference,
+        n_param=(state.parent.n if state.parent is not None else 1) if state.child_index == 0 else None,
+        max_tokens_param=state.max_tokens_param if state.child_index == 0 else None)

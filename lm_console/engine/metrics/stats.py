@@ -79,6 +79,46 @@ class LoRAStats(msgspec.Struct, array_like=True, gc=False):
     waiting_lora_adapters: list[str] = []
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, gc=False):
+    """Speculative decoding since the engine started (vLLM's spec_decode counters): cumulative,
+    so a reader that misses snapshots loses nothing."""
+
+    num_spec_tokens: int = 0  # num_speculative_tokens: the positions below
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)  # [num_spec_tokens]
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
+        """Zero counters for num_spec_tokens positions."""
+        return cls(num_spec_tokens=num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One request-step: num_draft_tokens verified, the first num_accepted_tokens accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for position in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        """A snapshot that later observations do not change."""
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verifying request-step, the target's own included (vLLM's mean
+        acceptance length; None before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """Scheduler and KV cache state after one step (the console's main feed).
 
@@ -108,6 +148,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     engine_index: int = 0  # the engine core's data_parallel_rank (several cores: data parallelism)
     kv_block_residency: KVBlockResidencyStats | None = None  # kv_cache_metrics: this step's observations
     lora: LoRAStats | None = None  # enable_lora only
+    spec_decoding: SpecDecodingStats | None = None  # speculative decoding (cumulative), else None
 
 
 # The SchedulerStats fields that describe one step (not the engine's state after it): a merged
@@ -181,6 +222,10 @@ class FinishedRequestStats:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     inference_time: float = 0.0
+    # The request's n and max_tokens as the engine ran it (vLLM's request_params_* histograms); None on
+    # the 2nd..nth child of an n > 1 request, so that each user request is observed once.
+    n_param: int | None = None
+    max_tokens_param: int | None = None
 
 
 @dataclass(slots=True)

@@ -38,6 +38,12 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None  # [B] float32; None when all rows are 1
     # row -> (min_tokens, stop token ids masked while the row has fewer output tokens)
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    # Every row's logit_bias entries flattened: (rows [E] int64, token ids [E] int64, biases [E]
+    # float32), one index_put_ for the whole batch; None when no row has a bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Rows with allowed_token_ids and their masks: (rows [R] int64, [R, V] bool, True = not allowed);
+    # None when no row restricts its tokens.
+    disallowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -90,6 +96,8 @@ class SamplingMetadata:
         }
         assert len(output_token_ids) == num_rows
         return cls(
+            logit_bias=_logit_bias(params_list, vocab_size, device),
+            disallowed=_disallowed(params_list, vocab_size, device),
             temperature=temperature,
             all_greedy=all_greedy,
             all_random=all_random,
@@ -107,6 +115,35 @@ class SamplingMetadata:
             repetition_penalties=repetition,
             min_tokens=min_tokens,
         )
+
+
+def _logit_bias(params_list: list[SamplingParams], vocab_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    biases: list[float] = []
+    for row, params in enumerate(params_list):
+        for token_id, bias in (params.logit_bias or {}).items():
+            if token_id < vocab_size:  # the InputProcessor refused larger ids; padding columns stay put
+                rows.append(row)
+                ids.append(token_id)
+                biases.append(float(bias))
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
+
+
+def _disallowed(params_list: list[SamplingParams], vocab_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [row for row, params in enumerate(params_list) if params.allowed_token_ids]
+    if not rows:
+        return None
+    mask = torch.ones((len(rows), vocab_size), dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        allowed = [t for t in params_list[row].allowed_token_ids or () if t < vocab_size]
+        mask[i, torch.tensor(allowed, dtype=torch.int64, device=device)] = False
+    return torch.tensor(rows, dtype=torch.int64, device=device), mask
 
 
 def _pad_token_ids(token_ids: list[list[int]], pad_id: int,

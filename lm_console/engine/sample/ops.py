@@ -18,6 +18,27 @@ _NEG_INF = float("-inf")
 _TOP_P_NUM_CANDIDATES = 1024
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, disallowed: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """-inf for every token a row with allowed_token_ids did not list."""
+    rows, mask = disallowed
+    if mask.shape[1] != logits.shape[1]:
+        # Columns past the vocabulary (a padded output layer) are not tokens: never allowed either.
+        full = torch.ones((rows.shape[0], logits.shape[1]), dtype=torch.bool, device=logits.device)
+        width = min(mask.shape[1], logits.shape[1])
+        full[:, :width] = mask[:, :width]
+        mask = full
+    if rows.shape[0] == logits.shape[0]:  # every row restricts (rows are 0..B-1 in order): in place
+        logits.masked_fill_(mask, _NEG_INF)
+    else:
+        logits[rows] = logits[rows].masked_fill_(mask, _NEG_INF)
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Add each row's biases to its tokens' logits (one scatter for the whole batch)."""
+    rows, token_ids, biases = logit_bias
+    logits.index_put_((rows, token_ids), biases, accumulate=True)
+
+
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """Stop tokens -> -inf for rows that have generated fewer than min_tokens tokens."""
     rows: list[int] = []

@@ -23,7 +23,7 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Stages, each skipped when no row needs it:
 
-    raw logprobs -> min_tokens masking -> penalties -> greedy argmax -> temperature -> min_p
+    raw logprobs -> allowed_token_ids -> min_tokens masking -> logit_bias -> penalties -> greedy argmax -> temperature -> min_p
     -> top_k / top_p -> random sampling (exponential race; seeded rows use their generator).
 
     forward() modifies `logits` in place; logprobs come from the logits as given (raw_logprobs).
@@ -34,8 +34,12 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [B, V]
+        if metadata.disallowed is not None:
+            ops.apply_allowed_token_ids(logits, metadata.disallowed)
         if metadata.min_tokens:
             ops.apply_min_tokens(logits, metadata)
+        if metadata.logit_bias is not None:
+            ops.apply_logit_bias(logits, metadata.logit_bias)
         if not metadata.no_penalties:
             ops.apply_penalties(logits, metadata)
         sampled = self.sample(logits, metadata)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
+from lm_console.engine.platform import usable_cpus
 from lm_console.engine.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class StructuredOutputManager:
         backend = config.structured_outputs_config.backend
         if backend != "xgrammar":
             raise ValueError(f"structured outputs backend {backend!r} is not supported; use 'xgrammar'.")
-        self._num_threads = max(1, min(2, (os.cpu_count() or 2) // 2))
+        self._num_threads = max(1, min(2, usable_cpus() // 2))
         self._timeout_s = config.structured_outputs_config.compile_timeout_s
         self._cache_bytes = config.structured_outputs_config.cache_bytes
         self._num_slots = max(2, self._num_threads)

@@ -17,6 +17,7 @@ from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase
 from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
 from lm_console.engine.distributed.parallel_state import get_tp_group
+from lm_console.engine.errors import InvalidEngineArgsError
 from lm_console.engine.forward_context import set_forward_context
 from lm_console.engine.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from lm_console.engine.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -26,6 +27,7 @@ from lm_console.engine.platform import torch_device, torch_dtype
 from lm_console.engine.protocol import LogprobsLists
 from lm_console.engine.sample.grammar_bitmask import apply_grammar_bitmask
 from lm_console.engine.sample.metadata import SamplingMetadata
+from lm_console.engine.sample.rejection_sampler import RejectionSampler
 from lm_console.engine.sample.sampler import Sampler
 from lm_console.engine.scheduler_output import SchedulerOutput
 from lm_console.engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
@@ -34,8 +36,15 @@ from lm_console.engine.worker.encoder_runner import EncoderRunner, maybe_create_
 from lm_console.engine.worker.input_batch import CachedRequestState, InputBatch
 from lm_console.engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
 from lm_console.engine.worker.kv_connector_lifecycle import KVConnectorLifecycle, NoKVConnectorLifecycle
+from lm_console.engine.worker.pooling import Pooler
 from lm_console.engine.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
-from lm_console.engine.worker.step_inputs import StepInputs, build_attention_metadata, prepare_inputs
+from lm_console.engine.worker.step_inputs import (
+    StepInputs,
+    build_attention_metadata,
+    prepare_inputs,
+    verification_attention_metadata,
+    verification_logits_indices,
+)
 
 if TYPE_CHECKING:
     from lm_console.engine.worker.lora_manager import LoRAManager
@@ -52,6 +61,10 @@ class ExecuteModelState:
     structured_output_request_ids: list[str] | None = None
     grammar_bitmask: Any = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # this step's rows (prompt_logprobs.py)
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)  # embeddings finished this step (pooling.py)
+    # Speculative decoding: each request's drafts ([] for none) when some request verifies
+    # drafts this step; logits then hold len(drafts) + 1 rows per request, in request order.
+    draft_token_ids: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -104,6 +117,8 @@ class ModelRunner:
         self.attn_backend = load_attention_backend(self.attention_backend, self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.speculative = config.speculative_config is not None
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_config: KVCacheConfig | None = None
@@ -124,6 +139,8 @@ class ModelRunner:
         self.prev_sampled: dict[str, tuple[int, int]] = {}  # req_id -> (row there, token position)
         self._num_prompt_logprobs_reqs = 0  # requests asking for prompt logprobs (skip the scan when 0)
         self.lora_manager: LoRAManager | None = None  # enable_lora: the adapters' slots (lora_manager.py)
+        self.pooler = Pooler()
+        self._pooling_reqs: set[str] = set()  # requests asking for an embedding (skip the scan when empty)
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -142,6 +159,10 @@ class ModelRunner:
 
             self.lora_manager = LoRAManager(self.model, lora_config, model_config, self.dtype, self.device)
         self.encoder_runner = maybe_create_encoder_runner(self.model, self.config)
+        if self.speculative and self.encoder_runner is not None:
+            raise InvalidEngineArgsError(
+                "speculative_config is not supported with multimodal models yet (their image spans attend "
+                "both ways, which per-draft verification rows do not express); drop speculative_config.")
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -173,6 +194,10 @@ class ModelRunner:
         assert self.model is not None
         self.kv_cache_config = get_kv_cache_config(self.get_kv_cache_spec(), num_blocks)
         num_groups = len(self.kv_cache_config.kv_cache_groups)
+        if num_groups > 1 and self.speculative:
+            raise InvalidEngineArgsError(
+                "speculative_config is not supported with hybrid (sliding-window + full attention) models yet: "
+                "verification rows use one block table; drop speculative_config.")
         if num_groups > 1:  # one block table (and slot mapping) per KV cache group
             self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs, self.max_model_len,
                                           self.block_size, self.device, num_groups)
@@ -213,21 +238,31 @@ class ModelRunner:
             return
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits_indices = inputs.logits_indices
+        if inputs.draft_token_ids is not None:
+            logits_indices = verification_logits_indices(inputs, self.device)
+        logits = self.model.compute_logits(hidden_states[logits_indices])
         prompt_logprobs = {}
         if self._num_prompt_logprobs_reqs:
             prompt_logprobs = compute_prompt_logprobs(hidden_states, inputs, self.input_batch.states[:inputs.num_reqs],
                                                       self.model.compute_logits)
+        pooler_output = {}
+        if self._pooling_reqs:
+            pooler_output = self.pooler.pool(hidden_states, inputs, self.input_batch.states[:inputs.num_reqs])
         self._kv_connector_output = self.kv_transfer.finish(scheduler_output)
         self._state = ExecuteModelState(req_ids=inputs.req_ids, logits=logits, sample_rows=inputs.sample_rows,
                                         structured_output_request_ids=scheduler_output.structured_output_request_ids,
                                         grammar_bitmask=scheduler_output.grammar_bitmask,
-                                        prompt_logprobs=prompt_logprobs)
+                                        prompt_logprobs=prompt_logprobs, pooler_output=pooler_output,
+                                        draft_token_ids=inputs.draft_token_ids)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The step's inputs staged in the persistent buffers, plus multimodal embeddings."""
         batch = self.input_batch
         inputs = prepare_inputs(batch, self.buffers, scheduler_output.num_scheduled_tokens)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if spec:
+            inputs.draft_token_ids = [spec.get(req_id, []) for req_id in inputs.req_ids]
         if self.prev_sampled:
             self._copy_prev_sampled_token_ids(inputs)
         if self.encoder_runner is not None:
@@ -292,6 +327,10 @@ class ModelRunner:
             self, inputs: StepInputs) -> tuple[AttentionMetadata, list[AttentionMetadata] | None]:
         """Attention metadata of an eager step (and per KV cache group, for hybrid models)."""
         batch = self.input_batch
+        if inputs.draft_token_ids is not None:
+            # Each verified token becomes a decode row of its own (see verification_attention_metadata).
+            return verification_attention_metadata(inputs, batch.block_table[0], self.block_size,
+                                                   self.attn_backend.metadata_cls, self.device), None
         attn_metadata = build_attention_metadata(inputs, self.buffers, batch.block_table[0], self.block_size,
                                                  self.attn_backend.metadata_cls)
         if inputs.inputs_embeds is not None:  # image tokens this step: Gemma3 attends both ways within one
@@ -318,6 +357,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                      kv_connector_output=kv_connector_output)
         batch = self.input_batch
+        if state.draft_token_ids is not None:
+            return self._verify_drafts(state, kv_connector_output)
         if state.grammar_bitmask is not None:
             apply_grammar_bitmask(state.logits, state.grammar_bitmask, state.structured_output_request_ids or [],
                                   {r: i for i, r in enumerate(state.req_ids)})
@@ -348,7 +389,72 @@ class ModelRunner:
             logprobs=logprobs,
             kv_connector_output=kv_connector_output,
             prompt_logprobs=state.prompt_logprobs,
+            pooler_output=state.pooler_output,
         )
+
+    def _verify_drafts(self, state: ExecuteModelState,
+                       kv_connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:
+        """sample_tokens for a step that verifies drafts: the rejection sampler over each
+        request's len(drafts) + 1 rows; the accepted tokens join the worker's state."""
+        batch = self.input_batch
+        drafts = state.draft_token_ids
+        assert drafts is not None
+        first_rows: dict[str, int] = {}
+        row = 0
+        for req_id, request_drafts in zip(state.req_ids, drafts):
+            first_rows[req_id] = row
+            row += len(request_drafts) + 1
+        if state.grammar_bitmask is not None:  # structured requests get no drafts: one row each
+            apply_grammar_bitmask(state.logits, state.grammar_bitmask, state.structured_output_request_ids or [],
+                                  first_rows)
+        output = self.rejection_sampler(state.logits, self._verification_metadata(state.req_ids, drafts), drafts)
+        sampled_token_ids: list[list[int]] = []
+        logprobs: dict[str, LogprobsLists] = {}
+        lists = output.logprobs_tensors.tolists() if output.logprobs_tensors is not None else None
+        emitted = 0
+        for row_index, (req_id, tokens) in enumerate(zip(state.req_ids, output.token_ids)):
+            if not state.sample_rows[row_index]:
+                sampled_token_ids.append([])
+                emitted += len(tokens)
+                continue
+            req_state = batch.states[row_index]
+            assert req_state is not None and req_state.req_id == req_id
+            for token_id in tokens:
+                req_state.output_token_ids.append(token_id)
+                batch.append_token(row_index, token_id)
+            sampled_token_ids.append(tokens)
+            num_logprobs = req_state.sampling_params.logprobs
+            if lists is not None and num_logprobs is not None:
+                rows = slice(emitted, emitted + len(tokens))
+                width = num_logprobs + 1
+                logprobs[req_id] = LogprobsLists([ids[:width] for ids in lists.logprob_token_ids[rows]],
+                                                 [values[:width] for values in lists.logprobs[rows]],
+                                                 lists.sampled_token_ranks[rows])
+            emitted += len(tokens)
+        return ModelRunnerOutput(
+            req_ids=state.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            kv_connector_output=kv_connector_output,
+            prompt_logprobs=state.prompt_logprobs,
+            pooler_output=state.pooler_output,
+        )
+
+    def _verification_metadata(self, req_ids: list[str], drafts: list[list[int]]) -> SamplingMetadata:
+        """SamplingMetadata with one row per verification row: row j of a request sees its
+        output plus its first j drafts (penalties, min_tokens); its generator sits on its first row."""
+        params, outputs, prompts = [], [], []
+        generators: dict[int, torch.Generator] = {}
+        for req_id, request_drafts in zip(req_ids, drafts):
+            req_state = self.requests[req_id]
+            if req_state.generator is not None:
+                generators[len(params)] = req_state.generator
+            for j in range(len(request_drafts) + 1):
+                params.append(req_state.sampling_params)
+                outputs.append(req_state.output_token_ids + request_drafts[:j] if j else req_state.output_token_ids)
+                prompts.append(req_state.prompt_token_ids)
+        return SamplingMetadata.from_params(params, outputs, prompts, generators, self.vocab_size, self.device)
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]
         if tensors is None:
@@ -373,6 +479,8 @@ class ModelRunner:
             gone = self.requests.pop(req_id, None)
             if gone is not None and gone.sampling_params.prompt_logprobs is not None:
                 self._num_prompt_logprobs_reqs -= 1
+            self._pooling_reqs.discard(req_id)
+            self.pooler.forget(req_id)
             batch.remove_request(req_id)
         # A running request the scheduler skipped this step leaves the batch but keeps its state.
         scheduled = scheduler_output.num_scheduled_tokens
@@ -400,6 +508,8 @@ class ModelRunner:
                 self._num_prompt_logprobs_reqs -= self.requests[new_req.req_id].sampling_params.prompt_logprobs is not None
             self.requests[new_req.req_id] = req_state
             self._num_prompt_logprobs_reqs += params.prompt_logprobs is not None
+            if params.pooling is not None:
+                self._pooling_reqs.add(new_req.req_id)
             batch.add_request(req_state)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -417,6 +527,11 @@ class ModelRunner:
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, row)
         batch.condense()
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            # The drafts are the inputs after the last real token; num_tokens does not count them.
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids_cpu[row, start:start + len(drafts)] = drafts
 
     def _get_sampling_metadata(self) -> SamplingMetadata:
         batch = self.input_batch

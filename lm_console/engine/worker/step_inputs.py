@@ -41,6 +41,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] on the device
     logits_indices: torch.Tensor  # [num_reqs] each request's last token, on the device
     inputs_embeds: torch.Tensor | None = None  # [num_tokens, hidden]: text + image embeddings
+    # Speculative decoding: each request's drafts ([] for none) when some request verifies drafts.
+    draft_token_ids: list[list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -95,5 +97,71 @@ def build_attention_metadata(inputs: StepInputs, buffers: InputBuffers, block_ta
         max_seq_len=int(inputs.seq_lens.max()),
         query_start_loc_cpu=[0, *inputs.cu_num_tokens.tolist()],
         seq_lens_cpu=inputs.seq_lens.tolist(),
+        block_size=block_size,
+    )
+
+
+def verification_logits_indices(inputs: StepInputs, device: torch.device) -> torch.Tensor:
+    """The hidden-state rows whose logits a draft-verifying step needs: each request's last
+    len(drafts) + 1 tokens (its real token and its drafts), requests in order."""
+    assert inputs.draft_token_ids is not None
+    indices: list[int] = []
+    for last, drafts in zip(inputs.cu_num_tokens.tolist(), inputs.draft_token_ids):
+        indices.extend(range(last - 1 - len(drafts), last))
+    return torch.tensor(indices, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def verification_attention_metadata(inputs: StepInputs, block_table: BlockTable, block_size: int,
+                                    metadata_cls: type[AttentionMetadata], device: torch.device) -> AttentionMetadata:
+    """Attention metadata of a step that verifies drafts: a request's real token and its drafts
+    each become a decode row of their own (query length 1, its sequence length its position + 1,
+    the request's block table row), other requests keep their row.
+
+    Causality comes from the sequence lengths, and every backend writes the step's K/V into the
+    cache before it attends, so a draft row sees the K/V of the tokens before it in the same
+    step. The step then looks like plain decode rows to the kernels: the C decode stack and the
+    decode attention kernel serve it as they serve decoding, at up to their row limits.
+    """
+    assert inputs.draft_token_ids is not None
+    num_reqs = inputs.num_reqs
+    starts = (inputs.cu_num_tokens - inputs.num_scheduled).tolist()
+    query_lens: list[int] = []
+    row_reqs: list[int] = []
+    seq_lens: list[int] = []
+    for i, drafts in enumerate(inputs.draft_token_ids):
+        start, count = starts[i], int(inputs.num_scheduled[i])
+        if drafts:
+            split = count - len(drafts) - 1  # tokens before the real one (none at decode)
+            if split > 0:
+                query_lens.append(split)
+                row_reqs.append(i)
+                seq_lens.append(int(inputs.positions[start + split - 1]) + 1)
+            for offset in range(max(split, 0), count):
+                query_lens.append(1)
+                row_reqs.append(i)
+                seq_lens.append(int(inputs.positions[start + offset]) + 1)
+        else:
+            query_lens.append(count)
+            row_reqs.append(i)
+            seq_lens.append(int(inputs.seq_lens[i]))
+    num_rows = len(query_lens)
+    cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    seq_lens_np = np.asarray(seq_lens, dtype=np.int32)
+    table = block_table.get_device_tensor(num_reqs)
+    if num_rows != num_reqs or row_reqs != list(range(num_reqs)):
+        table = table.index_select(0, torch.tensor(row_reqs, dtype=torch.int64, device=table.device)).contiguous()
+    slot_mapping = torch.from_numpy(
+        block_table.compute_slot_mapping(inputs.req_indices, inputs.positions).astype(np.int64)).to(device)
+    return metadata_cls(
+        num_actual_tokens=inputs.num_tokens,
+        num_reqs=num_rows,
+        query_start_loc=torch.from_numpy(cu).to(device),
+        seq_lens=torch.from_numpy(seq_lens_np).to(device),
+        block_table=table,
+        slot_mapping=slot_mapping,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens_np.max()),
+        query_start_loc_cpu=cu.tolist(),
+        seq_lens_cpu=seq_lens,
         block_size=block_size,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -11,6 +10,7 @@ from lm_console.engine.distributed.parallel_state import destroy_distributed, in
 from lm_console.engine.kv_cache_interface import KVCacheSpec
 from lm_console.engine.malloc_tuning import tune_malloc
 from lm_console.engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.platform import usable_cpus
 from lm_console.engine.scheduler_output import SchedulerOutput
 from lm_console.engine.worker.model_runner import ModelRunner
 
@@ -38,8 +38,9 @@ class Worker:
         device = self.config.device_config
         tp_size = self.config.parallel_config.tensor_parallel_size
         if device.device == "cpu":
-            # The ranks share the cores: each takes its share unless num_threads says otherwise.
-            torch.set_num_threads(device.num_threads or max(1, (os.cpu_count() or 1) // tp_size))
+            # The ranks share the CPUs this process may use (affinity and cgroup quota, not the
+            # machine's count): each takes its share unless num_threads says otherwise.
+            torch.set_num_threads(device.num_threads or max(1, usable_cpus() // tp_size))
             tune_malloc()  # a step's activations reuse the last step's memory (lm_console/engine/malloc_tuning.py)
         init_distributed(tp_size, self.rank, self.distributed_init_method,
                          "nccl" if device.device == "cuda" else "gloo", self.local_rank)

@@ -19,6 +19,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from lm_console.client.types import RequestTimeline, hash_hex
+from lm_console.engine.metrics.phases import request_phases
 from lm_console.request_book import TrackedRequest
 from lm_console.tui.render import fmt_clock, fmt_count, fmt_seconds
 from lm_console.tui.widgets.block_map import BlockMap
@@ -75,6 +76,27 @@ def timeline_labels(timeline: RequestTimeline) -> str:
     if timeline.finished is not None:
         parts.append(f"finished +{fmt_seconds(max(timeline.finished - start, 0.0))}")
     return " · ".join(parts)
+
+
+def fmt_phase(seconds: float) -> str:
+    """A phase's duration to 0.1 ms (finer than the table's: the figures match the OTLP span's)."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 1.0 else f"{seconds:.3f} s"
+
+
+def timeline_phases(timeline: RequestTimeline) -> str:
+    """The phase durations, split as the request's OTLP span and the Prometheus histograms split
+    them (engine/metrics/phases.py): queue, prefill, decode, TTFT and end to end."""
+    if timeline.scheduled is None:  # only the console's own clock: the phases are not known
+        return "[#7f848e]phases: not known (no engine timestamps for this request)[/]"
+    phases = request_phases(timeline.arrival, timeline.queued, timeline.scheduled, timeline.first_token,
+                            timeline.last_token, timeline.finished)
+    parts = [f"queue {fmt_phase(phases.time_in_queue)}", f"prefill {fmt_phase(phases.prefill)}",
+             f"decode {fmt_phase(phases.decode)}"]
+    if phases.time_to_first_token is not None:
+        parts.append(f"TTFT {fmt_phase(phases.time_to_first_token)}")
+    if phases.e2e is not None:
+        parts.append(f"e2e {fmt_phase(phases.e2e)}")
+    return "phases: " + " · ".join(parts)
 
 
 def prefix_chain(request_id: str, block_ids: list[int], core: Any) -> list[str]:
@@ -158,7 +180,7 @@ class RequestInspector(ModalScreen[None]):
         block_size = self.app.info.block_size if getattr(self.app, "info", None) else 16
         cached_blocks = f" ({request.num_cached // max(block_size, 1)} blocks)" if request.num_cached else ""
         self.query_one("#inspector-head", Static).update(
-            f"{timeline_labels(timeline)}\n"
+            f"{timeline_labels(timeline)}\n{timeline_phases(timeline)}\n"
             f"tokens: prompt [b]{fmt_count(request.num_prompt_tokens)}[/] · generated [b]{fmt_count(request.num_generated)}[/]"
             f" · cached [b]{fmt_count(request.num_cached)}[/]{cached_blocks} · TTFT {fmt_seconds(request.ttft_s)}"
             f" · blocks {'held' if live else 'last held'} [b]{len(flat)}[/]"

@@ -26,6 +26,7 @@ class BlockPoolPanel(Vertical):
         info.update(text)
 
     note: str | None = None  # set when the engine publishes no block map (a /metrics-only server)
+    source: str = ""  # set when the map is not the engine's own pool (a vLLM server's, from its KV events)
 
     def on_mount(self) -> None:
         self.border_title = "KV block pool"
@@ -48,7 +49,12 @@ class BlockPoolPanel(Vertical):
         )
         first, last = block_map.blocks_in_view()
         total = len(block_map.states)
-        if total and (first > 0 or last < total - 1):
+        if self.source:
+            self.border_title = (
+                f"KV block pool ─ usage {view.kv_usage * 100:.0f}% · in use {fmt_count(view.num_used_blocks)}"
+                f" · prefix cache {cached} of {fmt_count(view.num_total_blocks)}")
+            self.border_subtitle = self.source
+        elif total and (first > 0 or last < total - 1):
             zoom = f" · {block_map.zoom} blocks/cell" if block_map.zoom > 1 else ""
             self.border_subtitle = (f"showing {fmt_count(first + 1)}-{fmt_count(last + 1)} of {fmt_count(total)}"
                                     f"{zoom} · m then arrows, z/Z zoom")

@@ -22,6 +22,7 @@ from lm_console.tui.widgets.load_panel import LoadPanel
 from lm_console.tui.widgets.prefix_panel import PrefixPanel
 from lm_console.tui.widgets.request_table import RequestTable
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
+from lm_console.tui.widgets.spec_decode_panel import SpecDecodePanel
 from lm_console.tui.widgets.throughput_panel import ThroughputPanel
 
 
@@ -41,14 +42,17 @@ class Dashboard(Vertical):
                     yield PrefixPanel(id="prefix")
                     yield LatencyPanel(id="latency")
                 yield EncoderCachePanel(id="encoder-cache")  # shown once a VLM reports it
+                yield SpecDecodePanel(id="spec-decode")  # shown once the engine reports drafts
         yield LoadPanel(id="load")
         with Horizontal(id="dash-bottom"):
             yield RequestTable(id="requests")
             yield KVEventsPanel(id="kv-events")
 
-    def set_unavailable(self, unavailable: dict[str, str], server_requests: bool = False) -> None:
+    def set_unavailable(self, unavailable: dict[str, str], server_requests: bool = False,
+                        block_map_source: str = "") -> None:
         """Panels without a source (EngineInfo.unavailable) say so instead of showing zeros."""
         self.query_one(BlockPoolPanel).note = unavailable.get(UNAVAILABLE_BLOCK_MAP)
+        self.query_one(BlockPoolPanel).source = block_map_source
         self.query_one(SchedulerPanel).note = unavailable.get(UNAVAILABLE_STEPS)
         events = self.query_one(KVEventsPanel)
         events.note = unavailable.get(UNAVAILABLE_KV_EVENTS)
@@ -71,6 +75,7 @@ class Dashboard(Vertical):
         self.query_one(BlockResidencyPanel).show(view.block_residency)
         self.query_one(LatencyPanel).show(view)
         self.query_one(EncoderCachePanel).show(view.encoder_cache)
+        self.query_one(SpecDecodePanel).show(view)
         self.query_one(LoadPanel).show(load)
         if requests is not None:
             self.query_one(RequestTable).show(requests.rows(now), now, requests.num_requests)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from textual.markup import escape
 from textual.widgets import Static
 
-from lm_console.client.types import EngineInfo
+from lm_console.client.types import (
+    UNAVAILABLE_BLOCK_MAP, UNAVAILABLE_KV_EVENTS, UNAVAILABLE_LATENCY, UNAVAILABLE_REQUESTS, UNAVAILABLE_STEPS,
+    EngineInfo,
+)
 from lm_console.tui.render import fmt_count
 
+PANEL_NAMES = {UNAVAILABLE_BLOCK_MAP: "block map", UNAVAILABLE_STEPS: "per-step stats",
+               UNAVAILABLE_KV_EVENTS: "KV events", UNAVAILABLE_REQUESTS: "server's request table",
+               UNAVAILABLE_LATENCY: "latency"}
 STATES = {"starting": "[#e5c07b]◌ starting…[/]", "serving": "[#98c379]● serving[/]",
           "dead": "[b #e06c75]✖ dead[/]", "paused": "[#e5c07b]● serving (display paused)[/]"}
 
@@ -16,7 +23,10 @@ class EngineStatus(Static):
 
     def show(self, info: EngineInfo | None, state: str) -> None:
         if info is not None and info.url and state != "starting":
-            self.update(f"{_remote_header(info)}    engine {STATES.get(state, state)}")
+            unavailable = _unavailable_line(info)
+            if unavailable and self.styles.height is not None and self.styles.height.value == 1:
+                self.styles.height = "auto"  # room for the line that names the unavailable panels
+            self.update(f"{_remote_header(info)}    engine {STATES.get(state, state)}{unavailable}")
             return
         if info is None or not info.num_blocks:
             model = info.model if info is not None else "engine"
@@ -47,3 +57,11 @@ def _remote_header(info: EngineInfo) -> str:
     if info.max_num_batched_tokens:
         facts.append(f"budget {fmt_count(info.max_num_batched_tokens)} tok · {info.max_num_seqs} seqs")
     return "[b]lm-console[/]  " + " · ".join(facts)
+
+
+def _unavailable_line(info: EngineInfo) -> str:
+    """An attached server: a second line naming each panel it cannot fill and why (empty when none)."""
+    if not info.unavailable:
+        return ""
+    parts = [f"{PANEL_NAMES.get(key, key)}: {escape(reason)}" for key, reason in info.unavailable.items()]
+    return "\n[#7f848e]unavailable ─ " + " · ".join(parts) + "[/]"

@@ -11,12 +11,14 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from lm_console.client.types import KVEventRecord
+from lm_console.engine.metrics.kv_events import UnknownKVEvent
 from lm_console.tui.render import fmt_clock, fmt_count, short_hash
 
 KIND_STYLE = {"BlockStored": Style(color="#98c379"), "BlockRemoved": Style(color="#e06c75"),
               "AllBlocksCleared": Style(color="#e5c07b", bold=True)}
 DIM = Style(color="#7f848e")
 SHORT_KIND = {"BlockStored": "Stored", "BlockRemoved": "Removed", "AllBlocksCleared": "Cleared"}
+UNKNOWN_STYLE = Style(color="#e5c07b", italic=True)
 
 
 def describe(event: KVEventRecord) -> str:
@@ -28,6 +30,8 @@ def describe(event: KVEventRecord) -> str:
                 f" ← {short_hash(event.parent_block_hash, 6)}")
     if event.kind == "BlockRemoved":
         return f"{blocks:<7} {' '.join(short_hash(h, 6) for h in event.block_hashes[:4])}"
+    if isinstance(event.event, UnknownKVEvent):
+        return f"skipped: {event.event.reason}"
     return "prefix cache reset"
 
 
@@ -45,6 +49,8 @@ class KVEventLog(Widget):
         self.num_received = 0
         self.last_seq = 0
         self.num_gaps = 0
+        self.num_unknown = 0  # events of a type this console does not know (or could not read)
+        self.num_undecodable = 0  # whole messages the source could not read (set by the panel)
         self._visible: list[KVEventRecord] = []
 
     def add(self, events: list[KVEventRecord]) -> None:
@@ -56,6 +62,7 @@ class KVEventLog(Widget):
                 self.num_gaps += 1
             self.last_seq = event.seq or self.last_seq
         self.num_received += len(events)
+        self.num_unknown += sum(event.is_unknown for event in events)
         (self.held if self.paused else self.events).extend(events)
         if not self.paused:
             self._refilter()
@@ -73,6 +80,10 @@ class KVEventLog(Widget):
         """The panel's title suffix: counts, sequence gaps, pause and filter state."""
         gaps = "seq gap-free" if not self.num_gaps else f"[#e06c75]{self.num_gaps} seq gaps[/]"
         parts = [f"{fmt_count(self.num_received)} received", gaps]
+        if self.num_unknown:
+            parts.append(f"[#e5c07b]{fmt_count(self.num_unknown)} unknown[/]")
+        if self.num_undecodable:
+            parts.append(f"[#e06c75]{fmt_count(self.num_undecodable)} undecodable msgs[/]")
         if self.paused:
             parts.append(f"[#e5c07b]PAUSED ({len(self.held)} held)[/]")
         if self.filter_text:
@@ -97,7 +108,8 @@ class KVEventLog(Widget):
         event = self._visible[index]
         segments = [
             Segment(fmt_clock(event.ts) + " ", DIM),
-            Segment(f"{SHORT_KIND.get(event.kind, event.kind):<8}", KIND_STYLE.get(event.kind, Style())),
+            Segment(f"{SHORT_KIND.get(event.kind, event.kind)[:7]:<8}",
+                    UNKNOWN_STYLE if event.is_unknown else KIND_STYLE.get(event.kind, Style())),
             Segment(describe(event)),
         ]
         return Strip(segments).crop_extend(0, width, None)

@@ -21,8 +21,10 @@ class KVEventsPanel(Vertical):
         self.query_one("#kv-filter", Input).display = False
         self.update_title()
 
-    def add(self, events: list[KVEventRecord]) -> None:
+    def add(self, events: list[KVEventRecord], num_undecodable: int = 0) -> None:
+        """New events; num_undecodable: messages the source skipped as unreadable (a running total)."""
         log = self.query_one(KVEventLog)
+        log.num_undecodable = num_undecodable
         log.add(events)
         self.update_title()
 

@@ -23,5 +23,6 @@ class PrefixPanel(Static):
         recent = f"last {self.recent_requests // 1000}k req" if self.recent_requests >= 1000 else f"last {self.recent_requests} req"
         self.update(
             f"hit rate [b]{fmt_pct(view.hit_rate_recent)}[/b] ({recent})\n"
-            f"[#e5c07b]{sparkline(view.hit_rate_history, width, 1.0)}[/] all {fmt_pct(view.hit_rate_all)}"
+            f"[#e5c07b]{sparkline(view.hit_rate_history, width, 1.0)}[/] "
+            f"{'server' if view.figures_source == 'server' else 'all'} {fmt_pct(view.hit_rate_all)}"
         )

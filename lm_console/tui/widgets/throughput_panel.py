@@ -21,4 +21,5 @@ class ThroughputPanel(Static):
             f"gen    [#98c379]{sparkline(view.gen_history, width)}[/] {fmt_rate(view.gen_tps):>6} tok/s\n"
             f"KV     [#56b6c2]{sparkline(view.kv_history, width, 1.0)}[/] {view.kv_usage * 100:>5.0f}% used\n"
             f"requests done {fmt_count(view.num_finished)} · failed {fmt_count(view.num_failed)}"
+            f"{' (server)' if view.figures_source == 'server' else ''}"
         )

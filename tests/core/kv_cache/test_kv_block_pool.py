@@ -82,7 +82,7 @@ def test_eviction_takes_oldest_cached_block_and_emits_block_removed(make_request
     assert new_block.block_id == 2 and new_block.block_hash is None
     assert pool.get_cached_block(request.block_hashes[1], [0]) is None
     assert pool.get_cached_block(request.block_hashes[0], [0]) == [pool.blocks[1]]
-    assert pool.take_events() == [BlockRemoved(block_hashes=[request.block_hashes[1]])]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[request.block_hashes[1]], group_idx=0)]
     assert pool.take_events() == []  # drained
 
 
@@ -95,7 +95,8 @@ def test_block_stored_event_content(make_request) -> None:  # type: ignore[no-un
     pool.cache_full_blocks(request, blocks, 3, 3, BLOCK_SIZE, 0)  # nothing new: no event
     first, second = pool.take_events()
     assert first == BlockStored(
-        block_hashes=[request.block_hashes[0]], parent_block_hash=None, token_ids=[0, 1, 2, 3], block_size=BLOCK_SIZE
+        block_hashes=[request.block_hashes[0]], parent_block_hash=None, token_ids=[0, 1, 2, 3], block_size=BLOCK_SIZE,
+        group_idx=0,
     )
     assert second.block_hashes == request.block_hashes[1:3]
     assert second.parent_block_hash == request.block_hashes[0]
@@ -168,7 +169,7 @@ def test_evict_blocks_drops_hash_but_keeps_queue(make_request) -> None:  # type:
     pool.evict_blocks({blocks[0].block_id})
     assert blocks[0].block_hash is None and blocks[1].block_hash is not None
     assert _free_ids(pool) == before
-    assert pool.take_events() == [BlockRemoved(block_hashes=[request.block_hashes[0]])]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[request.block_hashes[0]], group_idx=0)]
     pool.evict_blocks({blocks[0].block_id})  # idempotent: nothing to remove
     assert pool.take_events() == []
 

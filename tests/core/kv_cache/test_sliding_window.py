@@ -253,3 +253,16 @@ def test_sliding_hit_survives_eviction_of_old_blocks(make_request) -> None:  # t
     pool.evict_blocks([block.block_id])
     computed, num_computed = manager.get_computed_blocks(again)
     assert num_computed == 0 and computed.blocks == ((), ())
+
+
+def test_stored_events_name_their_groups_cache_kind(make_request) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM's events: each BlockStored says its group and that group's kind (and window)."""
+    from lm_console.engine.metrics.kv_events import BlockStored
+
+    layer_specs = {"full": FullAttentionSpec(BS), "local": SlidingWindowSpec(BS, 9)}
+    manager = KVCacheManager(num_blocks=64, block_size=BS, max_model_len=512, enable_caching=True,
+                             kv_cache_config=get_kv_cache_config(layer_specs, 64), enable_kv_cache_events=True)
+    _run(manager, make_request("r", list(range(3 * BS)), block_size=BS), num_decodes=0)
+    stored = [event for event in manager.take_events() if isinstance(event, BlockStored)]
+    kinds = {(event.group_idx, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) for event in stored}
+    assert kinds == {(0, "full_attention", None), (1, "sliding_window", 9)}

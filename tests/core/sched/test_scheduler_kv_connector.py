@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
+from lm_console.engine.config.kv_transfer import KVTransferConfig
 from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
 from lm_console.engine.request import RequestStatus
 from lm_console.engine.model_runner_output import ModelRunnerOutput

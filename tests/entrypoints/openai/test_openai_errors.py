@@ -131,8 +131,11 @@ CASES = [
     ("n-zero", "/v1/completions", completion(n=0), 400, "n"),
     ("logprobs-too-many", "/v1/completions", completion(logprobs=50), 400, "logprobs"),
     ("top-logprobs-without-logprobs", "/v1/chat/completions", chat(top_logprobs=3), 400, "top_logprobs"),
-    ("unknown-field", "/v1/completions", completion(temprature=0.5), 400, "temprature"),
-    ("unsupported-logit-bias", "/v1/completions", completion(logit_bias={"5": 2.0}), 400, "logit_bias"),
+    ("unsupported-bad-words", "/v1/completions", completion(bad_words=["x"]), 400, "bad_words"),
+    ("logit-bias-out-of-vocab", "/v1/completions", completion(logit_bias={"10000000": 2.0}), 400, "logit_bias",
+     "10000000"),
+    ("logit-bias-out-of-range", "/v1/completions", completion(logit_bias={"5": 100.5}), 400, "logit_bias"),
+    ("not-json-content-type", "/v1/completions", None, 400, None, "Unsupported Media Type"),
     ("unsupported-tools", "/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
     ("stream-options-without-stream", "/v1/completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
@@ -142,7 +145,7 @@ CASES = [
     ("priority-under-fcfs", "/v1/completions", completion(priority=1), 400, "priority", "scheduling_policy"),
     ("prompt-logprobs-too-many", "/v1/completions", completion(prompt_logprobs=50), 400, None, "max_logprobs"),
     ("empty-messages", "/v1/chat/completions", chat(messages=[]), 400, "messages"),
-    ("bad-role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
+    ("empty-role", "/v1/chat/completions", chat(messages=[{"role": "", "content": "hi"}]), 400, "messages"),
     ("continue-and-generation-prompt", "/v1/chat/completions",
      chat(messages=[{"role": "assistant", "content": "Once"}], continue_final_message=True), 400,
      "continue_final_message"),
@@ -164,7 +167,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
 def test_malformed_request_gets_its_status_and_server_keeps_serving(http_client, case) -> None:
     _, path, body, status, param, *phrase = case
-    if isinstance(body, bytes):
+    if body is None:  # a JSON body declared as text/plain
+        response = http_client.post(path, content=json.dumps(completion()), headers={"content-type": "text/plain"})
+    elif isinstance(body, bytes):
         response = http_client.post(path, content=body, headers={"content-type": "application/json"})
     else:
         response = http_client.post(path, json=body)

@@ -154,3 +154,30 @@ def test_preemptions_are_counted_as_the_engine_counts_them(tiny_llama_dir) -> No
         assert sample_value(families, "vllm:num_requests_running", **LABELS) == 0
     finally:
         server.stop()
+
+
+def test_spec_decode_counters_follow_the_engine(tiny_llama_dir) -> None:
+    """vllm:spec_decode_* (vLLM's names) equal the core's cumulative SpecDecodingStats."""
+    from lm_console.engine.entrypoints.openai.settings import ServerSettings
+
+    server = ThreadServer(str(tiny_llama_dir), ServerSettings(served_model_names=("tiny",)),
+                          num_gpu_blocks_override=512, speculative_config={
+                              "method": "suffix", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, **ENGINE_ARGS)
+    try:
+        bodies = [{"prompt": PROMPTS[i % 3] * 2, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+                  for i in range(4)]
+        usages = run_requests(server, bodies)
+        server.wait_idle()
+        families = scrape(server)
+        spec = server.call(server.engine.get_stats()).spec_decoding
+        assert spec is not None and spec.num_drafts > 0
+        assert sample_value(families, "vllm:spec_decode_num_drafts", "_total", **LABELS) == spec.num_drafts
+        assert sample_value(families, "vllm:spec_decode_num_draft_tokens", "_total", **LABELS) == spec.num_draft_tokens
+        assert sample_value(families, "vllm:spec_decode_num_accepted_tokens", "_total", **LABELS) == \
+            spec.num_accepted_tokens
+        per_pos = [sample_value(families, "vllm:spec_decode_num_accepted_tokens_per_pos", "_total", position=str(i),
+                                **LABELS) for i in range(3)]
+        assert per_pos == spec.num_accepted_tokens_per_pos and sum(per_pos) == spec.num_accepted_tokens
+        assert sum(u["completion_tokens"] for u in usages) == 4 * 48
+    finally:
+        server.stop()

@@ -12,9 +12,12 @@ from lm_console.engine.kv_cache_hashing import (
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
     get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
-from lm_console.engine.metrics.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from lm_console.engine.metrics.kv_events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVCacheEvent,
+)
 from lm_console.engine.metrics.stats import BLOCK_STATE_CACHED, BLOCK_STATE_FREE, BLOCK_STATE_IN_USE, BLOCK_STATE_NULL
 
 if TYPE_CHECKING:
@@ -143,7 +146,7 @@ class BlockPool:
         if block_size != self.hash_block_size:
             block_hashes = BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size, block_size)
         assert len(block_hashes) >= num_full_blocks, "the request block hasher is behind"
-        stored_hashes: list[BlockHash] = []
+        stored_hashes: list[ExternalBlockHash] = []  # an event field: vLLM types it bytes | int
         for i, block in enumerate(new_full_blocks, start=num_cached_blocks):
             if block.is_null:
                 continue  # skipped blocks hold no KV worth sharing
@@ -162,6 +165,7 @@ class BlockPool:
                     block_size=block_size,
                     lora_id=request.lora_request.lora_int_id if request.lora_request is not None else None,
                     lora_name=request.lora_request.lora_name if request.lora_request is not None else None,
+                    group_idx=kv_cache_group_id,
                 )
             )
 
@@ -190,7 +194,7 @@ class BlockPool:
             return False
         block.reset_hash()
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=[get_block_hash(key)]))
+            self.kv_event_queue.append(BlockRemoved(block_hashes=[get_block_hash(key)], group_idx=get_group_id(key)))
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

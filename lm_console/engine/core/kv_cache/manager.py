@@ -12,8 +12,8 @@ from lm_console.engine.core.kv_cache.block_pool import BlockPool
 from lm_console.engine.core.kv_cache.coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from lm_console.engine.core.kv_cache.metrics import PrefixCacheStats
 from lm_console.engine.errors import InvalidEngineArgsError
-from lm_console.engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from lm_console.engine.metrics.kv_events import KVCacheEvent
+from lm_console.engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from lm_console.engine.metrics.kv_events import BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
     from lm_console.engine.request import Request
@@ -103,6 +103,11 @@ class KVCacheManager:
         )
         self.num_kv_cache_groups = len(self.coordinator.single_type_managers)
         self.block_pool: BlockPool = self.coordinator.block_pool
+        # Per group, what a BlockStored event says about its cache (vLLM's kv_cache_spec_kind and window),
+        # so that a consumer of the events can tell a sliding-window group's blocks from full ones.
+        self.kv_cache_event_metadata: list[tuple[str, int | None]] = [
+            ("sliding_window", spec.sliding_window) if isinstance(spec, SlidingWindowSpec) else ("full_attention", None)
+            for spec in kv_cache_specs]
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         # Pre-built and shared: most steps return "no new blocks", and this avoids the garbage.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
@@ -126,8 +131,14 @@ class KVCacheManager:
         return stats
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Drain the KV cache events of the block pool."""
-        return self.block_pool.take_events()
+        """Drain the KV cache events of the block pool, each stored block tagged with its group's spec."""
+        events = self.block_pool.take_events()
+        for event in events:
+            if isinstance(event, BlockStored) and event.group_idx is not None \
+                    and 0 <= event.group_idx < len(self.kv_cache_event_metadata):
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = \
+                    self.kv_cache_event_metadata[event.group_idx]
+        return events
 
     def get_block_states(self) -> bytes:
         """One byte per block (0 free, 1 in use, 2 cached, 3 null), for the console."""
@@ -140,8 +151,8 @@ class KVCacheManager:
     # -- prefix cache ----------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest prefix-cache hit of a waiting request and its length in tokens."""
-        # prompt_logprobs need the logits of every prompt token, so nothing may be skipped.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        # prompt_logprobs (and MEAN pooling) need every prompt token computed, so nothing may be skipped.
+        if not self.enable_caching or request.sampling_params.needs_every_prompt_token:
             return self.empty_kv_cache_blocks, 0
         # A full hit must still recompute the last token: its logits sample the next one.
         max_cache_hit_length = request.num_tokens - 1

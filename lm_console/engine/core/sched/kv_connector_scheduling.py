@@ -113,8 +113,11 @@ class KVConnectorScheduling:
         return request.request_id in self._kv_ready
 
     def get_num_new_matched_tokens(self, request: Request, num_local_tokens: int) -> tuple[int | None, bool]:
-        """(external tokens, load asynchronously); (None, _): the connector cannot tell yet."""
-        if request.request_id in self._no_external_kv:
+        """(external tokens, load asynchronously); (None, _): the connector cannot tell yet.
+
+        (0, False) for a request that must compute every prompt token itself (prompt logprobs, MEAN
+        pooling: they read each position's hidden state, which a load skips)."""
+        if request.request_id in self._no_external_kv or request.sampling_params.needs_every_prompt_token:
             return 0, False
         return self.connector.get_num_new_matched_tokens(request, num_local_tokens)
 

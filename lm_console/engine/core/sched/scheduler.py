@@ -25,8 +25,9 @@ from lm_console.engine.core.kv_cache.manager import KVCacheManager
 from lm_console.engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from lm_console.engine.core.sched.request_queue import create_request_queue
-from lm_console.engine.errors import DuplicateRequestError
-from lm_console.engine.metrics.stats import LoRAStats, PrefixCacheStatsSnapshot, SchedulerStats
+from lm_console.engine.errors import DuplicateRequestError, InvalidEngineArgsError
+from lm_console.engine.core.spec_decode.proposers import Proposer, create_proposer
+from lm_console.engine.metrics.stats import LoRAStats, PrefixCacheStatsSnapshot, SchedulerStats, SpecDecodingStats
 from lm_console.engine.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
@@ -39,6 +40,7 @@ from lm_console.engine.request import Request, RequestStatus
 from lm_console.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
+    from lm_console.engine.config.speculative import SpeculativeConfig
     from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
     from lm_console.engine.core.sched.encoder_scheduling import EncoderPlan, EncoderScheduler
     from lm_console.engine.distributed.kv_transfer.base import KVConnectorBase
@@ -63,6 +65,7 @@ class _StepSchedule:
     cached_reqs: list[Request] = field(default_factory=list)  # RUNNING ones the worker holds
     new_block_ids: dict[str, tuple[list[int], ...] | None] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts each request verifies
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -109,6 +112,7 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         policy: str = "fcfs",
         max_loras: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         # enable_lora: at most this many distinct adapters among the running requests (the
@@ -139,6 +143,13 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         # (client, output) of requests failed since the last update (a grammar that did not compile).
         self._failed_outputs: list[tuple[int, EngineCoreOutput]] = []
+        # Speculative decoding: the proposer (None: off) and the acceptance counters.
+        self.speculative_config = speculative_config
+        self.proposer: Proposer | None = None
+        self.spec_decoding_stats: SpecDecodingStats | None = None
+        if speculative_config is not None:
+            self.proposer = create_proposer(speculative_config)
+            self.spec_decoding_stats = SpecDecodingStats.new(speculative_config.num_speculative_tokens)
 
     def _init_kv_connector_state(self, connector: KVConnectorBase | None) -> None:
         """Use `connector` for KV transfer (None: no connector)."""
@@ -203,8 +214,10 @@ class Scheduler:
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             req_index += 1
+            spec_tokens = self._propose(request) if self.proposer is not None else None
             num_new_tokens = min(
-                self._num_tokens_to_compute(request) - request.num_computed_tokens,
+                self._num_tokens_to_compute(request) + (len(spec_tokens) if spec_tokens else 0)
+                - request.num_computed_tokens,
                 step.token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
@@ -225,6 +238,39 @@ class Scheduler:
             step.cached_reqs.append(request)
             step.new_block_ids[request.request_id] = new_blocks.get_block_ids() if new_blocks.blocks[0] else None
             step.add(request, num_new_tokens)
+            if spec_tokens:
+                # The budget may have cut the drafts: those scheduled follow the one real token.
+                num_drafts = num_new_tokens - (request.num_tokens - request.num_computed_tokens)
+                if num_drafts > 0:
+                    step.spec_tokens[request.request_id] = spec_tokens[:num_drafts]
+
+    def _propose(self, request: Request) -> list[int] | None:
+        """Draft tokens for a decoding request (vLLM's spec_token_ids), or None.
+
+        Only requests whose next step samples from logits that do not depend on earlier
+        samples in a way the worker cannot replay get drafts: no grammar (its matcher advances
+        one accepted token at a time, here), no penalties; none while min_tokens masks stop
+        tokens. Drafts never run past max_tokens or max_model_len, and none are made while
+        disable_by_batch_size requests or more run.
+        """
+        config, proposer = self.speculative_config, self.proposer
+        assert config is not None and proposer is not None
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return None  # a prefill (or a preempted request's recomputation)
+        if config.disable_by_batch_size is not None and len(self.running) >= config.disable_by_batch_size:
+            return None
+        params = request.sampling_params
+        if (request.structured_output_request is not None or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0 or params.repetition_penalty != 1.0
+                or request.num_output_tokens < params.min_tokens):
+            return None
+        num_drafts = min(config.num_speculative_tokens, self.max_model_len - request.num_tokens)
+        if request.max_tokens is not None:
+            # The step emits num_drafts + 1 tokens at most: the last one is the target's own.
+            num_drafts = min(num_drafts, request.max_tokens - request.num_output_tokens - 1)
+        if num_drafts <= 0:
+            return None
+        return proposer.propose(request.request_id, request.all_token_ids, num_drafts) or None
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         """The tokens a running request's KV should cover after its next step (the async
@@ -352,6 +398,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - step.token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted} | self.kv_transfer.take_recompute_req_ids(),
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         manager = self.structured_output_manager
         if manager is not None and manager.has_structured_requests():  # no scan of the batch otherwise
@@ -404,6 +451,7 @@ class Scheduler:
             step.token_budget += num_tokens
             step.cached_reqs.remove(victim)
             step.new_block_ids.pop(victim.request_id, None)
+            step.spec_tokens.pop(victim.request_id, None)
         self._preempt(victim)
         step.preempted.append(victim)
 
@@ -459,6 +507,13 @@ class Scheduler:
                 self.encoder_scheduler.free_consumed(request)
             req_index = model_runner_output.req_id_to_index[request_id]
             generated = sampled[req_index]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts and generated:
+                # Computed were the real token and every draft; the KV of the rejected ones is
+                # garbage and is recomputed (its slots overwritten) from the next step on.
+                request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+                if self.spec_decoding_stats is not None:
+                    self.spec_decoding_stats.observe(len(drafts), len(generated) - 1)
             new_token_ids: list[int] = []
             was_preempted = request.status == RequestStatus.PREEMPTED
             for token_id in generated:
@@ -494,6 +549,7 @@ class Scheduler:
                     kv_transfer_params=kv_transfer_params,
                     error=RequestError(*request.error) if request.error is not None else None,
                     new_prompt_logprobs=new_prompt_logprobs,
+                    pooled=model_runner_output.pooler_output.get(request_id),
                 )
             )
         if stopped:
@@ -557,6 +613,8 @@ class Scheduler:
         self.encoder_scheduler.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.finish_request(request)
 
@@ -602,6 +660,7 @@ class Scheduler:
             kv_block_residency=(pool.metrics_collector.take_stats()
                                 if drain and pool.metrics_collector is not None else None),
             lora=self._lora_stats(),
+            spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
         )
 
     def _lora_stats(self) -> LoRAStats | None:
@@ -668,6 +727,9 @@ class AsyncScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
+        if self.speculative_config is not None:
+            # Drafts come from the tokens a step accepted, which this scheduler does not wait for.
+            raise InvalidEngineArgsError("speculative_config cannot be combined with async_scheduling.")
         self._num_steps_in_flight: dict[str, int] = {}
         # Finished requests whose blocks a step in flight still writes: freed when it returns.
         self._deferred_frees: dict[str, Request] = {}

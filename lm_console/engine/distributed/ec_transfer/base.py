@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lm_console.engine.distributed.ec_transfer.config import ECTransferConfig
+    from lm_console.engine.config.ec_transfer import ECTransferConfig
     from lm_console.engine.request import Request
     from lm_console.engine.scheduler_output import SchedulerOutput
 

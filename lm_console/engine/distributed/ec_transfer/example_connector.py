@@ -27,7 +27,7 @@ from lm_console.engine.distributed.stored_tensor_file import check_single_tensor
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
-    from lm_console.engine.distributed.ec_transfer.config import ECTransferConfig
+    from lm_console.engine.config.ec_transfer import ECTransferConfig
     from lm_console.engine.request import Request
     from lm_console.engine.scheduler_output import SchedulerOutput
 

@@ -10,7 +10,7 @@ from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
     from lm_console.engine.distributed.ec_transfer.base import ECConnectorBase, ECConnectorRole
-    from lm_console.engine.distributed.ec_transfer.config import ECTransferConfig
+    from lm_console.engine.config.ec_transfer import ECTransferConfig
 
 
 class ECConnectorFactory:

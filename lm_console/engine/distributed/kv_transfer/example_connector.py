@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lm_console.engine.config.engine_config import EngineConfig
     from lm_console.engine.kv_cache_interface import AllocatedBlocks
     from lm_console.engine.scheduler_output import SchedulerOutput
-    from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
+    from lm_console.engine.config.kv_transfer import KVTransferConfig
     from lm_console.engine.forward_context import ForwardContext
     from lm_console.engine.request import Request
 

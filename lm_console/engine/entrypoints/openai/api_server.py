@@ -1,11 +1,14 @@
 """The OpenAI-compatible server: build_app(engine, settings) -> FastAPI, and run_server.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, the console stream's /lmc/v1/... (lm_console/engine/entrypoints/console_stream.py; all
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+POST /v1/embeddings, POST /tokenize, POST /detokenize, POST /invocations (SageMaker's single route:
+dispatched on the body's shape to the route that serves it), the console stream's /lmc/v1/...
+(lm_console/engine/entrypoints/console_stream.py; all
 behind require_api_key), and the open GET /health, /version, /metrics.
 ServerGate (gate.py) answers 401 / 408 / 413 / 503 before a route runs (the key is checked
-before the body is read); the routes parse their own bodies off the event loop (422 for not-JSON,
-400 naming the field or the limit), and every exception becomes an OpenAI-shaped error.
+before the body is read); the routes parse their own bodies off the event loop (400 for a content
+type other than application/json, as vLLM; 422 for not-JSON, 400 naming the field or the limit),
+and every exception becomes an OpenAI-shaped error.
 A watchdog task marks the server dead within 0.1 s of the engine core's death; lifecycle.py
 then stops it with exit code 1, and drains it on SIGINT / SIGTERM.
 """
@@ -38,13 +41,16 @@ from lm_console.engine.entrypoints.openai.gate import ServerGate, ServerState
 from lm_console.engine.entrypoints.openai.lifecycle import ApiServer
 from lm_console.engine.entrypoints.openai.metrics import HttpRequestsMiddleware, make_stat_logger
 from lm_console.engine.entrypoints.openai.protocol import (
-    CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
+    CompletionRequest, collect_ignored_fields, DetokenizeRequest, ModelCard, ModelList, TokenizeCompletionRequest,
 )
 from lm_console.engine.entrypoints.openai.protocol_chat import ChatCompletionRequest, TokenizeChatRequest
+from lm_console.engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from lm_console.engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from lm_console.engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from lm_console.engine.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from lm_console.engine.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
 from lm_console.engine.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lm_console.engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from lm_console.engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from lm_console.engine.entrypoints.openai.settings import ServerSettings
 from lm_console.engine.version import __version__
@@ -64,11 +70,22 @@ INLINE_PARSE_BYTES = 64 << 10
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+def check_json_content_type(raw_request: Request) -> None:
+    """400 (vLLM's status) unless the body is declared as application/json; checked before it is read."""
+    declared = raw_request.headers.get("content-type", "")
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = repr(declared[:80]) if declared else "none"
+        raise errors.bad_request(f"Unsupported Media Type: only 'application/json' is allowed (got {shown}).",
+                                 code="unsupported_media_type")
+
+
 async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]],
                      ctx: ServingContext) -> Any:
-    """The JSON body as `model` (or as the model chosen from the decoded object): 422 when it is
-    not JSON, 400 when a field is wrong or the JSON is hostile (too deep, huge numbers, lone
-    surrogates)."""
+    """The JSON body as `model` (or as the model chosen from the decoded object): 400 when it is
+    not declared as JSON, 422 when it is not JSON, 400 when a field is wrong or the JSON is
+    hostile (too deep, huge numbers, lone surrogates)."""
+    check_json_content_type(raw_request)
     body = await raw_request.body()
     if len(body) <= INLINE_PARSE_BYTES:
         return decode_body(body, model)
@@ -77,6 +94,19 @@ async def parse_body(raw_request: Request, model: type[BaseModel] | Callable[[di
 
 def decode_body(body: bytes, model: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
     """parse_body's work, callable from any thread."""
+    data = decode_json_object(body)
+    chosen: type[BaseModel] = model if isinstance(model, type) else model(data)
+    try:
+        with collect_ignored_fields():  # one warning line per body, however many models it nests
+            return chosen.model_validate(data)
+    except ValidationError as error:
+        raise errors.from_validation_error(error) from error
+    except RecursionError:
+        raise errors.bad_request("The request body's JSON is nested too deeply.", code="invalid_json") from None
+
+
+def decode_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or the OpenAIError that says why it is not one."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -96,13 +126,7 @@ def decode_body(body: bytes, model: type[BaseModel] | Callable[[dict], type[Base
             raise errors.bad_request(
                 "The request body has a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is "
                 f"not text: {error.reason}.", code="invalid_json") from None
-    chosen: type[BaseModel] = model if isinstance(model, type) else model(data)
-    try:
-        return chosen.model_validate(data)
-    except ValidationError as error:
-        raise errors.from_validation_error(error) from error
-    except RecursionError:
-        raise errors.bad_request("The request body's JSON is nested too deeply.", code="invalid_json") from None
+    return data
 
 
 async def answer(work: Any, prompt_param: str = "prompt") -> Any:
@@ -128,6 +152,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     ctx.on_aborted = stat_logger.record_aborted
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
     tokenization = OpenAIServingTokenization(ctx)
+    responses = OpenAIServingResponses(ctx)
+    embedding = OpenAIServingEmbedding(ctx)
     console = build_console_router(engine)
 
     @contextlib.asynccontextmanager
@@ -201,6 +227,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         request = await parse_body(raw_request, ChatCompletionRequest, ctx)
         return await answer(chat.create(request, raw_request), prompt_param="messages")
 
+    @api.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ResponsesRequest, ctx)
+        return await answer(responses.create(request, raw_request), prompt_param="input")
+
+    @api.post("/v1/embeddings")
+    async def create_embedding(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, EmbeddingRequest, ctx)
+        return await answer(embedding.create(request, raw_request), prompt_param="input")
+
     @api.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
         request = await parse_body(
@@ -214,6 +250,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         result = await answer(tokenization.detokenize(request))
         return Response(result.model_dump_json(), media_type="application/json")
 
+    @api.post("/invocations")
+    async def invocations(raw_request: Request) -> Response:
+        check_json_content_type(raw_request)
+        body = await raw_request.body()
+        data = decode_json_object(body) if len(body) <= INLINE_PARSE_BYTES else \
+            await ctx.offload(decode_json_object, body)
+        path = invocation_path(data)
+        endpoint = _post_endpoint(api, path)
+        if endpoint is None:
+            raise errors.bad_request(f"/invocations: this server has no {path} route for this request.")
+        return await endpoint(raw_request)  # the body stays cached on raw_request: read again there
+
     app.include_router(api)
     app.include_router(console, dependencies=[Depends(require_api_key)])
     # A console stream holds no engine request: a drain does not wait for it (the server closes
@@ -222,6 +270,28 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        api_key=settings.api_key, body_timeout_s=settings.body_timeout_s)
     app.add_middleware(HttpRequestsMiddleware, registry=stat_logger.registry)  # added last: outermost
     return app
+
+
+# /invocations: the field that tells each request shape apart, and the route that serves it (in
+# vLLM's order: a body with messages is a chat, even if it has a prompt too).
+INVOCATION_ROUTES = (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions"), ("input", "/v1/embeddings"))
+
+
+def invocation_path(data: dict[str, Any]) -> str:
+    """The route an /invocations body goes to; 400 when its shape is none of them."""
+    for field, path in INVOCATION_ROUTES:
+        if field in data:
+            return path
+    expected = ", ".join(f"'{field}' ({path})" for field, path in INVOCATION_ROUTES)
+    raise errors.bad_request(f"Cannot find a suitable handler for this /invocations request: its body must have "
+                             f"one of {expected}.")
+
+
+def _post_endpoint(router: APIRouter, path: str) -> Callable[[Request], Any] | None:
+    for route in router.routes:
+        if getattr(route, "path", None) == path and "POST" in (getattr(route, "methods", None) or ()):
+            return route.endpoint  # type: ignore[attr-defined]
+    return None
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -22,7 +22,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lm_console.engine.metrics.loggers import StatLoggerBase
-from lm_console.engine.metrics.stats import KV_BLOCK_RESIDENCY_BUCKETS, IterationStats, SchedulerStats
+from lm_console.engine.metrics.stats import (
+    KV_BLOCK_RESIDENCY_BUCKETS,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 
 if TYPE_CHECKING:
     from lm_console.engine.frontend.async_llm import AsyncLLM
@@ -37,6 +42,9 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -90,6 +98,10 @@ class PrometheusStatLogger(StatLoggerBase):
                                                token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          REQUEST_PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -128,6 +140,10 @@ class PrometheusStatLogger(StatLoggerBase):
         self.extras = LmcCollector(self.labels)
         registry.register(self.extras)
         self._preemptions_seen = 0
+        # Speculative decoding (vLLM's spec_decode counters), created with the first stats that
+        # carry them: the per-position series need num_speculative_tokens.
+        self._spec_counters: tuple[Any, Any, Any, list[Any]] | None = None
+        self._spec_seen: SpecDecodingStats | None = None
 
     # -- StatLoggerBase ---------------------------------------------------------------------
     def log_engine_initialized(self) -> None:
@@ -169,6 +185,10 @@ class PrometheusStatLogger(StatLoggerBase):
             self.inference_time.observe(finished.inference_time)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+            if finished.n_param is not None:
+                self.request_params_n.observe(finished.n_param)
+            if finished.max_tokens_param is not None:
+                self.request_params_max_tokens.observe(finished.max_tokens_param)
 
     def log(self) -> None:
         """Nothing to print: Prometheus scrapes /metrics."""
@@ -196,7 +216,39 @@ class PrometheusStatLogger(StatLoggerBase):
         if stats.num_preemptions_total > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions_total
+        if stats.spec_decoding is not None:
+            self._observe_spec_decoding(stats.spec_decoding)
         self.extras.last = stats
+
+    def _observe_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        """Catch the spec_decode counters up with the core's cumulative totals."""
+        if self._spec_counters is None:
+            names = ["model_name", "engine"]
+
+            def counter(name: str, doc: str) -> Any:
+                return Counter(name, doc, names, registry=self.registry).labels(**self.labels)
+
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.", names + ["position"], registry=self.registry)
+            self._spec_counters = (
+                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                [per_pos.labels(position=str(i), **self.labels) for i in range(spec.num_spec_tokens)])
+            self._spec_seen = SpecDecodingStats.new(spec.num_spec_tokens)
+        seen = self._spec_seen
+        assert seen is not None
+        drafts, draft_tokens, accepted, per_position = self._spec_counters
+        for metric, now, before in ((drafts, spec.num_drafts, seen.num_drafts),
+                                    (draft_tokens, spec.num_draft_tokens, seen.num_draft_tokens),
+                                    (accepted, spec.num_accepted_tokens, seen.num_accepted_tokens)):
+            if now > before:
+                metric.inc(now - before)
+        for position, (now, before) in enumerate(zip(spec.num_accepted_tokens_per_pos,
+                                                     seen.num_accepted_tokens_per_pos)):
+            if now > before:
+                per_position[position].inc(now - before)
+        self._spec_seen = spec.copy()
 
     async def refresh(self, engine: AsyncLLM, timeout_s: float = 2.0) -> None:
         """Read the core's current gauges before a scrape (kept as they are if it cannot answer)."""

@@ -1,24 +1,34 @@
 """Request and response models of the OpenAI API as vLLM serves it (completions, models, tokenizer).
 
 Field names, defaults and meanings follow vLLM's protocol (OpenAI's fields, then vLLM's extras
-such as top_k, min_p, ignore_eos). Two deliberate differences, both so that nothing is
-accepted silently: an unknown field is refused with 400 (vLLM logs and ignores it), and a
-known field the engine cannot honour (logit_bias, beam search, ...) is refused with 400 naming
-it, unless it holds its do-nothing value. Requests parse in pydantic's strict mode: "5" is not
-an integer and true is not 1. The chat models are in protocol_chat.py.
+such as top_k, min_p, ignore_eos). An unknown field is ignored with a warning in the server's log,
+as vLLM does (clients send fields of newer API versions and of other servers). A known field the
+engine cannot honour is refused with 400 naming it, unless it holds its do-nothing value, so that
+nothing the engine knows of is accepted silently. Requests parse in pydantic's strict mode: "5" is
+not an integer and true is not 1. The chat models are in protocol_chat.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, model_validator
 
 from lm_console.engine.entrypoints.openai.errors import bad_request, model_not_found, unsupported
 
+logger = logging.getLogger(__name__)
+
 INT64_MIN = -(2**63)
+# Unknown field names a warning lists (and the characters of each): a client's typo is shown, a
+# hostile body with thousands of keys does not flood the log.
+MAX_IGNORED_FIELDS_LOGGED = 10
+MAX_IGNORED_NAME_CHARS = 64
 INT64_MAX = 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -28,10 +38,62 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class RequestModel(BaseModel):
-    """A request body: strict types, unknown fields refused, do-nothing-only extras checked."""
+class IgnoredFields:
+    """The unknown fields of one request body, for one warning line (bounded, whatever the body)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.count = 0
+
+    def add(self, model_name: str, keys: list[Any]) -> None:
+        self.count += len(keys)
+        for key in keys[:MAX_IGNORED_FIELDS_LOGGED - len(self.names)]:
+            name = repr(str(key)[:MAX_IGNORED_NAME_CHARS])
+            self.names.append(name if model_name in _TOP_LEVEL_MODELS else f"{name} (in {model_name})")
+
+    def log(self) -> None:
+        if self.count:
+            more = f" and {self.count - len(self.names)} more" if self.count > len(self.names) else ""
+            logger.warning("The following fields were present in the request but ignored: %s%s.",
+                           ", ".join(self.names), more)
+
+
+_ignored_fields: ContextVar[IgnoredFields | None] = ContextVar("lmc_ignored_fields", default=None)
+_TOP_LEVEL_MODELS = frozenset({"CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
+                               "TokenizeChatRequest", "DetokenizeRequest"})
+
+
+@contextlib.contextmanager
+def collect_ignored_fields() -> Iterator[IgnoredFields]:
+    """Collect the unknown fields of the bodies validated inside, then log them as one warning."""
+    collector = IgnoredFields()
+    token = _ignored_fields.set(collector)
+    try:
+        yield collector
+    finally:
+        _ignored_fields.reset(token)
+    collector.log()
+
+
+class RequestModel(BaseModel):
+    """A request body: strict types, unknown fields ignored with a warning, do-nothing-only extras checked."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        if isinstance(data, dict):
+            ignored = [key for key in data if key not in cls.model_fields]
+            if ignored:
+                collector = _ignored_fields.get()
+                if collector is None:  # validated outside collect_ignored_fields(): say it at once
+                    collector = IgnoredFields()
+                    collector.add(cls.__name__, ignored)
+                    collector.log()
+                else:
+                    collector.add(cls.__name__, ignored)
+        return handler(data)
 
     # field -> (its do-nothing values, why the engine cannot honour anything else)
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
@@ -49,7 +111,10 @@ class ResponseModel(BaseModel):
 
 
 class StreamOptions(RequestModel):
-    include_usage: bool | None = True
+    """A stream's usage: a last chunk with it only when include_usage is true (OpenAI's meaning: not
+    asked, not sent), and with continuous_usage_stats every chunk carries the usage so far too."""
+
+    include_usage: bool | None = None
     continuous_usage_stats: bool | None = False
 
 
@@ -103,11 +168,7 @@ class ModelList(ResponseModel):
 
 # Shared by /v1/completions and /v1/chat/completions: vLLM's extras this engine lacks.
 SAMPLING_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": (({},), "the sampler has no per-token logit bias"),
-    "allowed_token_ids": ((), "the sampler cannot restrict sampling to a token set"),
     "bad_words": (([],), "the sampler has no bad-words filter"),
-    "use_beam_search": ((False,), "the engine has no beam search"),
-    "length_penalty": ((1.0, 1), "length_penalty applies to beam search, which the engine lacks"),
     "kv_transfer_params": ((), "pass KV transfer parameters through the Python API"),
     "vllm_xargs": ((), "no custom extensions are installed"),
 }
@@ -148,13 +209,13 @@ class SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Known fields the engine cannot honour (see SAMPLING_UNSUPPORTED).
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None
     prompt_logprobs: int | None = None
-    use_beam_search: bool | None = None
-    length_penalty: float | None = None
+    use_beam_search: bool | None = None  # n beams, n results (frontend beam search over one-token steps)
+    length_penalty: float | None = None  # beam search's score: cumulative logprob / length ** length_penalty
+    # Known fields the engine cannot honour (see SAMPLING_UNSUPPORTED).
+    bad_words: list[str] | None = None
     priority: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -170,6 +231,7 @@ class SamplingFields(RequestModel):
     def check_common(self, max_stop_strings: int, max_n: int) -> None:
         """vLLM's cross-field checks plus this server's size limits (400 on failure)."""
         self.refuse_unsupported()
+        self.check_beam_search()
         if self.stream_options is not None and not self.stream:
             raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
         stops = self.stop_list
@@ -184,6 +246,31 @@ class SamplingFields(RequestModel):
             raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
         if self.seed is not None and self.n > 1 and self.seed + self.n - 1 > INT64_MAX:
             raise bad_request("seed + n - 1 must fit in int64 (choice i samples with seed + i).", "seed")
+
+    # With use_beam_search, the fields that hold anything but these values are refused: beam search
+    # ranks beams by the model's own log-probabilities, so a sampling control would do nothing.
+    BEAM_SEARCH_NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "temperature": (None, 0, 0.0, 1, 1.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0, 0.0),
+        "repetition_penalty": (None, 1, 1.0), "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0), "stop": (None, "", []), "stop_token_ids": (None, []),
+        "min_tokens": (0,), "logit_bias": (None, {}),
+        "allowed_token_ids": (None,), "prompt_logprobs": (None,), "response_format": (None, {"type": "text"}),
+        "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+        "guided_grammar": (None,),
+    }
+
+    def check_beam_search(self) -> None:
+        """400 for a field that beam search would not honour (only with use_beam_search)."""
+        if not self.use_beam_search:
+            if self.length_penalty is not None and self.length_penalty != 1.0:
+                raise bad_request("length_penalty applies to beam search only: set use_beam_search to true.",
+                                  "length_penalty")
+            return
+        for name, neutral in self.BEAM_SEARCH_NEUTRAL.items():
+            value = getattr(self, name)
+            if not any(value == n and type(value) is type(n) for n in neutral):
+                raise bad_request(f"'{name}' cannot be used with use_beam_search: beam search keeps the n most "
+                                  "likely sequences by the model's own log-probabilities.", name)
 
     @property
     def include_usage(self) -> bool:

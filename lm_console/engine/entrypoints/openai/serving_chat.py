@@ -4,6 +4,9 @@ Image parts are resolved by the server first (media.py: data: URLs, http(s) with
 and a byte cap, file:// under --allowed-local-media-path) and then go through the engine's own
 chat support (lm_console/engine/multimodal/chat.py), so the HTTP path and LLM.chat build the same prompt.
 A stream starts with one {"role": "assistant", "content": ""} delta per choice, as vLLM's does.
+Tools (tool_calling.py): the tools reach the chat template; "required" and named tool choices
+constrain the output; "auto" parses it with --tool-call-parser. A stream sends each call as
+vLLM does: a delta with its index, id, type and name, then deltas of its arguments' text.
 """
 
 from __future__ import annotations
@@ -20,22 +23,27 @@ from lm_console.engine.entrypoints.openai.protocol import make_usage, prompt_log
 from lm_console.engine.entrypoints.openai.protocol_chat import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTemplateFields,
-    DeltaMessage,
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
 )
+from lm_console.engine.entrypoints.openai.tool_calling import (
+    HERMES_CHATML_TEMPLATE, ToolPlan, needs_tool_template, plan_tools,
+)
+from lm_console.engine.entrypoints.openai.tool_parsers import StreamPiece, ToolCallDelta, get_tool_parser, tool_call_id
 from lm_console.engine.entrypoints.openai.structured_outputs import check_constraint_size, has_constraint
 from lm_console.engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, check_work, fit_prompt, make_sampling_params,
-    sse, until_disconnect,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, beam_search_params, check_work, fit_prompt,
+    make_sampling_params, run_beam_search, sse, until_disconnect,
 )
 from lm_console.engine.errors import EngineError
+from lm_console.engine.frontend.tracing import trace_headers_of
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
     from fastapi import Request
 
 
-async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, allow_images: bool = True
-                             ) -> dict[str, Any]:
+async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, allow_images: bool = True,
+                             tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The engine prompt dict ("prompt", "prompt_token_ids", maybe "multi_modal_data").
 
     The text is measured before the template runs, and the template, the tokenizer and the image
@@ -62,15 +70,22 @@ async def render_chat_prompt(ctx: ServingContext, request: ChatTemplateFields, a
         for part in image_parts:
             source = await ctx.media.load(part["image_url"]["url"])
             part["image_url"] = {"url": await ctx.offload(ctx.media.check_image, source)}
-    return await ctx.offload(_render, ctx, request, messages)
+    return await ctx.offload(_render, ctx, request, messages, tools)
 
 
-def _render(ctx: ServingContext, request: ChatTemplateFields, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _render(ctx: ServingContext, request: ChatTemplateFields, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from lm_console.engine.multimodal.chat import build_chat_prompt
 
+    kwargs = request.template_kwargs()
+    if tools is not None:
+        kwargs["tools"] = tools  # transformers' apply_chat_template(tools=...)
+    mm_processor = ctx.engine.input_processor.mm_processor
+    if mm_processor is None and needs_tool_template(getattr(ctx.tokenizer, "chat_template", None), tools, messages):
+        kwargs.setdefault("chat_template", HERMES_CHATML_TEMPLATE)
     try:
         prompt = build_chat_prompt(ctx.tokenizer, ctx.engine.input_processor.mm_processor, messages,
-                                   request.add_generation_prompt, request.template_kwargs(),
+                                   request.add_generation_prompt, kwargs,
                                    check_text=lambda text: ctx.check_prompt_text(text, "messages"))
     except (EngineError, OpenAIError):
         raise
@@ -98,6 +113,8 @@ class OpenAIServingChat:
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        parser_name = ctx.settings.tool_call_parser
+        self.tool_parser = get_tool_parser(parser_name) if parser_name else None
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         ctx, settings = self.ctx, self.ctx.settings
@@ -106,7 +123,9 @@ class OpenAIServingChat:
         if has_constraint(request):
             await ctx.offload(check_constraint_size, request, settings.max_structured_output_bytes,
                               settings.max_structured_output_choices)
-        prompt = await render_chat_prompt(ctx, request)
+        tool_plan = await ctx.offload(plan_tools, request, settings.enable_auto_tool_choice, self.tool_parser,
+                                      has_constraint(request), settings.max_structured_output_bytes)
+        prompt = await render_chat_prompt(ctx, request, tools=tool_plan.tools)
         max_tokens = request.requested_max_tokens
         if "multi_modal_data" not in prompt:
             prompt["prompt_token_ids"], max_tokens = fit_prompt(
@@ -114,38 +133,105 @@ class OpenAIServingChat:
         elif request.truncate_prompt_tokens is not None:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images (it would cut an image's "
                               "placeholder tokens).", "truncate_prompt_tokens")
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, prompt, max_tokens, model)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         check_work(ctx, [len(prompt["prompt_token_ids"])], max_tokens, request.n, logprobs, request.prompt_logprobs)
         params = make_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                       stream=bool(request.stream))
+        if tool_plan.constraint is not None:
+            params.structured_outputs = tool_plan.constraint
         request_id = random_id("chatcmpl")
         engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0,
-                                       ctx.lora_for(model))
+                                       lora_request=ctx.lora_for(model),
+                                       trace_headers=trace_headers_of(raw_request.headers))
         await engine_request.start()
         try:
             token_text = TokenText(ctx.tokenizer, bool(request.return_tokens_as_token_ids))
             if request.stream:
-                events = self._stream(engine_request, request, request_id, model, token_text)
+                events = self._stream(engine_request, request, request_id, model, token_text, tool_plan)
                 return EventStreamResponse(events, [engine_request])
             response = await until_disconnect(raw_request, self._full(engine_request, request, request_id, model,
-                                                                      token_text))
+                                                                      token_text, tool_plan))
         finally:
             if not request.stream:
                 engine_request.close()
         return Response(response.model_dump_json(), media_type="application/json")
 
+    async def _beam_search(self, request: ChatCompletionRequest, raw_request: Request, prompt: dict[str, Any],
+                           max_tokens: int | None, model: str) -> Response:
+        """use_beam_search: the n best beams are the n choices, best first."""
+        ctx = self.ctx
+        if "multi_modal_data" in prompt:
+            raise bad_request("use_beam_search takes text messages only.", "use_beam_search")
+        if request.logprobs:
+            raise bad_request("'logprobs' cannot be used with use_beam_search.", "logprobs")
+        token_ids = prompt["prompt_token_ids"]
+        check_work(ctx, [len(token_ids)], max_tokens, request.n, None, None)
+        params = beam_search_params(ctx, request, max_tokens, len(token_ids))
+        request_id = random_id("chatcmpl")
+        [result] = await until_disconnect(raw_request, run_beam_search(ctx, request_id, [token_ids], [params],
+                                                                       request.cache_salt, request.priority or 0,
+                                                                       lora_request=ctx.lora_for(model)))
+        echo = request.echo_text()
+        choices = []
+        for i, beam in enumerate(result.sequences):
+            message = ChatMessage(role="assistant", content=echo + (beam.text or ""))
+            choice = ChatCompletionResponseChoice(index=i, message=message, finish_reason=beam.finish_reason,
+                                                  stop_reason=beam.stop_reason)
+            if request.return_token_ids:
+                choice.token_ids = list(beam.token_ids)
+            choices.append(choice)
+        usage = make_usage(len(token_ids), sum(len(beam.token_ids) for beam in result.sequences), 0)
+        if not request.stream:
+            response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+            if request.return_token_ids:
+                response.prompt_token_ids = list(token_ids)
+            return Response(response.model_dump_json(), media_type="application/json")
+
+        async def events() -> AsyncIterator[str]:  # the search is done: a role chunk, then each beam's text
+            created = int(time.time())
+
+            def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
+                made = ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
+                                                    model=model, choices=[choice])
+                if request.include_usage:
+                    made.usage = usage if request.continuous_usage else None
+                return made
+
+            for choice in choices:
+                yield sse(chunk(ChatCompletionResponseStreamChoice(
+                    index=choice.index, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)))
+                yield sse(chunk(ChatCompletionResponseStreamChoice(
+                    index=choice.index, delta=DeltaMessage(content=choice.message.content),
+                    finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)))
+            if request.include_usage:
+                yield sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
+                                                       model=model, choices=[], usage=usage))
+            yield SSE_DONE
+
+        return EventStreamResponse(events(), [])
+
     async def _full(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,
-                    model: str, token_text: TokenText) -> ChatCompletionResponse:
+                    model: str, token_text: TokenText, tool_plan: ToolPlan) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async for output in engine_request:
             final = output
         assert final is not None
         choices = []
+        echo = request.echo_text()
         for completion in sorted(final.outputs, key=lambda c: c.index):
+            content, calls = tool_plan.parse(completion.text)
+            if echo:
+                content = echo + (content or "")
+            message = ChatMessage(role="assistant", content=content, tool_calls=[
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls])
             choice = ChatCompletionResponseChoice(
-                index=completion.index, message=ChatMessage(role="assistant", content=completion.text),
+                index=completion.index, message=message,
                 logprobs=self._logprobs(request, completion, token_text),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                finish_reason=tool_plan.finish_reason(completion.finish_reason, bool(calls)),
+                stop_reason=completion.stop_reason)
             if request.return_token_ids:
                 choice.token_ids = list(completion.token_ids)
             choices.append(choice)
@@ -160,8 +246,9 @@ class OpenAIServingChat:
         return response
 
     async def _stream(self, engine_request: EngineRequest, request: ChatCompletionRequest, request_id: str,
-                      model: str, token_text: TokenText) -> AsyncIterator[str]:
+                      model: str, token_text: TokenText, tool_plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
+        tools = [_ToolStream(tool_plan) for _ in range(request.n)]
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> ChatCompletionStreamResponse:
             made = ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
@@ -188,14 +275,23 @@ class OpenAIServingChat:
                     if request.return_token_ids and index == 0:
                         opening.prompt_token_ids = list(output.prompt_token_ids)
                     yield sse(opening)
+                echo = request.echo_text()
+                if echo:  # vLLM sends the echoed text as each choice's first content delta
+                    for index in range(request.n):
+                        yield sse(chunk([ChatCompletionResponseStreamChoice(
+                            index=index, delta=DeltaMessage(content=echo), logprobs=None, finish_reason=None)]))
             for completion in output.outputs:
                 num_completion_tokens[completion.index] += len(completion.token_ids)
                 if not completion.text and not completion.token_ids and completion.finish_reason is None:
                     continue
+                tool_stream = tools[completion.index]
+                delta = tool_stream.delta(completion.text, completion.finish_reason is not None)
+                if delta is None and completion.finish_reason is None and not request.logprobs:
+                    continue  # text held back (a tag's beginning) with nothing else to send
                 choice = ChatCompletionResponseStreamChoice(
-                    index=completion.index, delta=DeltaMessage(content=completion.text),
+                    index=completion.index, delta=delta or DeltaMessage(content=""),
                     logprobs=self._logprobs(request, completion, token_text),
-                    finish_reason=completion.finish_reason)
+                    finish_reason=tool_plan.finish_reason(completion.finish_reason, tool_stream.called))
                 if completion.finish_reason is not None:
                     choice.stop_reason = completion.stop_reason
                 if request.return_token_ids:
@@ -212,3 +308,57 @@ class OpenAIServingChat:
         if not request.logprobs:
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0, token_text)
+
+
+class _ToolStream:
+    """One choice's stream through its ToolPlan: text deltas -> content and tool-call deltas."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.parser = plan.streamer()
+        self.ids: dict[int, str] = {}
+        self.named_started = False
+
+    @property
+    def called(self) -> bool:
+        if self.plan.mode == "named":
+            return self.named_started
+        return bool(self.ids)
+
+    def delta(self, text: str, last: bool) -> DeltaMessage | None:
+        """The delta for this text (None when nothing is to be sent yet)."""
+        if self.plan.mode == "named":
+            return self._named(text)
+        if self.parser is None:
+            return DeltaMessage(content=text)
+        piece = self.parser.feed(text)
+        if last:
+            tail = self.parser.finish()
+            piece = StreamPiece(piece.content + tail.content, piece.tool_calls + tail.tool_calls)
+        calls = [self._call(d) for d in piece.tool_calls if self.plan.parallel or d.index == 0]
+        if self.ids and not piece.content.strip():
+            piece.content = ""  # the whitespace between and after calls is not content
+        if not calls and not piece.content:
+            return None
+        delta = DeltaMessage()
+        if piece.content:
+            delta.content = piece.content
+        if calls:
+            delta.tool_calls = calls
+        return delta
+
+    def _named(self, text: str) -> DeltaMessage | None:
+        if self.named_started:
+            if not text:
+                return None
+            return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))])
+        self.named_started = True
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=tool_call_id(), type="function",
+                                                      function=DeltaFunctionCall(name=self.plan.named, arguments=text))])
+
+    def _call(self, piece: ToolCallDelta) -> DeltaToolCall:
+        if piece.name is not None:
+            self.ids[piece.index] = tool_call_id()
+            return DeltaToolCall(index=piece.index, id=self.ids[piece.index], type="function",
+                                 function=DeltaFunctionCall(name=piece.name, arguments=""))
+        return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))

@@ -21,10 +21,12 @@ from lm_console.engine.entrypoints.openai.protocol import (
 )
 from lm_console.engine.entrypoints.openai.structured_outputs import check_constraint_size, has_constraint
 from lm_console.engine.entrypoints.openai.serving_engine import (
-    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, check_work, close_all, fit_prompt,
-    make_sampling_params, merge, sse, start_all, until_disconnect,
+    SSE_DONE, EngineRequest, EventStreamResponse, ServingContext, beam_search_params, check_work, close_all,
+    fit_prompt, make_sampling_params, merge, run_beam_search, sse, start_all, until_disconnect,
 )
+from lm_console.engine.entrypoints.openai.errors import bad_request
 from lm_console.engine.outputs import CompletionOutput, RequestOutput
+from lm_console.engine.frontend.tracing import trace_headers_of
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -50,6 +52,8 @@ class OpenAIServingCompletion:
         check_prompt_sizes(ctx, prompts)
         # Tokenising (and decoding for echo) costs time in proportion to the text: in the pool.
         prepared = await ctx.offload(lambda: [self._prepare(prompt, request) for prompt in prompts])
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, prepared, request_id, model)
         echo_logprobs = request.logprobs if request.echo and request.prompt_logprobs is None else None
         check_work(ctx, [len(p["prompt_token_ids"]) for p, _ in prepared], request.max_tokens, request.n,
                    request.logprobs, request.prompt_logprobs if echo_logprobs is None else echo_logprobs,
@@ -60,7 +64,9 @@ class OpenAIServingCompletion:
                                           logprobs=request.logprobs, stream=bool(request.stream),
                                           prompt_logprobs=echo_logprobs)
             engine_requests.append(EngineRequest(ctx, f"{request_id}-{index}", engine_prompt, params,
-                                                 request.cache_salt, request.priority or 0, ctx.lora_for(model)))
+                                                 request.cache_salt, request.priority or 0,
+                                                 lora_request=ctx.lora_for(model),
+                                                 trace_headers=trace_headers_of(raw_request.headers)))
             prompt_texts.append(echo_text)
         await start_all(engine_requests)
         try:
@@ -74,6 +80,50 @@ class OpenAIServingCompletion:
             if not request.stream:
                 close_all(engine_requests)
         return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _beam_search(self, request: CompletionRequest, raw_request: Request,
+                           prepared: list[tuple[dict[str, Any], str]], request_id: str, model: str) -> Response:
+        """use_beam_search: n beams per prompt; choice p * n + i is prompt p's i-th best beam."""
+        ctx = self.ctx
+        if request.logprobs is not None:
+            raise bad_request("'logprobs' cannot be used with use_beam_search.", "logprobs")
+        check_work(ctx, [len(p["prompt_token_ids"]) for p, _ in prepared], request.max_tokens, request.n, None, None,
+                   bool(request.echo))
+        params = [beam_search_params(ctx, request, p["max_tokens"], len(p["prompt_token_ids"])) for p, _ in prepared]
+        results = await until_disconnect(raw_request, run_beam_search(
+            ctx, request_id, [p["prompt_token_ids"] for p, _ in prepared], params, request.cache_salt,
+            request.priority or 0, lora_request=ctx.lora_for(model)))
+        choices: list[CompletionResponseChoice] = []
+        num_completion_tokens = 0
+        for index, (result, (_, echo_text)) in enumerate(zip(results, prepared)):
+            for i, beam in enumerate(result.sequences):
+                num_completion_tokens += len(beam.token_ids)
+                choice = CompletionResponseChoice(
+                    index=index * request.n + i, text=(echo_text if request.echo else "") + (beam.text or ""),
+                    finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
+                if request.return_token_ids:
+                    choice.token_ids = list(beam.token_ids)
+                    choice.prompt_token_ids = list(result.prompt_token_ids)
+                choices.append(choice)
+        usage = make_usage(sum(len(r.prompt_token_ids) for r in results), num_completion_tokens, 0)
+        if not request.stream:
+            response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+            return Response(response.model_dump_json(), media_type="application/json")
+
+        async def events() -> AsyncIterator[str]:  # the search is done: each beam is one chunk
+            created = int(time.time())
+            for choice in choices:
+                chunk = CompletionStreamResponse(id=request_id, object="text_completion", created=created, model=model,
+                                                 choices=[CompletionResponseStreamChoice(**choice.model_dump())])
+                if request.include_usage:
+                    chunk.usage = usage if request.continuous_usage else None
+                yield sse(chunk)
+            if request.include_usage:
+                yield sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created, model=model,
+                                                   choices=[], usage=usage))
+            yield SSE_DONE
+
+        return EventStreamResponse(events(), [])
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> tuple[dict[str, Any], str]:
         """(engine prompt with "max_tokens", the prompt text echo would send back)."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -103,10 +104,12 @@ class EngineRequest:
     """One request in the engine: start() it, then `async for output in request`."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams,
-                 cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+                 cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
+                 trace_headers: Mapping[str, str] | None = None) -> None:
         self.ctx = ctx
         self.lora_request = lora_request
         self.priority = priority
+        self.trace_headers = trace_headers  # the client's traceparent: the parent of the request's span
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -117,7 +120,9 @@ class EngineRequest:
     async def start(self) -> None:
         """Validate and send; raises the engine's error (mapped to 400 by the caller)."""
         self._collector = await self.ctx.engine.add_request(self.request_id, self.prompt, self.params,
-                                                            self.cache_salt, self.priority, self.lora_request)
+                                                            self.cache_salt, self.priority,
+                                                            lora_request=self.lora_request,
+                                                            trace_headers=self.trace_headers)
         self.ctx.state.request_ids.add(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -288,7 +293,64 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: int | None, log
         prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=to_structured_outputs_params(request),
+        logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
+        allowed_token_ids=list(request.allowed_token_ids) if request.allowed_token_ids is not None else None,
     )
+
+
+def beam_search_params(ctx: ServingContext, request: SamplingFields, max_tokens: int | None,
+                       num_prompt_tokens: int) -> Any:
+    """The BeamSearchParams of a use_beam_search request (400 naming n when the width cannot be served)."""
+    from lm_console.engine.frontend.beam_search import BeamSearchParams
+
+    max_logprobs = ctx.engine.input_processor.max_logprobs
+    if 0 <= max_logprobs < 2 * request.n:
+        raise bad_request(f"Beam search with n={request.n} asks for 2 x n = {2 * request.n} logprobs per step, more "
+                          f"than the engine's max_logprobs={max_logprobs}; use n <= {max_logprobs // 2}.", "n")
+    return BeamSearchParams(
+        beam_width=request.n, max_tokens=max_tokens if max_tokens is not None else ctx.max_model_len - num_prompt_tokens,
+        ignore_eos=request.ignore_eos, length_penalty=1.0 if request.length_penalty is None else request.length_penalty,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens)
+
+
+async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: list[Any],
+                          cache_salt: str | None = None, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> list[Any]:
+    """Beam search of each prompt (token ids) with its BeamSearchParams; each step sends one
+    one-token request per live beam of every prompt, all at once. Cancelling it aborts the step."""
+    from lm_console.engine.frontend.beam_search import BeamSearch, candidates_of, check_beam_width
+
+    processor = ctx.engine.input_processor
+    stop_ids: set[int] = set(processor.extra_stop_token_ids)
+    if processor.eos_token_id is not None:
+        stop_ids.add(processor.eos_token_id)
+    searches = []
+    for token_ids, search_params in zip(prompts, params):
+        check_beam_width(search_params.beam_width, processor.max_logprobs)
+        searches.append(BeamSearch(token_ids, search_params, stop_ids))
+    steps = itertools.count()
+    while True:
+        pending = [search.pending() for search in searches]
+        requests = [EngineRequest(ctx, f"{request_id}-beam{next(steps)}", {"prompt_token_ids": tokens},
+                                  search.params.step_params(), cache_salt, priority, lora_request=lora_request)
+                    for search, beams in zip(searches, pending) for tokens in beams]
+        if not requests:
+            break
+        await start_all(requests)
+        finals: list[Any] = [None] * len(requests)
+        async for index, output in merge(requests):
+            finals[index] = output
+        outputs = iter(finals)
+        for search, beams in zip(searches, pending):
+            if beams:
+                search.advance([candidates_of(next(outputs)) for _ in beams])
+    return [search.result(functools.partial(_decode, ctx.tokenizer, search.params.skip_special_tokens))
+            for search in searches]
+
+
+def _decode(tokenizer: Any, skip_special_tokens: bool, token_ids: list[int]) -> str:
+    return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
 def fit_prompt(ctx: ServingContext, token_ids: list[int], truncate: int | None, max_tokens: int | None,
@@ -304,9 +366,9 @@ def fit_prompt(ctx: ServingContext, token_ids: list[int], truncate: int | None, 
             truncate = limit - 1
         if truncate < 1:
             raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {truncate}.", "truncate_prompt_tokens")
-        if truncate >= limit:
-            raise bad_request(f"truncate_prompt_tokens={truncate} must be below max_model_len={limit}.",
-                              "truncate_prompt_tokens")
+        if truncate > limit:  # vLLM's bound; a prompt of max_model_len tokens then fails the context check
+            raise bad_request(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({limit}). "
+                              "Please, select a smaller truncation size.", "truncate_prompt_tokens")
         token_ids = token_ids[-truncate:]
     if len(token_ids) >= limit:
         raise bad_request(

@@ -28,7 +28,8 @@ class OpenAIServingTokenization:
         ctx.model_name(request.model)
         if isinstance(request, TokenizeChatRequest):
             request.check_template()
-            prompt: dict[str, Any] = await render_chat_prompt(ctx, request, allow_images=False)
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+            prompt: dict[str, Any] = await render_chat_prompt(ctx, request, allow_images=False, tools=tools)
             token_ids = list(prompt["prompt_token_ids"])
         else:
             ctx.check_prompt_text(request.prompt, "prompt")  # refused untokenised when it cannot fit

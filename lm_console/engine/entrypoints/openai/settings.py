@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from lm_console.engine.sampling_params import PoolingParams
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,11 @@ class ServerSettings:
     max_n: int = 128
     max_prompts: int = 256  # prompts in one /v1/completions request
     log_level: str = "info"
+    # tool_choice "auto": vLLM's --enable-auto-tool-choice and --tool-call-parser (tool_parsers.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # /v1/embeddings: vLLM's --pooler-config (pooling_type LAST or MEAN, normalize)
+    pooler_config: PoolingParams = field(default_factory=PoolingParams)
     # (name, adapter directory) of each --lora-modules adapter, chosen by a request's `model`
     lora_modules: tuple[tuple[str, str], ...] = ()
 
@@ -57,5 +64,13 @@ class ServerSettings:
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        if self.tool_call_parser is not None:
+            from lm_console.engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is unknown; known: "
+                                 f"{', '.join(sorted(TOOL_PARSERS))}.")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes).")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for an open server).")

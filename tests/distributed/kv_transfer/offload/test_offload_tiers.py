@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lm_console.engine.config import CacheConfig, EngineConfig, ModelConfig
-from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
+from lm_console.engine.config.kv_transfer import KVTransferConfig
 from lm_console.engine.distributed.kv_transfer.offload import disk_tier as disk_tier_module
 from lm_console.engine.distributed.kv_transfer.offload.chunk_codec import CorruptChunkError, decode, encode_header
 from lm_console.engine.distributed.kv_transfer.offload.chunk_hash import ChunkHasher

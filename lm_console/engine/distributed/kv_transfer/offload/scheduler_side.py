@@ -51,7 +51,7 @@ class OffloadScheduler:
 
     # -- lookup ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.is_consumer or request.sampling_params.prompt_logprobs is not None:
+        if not self.is_consumer or request.sampling_params.needs_every_prompt_token:
             return 0, False
         hashes = self._chunk_hashes(request, request.num_tokens)
         num_chunks, num_on_disk = self.store.lookup_prefix(hashes)

@@ -9,7 +9,7 @@ from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
     from lm_console.engine.config.engine_config import EngineConfig
-    from lm_console.engine.distributed.kv_transfer.config import KVTransferConfig
+    from lm_console.engine.config.kv_transfer import KVTransferConfig
 
 _KEYS = {"cpu_bytes", "disk_path", "disk_bytes", "chunk_size", "save_decode", "load_timeout_s",
          "remote_wait_s", "load_mode"}

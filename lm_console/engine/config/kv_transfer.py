@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from lm_console.engine.config.fields import DeclaredConfig, knob
 from lm_console.engine.errors import InvalidEngineArgsError
 
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: tuple[str, ...] = KVRole.__args__  # type: ignore[attr-defined]
 
 
 @dataclass
-class KVTransferConfig:
+class KVTransferConfig(DeclaredConfig):
     """Which connector to build and how (after vLLM's KVTransferConfig).
 
     kv_role: kv_producer stores KV, kv_consumer loads it, kv_both does both.
@@ -22,7 +24,8 @@ class KVTransferConfig:
     """
 
     kv_connector: str
-    kv_role: str = "kv_both"
+    kv_role: KVRole = knob("kv_both", user=False, arg="kv_transfer_config.kv_role",
+                           help="kv_producer stores KV, kv_consumer loads it, kv_both does both.")
     kv_connector_module_path: str | None = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     engine_id: str | None = None
@@ -30,10 +33,7 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
             raise InvalidEngineArgsError("kv_transfer_config.kv_connector must name a connector class.")
-        if self.kv_role not in KV_ROLES:
-            raise InvalidEngineArgsError(
-                f"kv_transfer_config.kv_role={self.kv_role!r} is invalid; allowed: {', '.join(KV_ROLES)}."
-            )
+        super().__post_init__()  # kv_role, from its declaration
         if not isinstance(self.kv_connector_extra_config, dict):
             raise InvalidEngineArgsError("kv_transfer_config.kv_connector_extra_config must be a dict.")
 

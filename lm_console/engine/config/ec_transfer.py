@@ -6,14 +6,14 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from lm_console.engine.config.fields import DeclaredConfig, knob
 from lm_console.engine.errors import InvalidEngineArgsError
 
 ECRole = Literal["ec_producer", "ec_consumer", "ec_both"]
-_ROLES = ("ec_producer", "ec_consumer", "ec_both")
 
 
 @dataclass(slots=True)
-class ECTransferConfig:
+class ECTransferConfig(DeclaredConfig):
     """The `ec_transfer_config` engine argument, validated.
 
     ec_producer: this engine only runs encoders and saves their outputs (no decoder, no KV);
@@ -22,7 +22,9 @@ class ECTransferConfig:
     """
 
     ec_connector: str = "ECExampleConnector"
-    ec_role: ECRole = "ec_consumer"
+    ec_role: ECRole = knob(
+        "ec_consumer", user=False, arg="ec_role",
+        help="ec_producer runs encoders only, ec_consumer loads encoder outputs, ec_both does both.")
     ec_connector_module_path: str | None = None  # load ec_connector from this module instead
     ec_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
@@ -55,9 +57,7 @@ class ECTransferConfig:
         unknown = sorted(set(value) - names)
         if unknown:
             raise InvalidEngineArgsError(f"ec_transfer_config has unknown keys {unknown}; allowed: {sorted(names)}.")
-        config = cls(**value)
-        if config.ec_role not in _ROLES:
-            raise InvalidEngineArgsError(f"ec_role={config.ec_role!r} must be one of {', '.join(_ROLES)}.")
+        config = cls(**value)  # ec_role checked by its declaration
         if not isinstance(config.ec_connector_extra_config, dict):
             raise InvalidEngineArgsError("ec_connector_extra_config must be a dict.")
         return config

@@ -1,0 +1,114 @@
+"""SpeculativeConfig: speculative decoding with model-free proposers (vLLM's speculative_config).
+
+A proposer guesses the next tokens of a decoding request from its own tokens (the prompt and
+the output so far); the model verifies every guess in one forward and keeps the longest prefix
+the target accepts, plus one token of its own (lm_console/engine/core/spec_decode/,
+lm_console/engine/sample/rejection_sampler.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from lm_console.engine.errors import InvalidEngineArgsError
+
+SpeculativeMethod = Literal["ngram", "suffix"]
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "suffix")
+# Proposals per step: beyond this, a miss wastes more forward rows than a CPU step can hide.
+MAX_SPECULATIVE_TOKENS = 16
+# The longest n-gram an "ngram" proposer looks up (its search costs O(context x n)).
+MAX_PROMPT_LOOKUP = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM's field names).
+
+    method: "ngram" (prompt lookup: the last n tokens, n from prompt_lookup_max down to
+    prompt_lookup_min, are looked up in the request's earlier tokens and what followed them is
+    proposed) or "suffix" (the longest suffix of the request's tokens that occurred before,
+    found in a suffix automaton kept per request; matches of at least prompt_lookup_min tokens).
+    num_speculative_tokens: tokens proposed (and verified) per step and request.
+    disable_by_batch_size: no proposals while this many requests or more are running (a large
+    batch already fills the forward; None: always propose).
+    """
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        def fail(name: str, allowed: str) -> None:
+            raise InvalidEngineArgsError(
+                f"speculative_config: {name}={getattr(self, name)!r} is invalid: {allowed}.")
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.method not in SPECULATIVE_METHODS:
+            fail("method", f"allowed: {', '.join(SPECULATIVE_METHODS)} (model-free proposers; no draft model, "
+                           "EAGLE or MTP here)")
+        if not is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            fail("num_speculative_tokens", f"it must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 1 <= value <= MAX_PROMPT_LOOKUP):
+                fail(name, f"it must be an integer in [1, {MAX_PROMPT_LOOKUP}] or None")
+        # As vLLM: one bound given sets the other; none gives the defaults.
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = 2, 5
+        elif low is None:
+            low = min(2, high)  # type: ignore[type-var]
+        elif high is None:
+            high = max(5, low)
+        assert low is not None and high is not None
+        if low > high:
+            raise InvalidEngineArgsError(
+                f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}.")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if self.disable_by_batch_size is not None and (not is_int(self.disable_by_batch_size)
+                                                       or self.disable_by_batch_size < 2):
+            fail("disable_by_batch_size", "it must be an integer >= 2, or None to always propose")
+
+    @property
+    def min_match(self) -> int:
+        """prompt_lookup_min, resolved."""
+        assert self.prompt_lookup_min is not None
+        return self.prompt_lookup_min
+
+    @property
+    def max_match(self) -> int:
+        """prompt_lookup_max, resolved."""
+        assert self.prompt_lookup_max is not None
+        return self.prompt_lookup_max
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a dict or a JSON object string (None: no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise InvalidEngineArgsError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise InvalidEngineArgsError(
+                f"speculative_config must be a dict or a JSON object, got {type(value).__name__}.")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            if "model" in unknown:
+                raise InvalidEngineArgsError(
+                    "speculative_config: 'model' (a draft model) is not supported; use method 'ngram' or 'suffix'.")
+            raise InvalidEngineArgsError(
+                f"speculative_config: unknown key(s) {unknown}; allowed: {sorted(names)}.")
+        if "method" not in value:
+            raise InvalidEngineArgsError("speculative_config needs a 'method': 'ngram' or 'suffix'.")
+        return cls(**value)
