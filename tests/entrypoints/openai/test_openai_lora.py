@@ -138,3 +138,29 @@ def test_runtime_updates_are_off_without_the_switch_and_bad_modules_stop_the_sta
                              "--lora-modules", f"bad={tmp_path}"], capture_output=True, text=True, timeout=300,
                             cwd=REPO_ROOT)
     assert result.returncode == 2 and "needs --enable-lora" in result.stderr
+
+
+def test_responses_and_embeddings_run_the_chosen_adapter(client) -> None:
+    """/v1/responses and /v1/embeddings take the adapter from `model` as completions do: each
+    adapter answers as chat completions does with it, and differently from the base model (the
+    negative control: a route that dropped the adapter would answer as "tiny")."""
+    def chat(model: str) -> str:
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there"}],
+                                              max_tokens=10, temperature=0.0,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content or ""
+
+    def responses(model: str) -> str:
+        return client.responses.create(model=model, input="Hello there", max_output_tokens=10,
+                                       temperature=0.0, extra_body={"ignore_eos": True}).output_text
+
+    answers = {model: responses(model) for model in ("tiny", "alpha", "beta")}
+    assert answers == {model: chat(model) for model in answers}
+    assert len(set(answers.values())) == 3, answers
+
+    def embed(model: str) -> list[float]:
+        return client.embeddings.create(model=model, input=[PROMPT]).data[0].embedding
+
+    vectors = {model: embed(model) for model in ("tiny", "alpha", "beta")}
+    assert vectors["alpha"] == embed("alpha")
+    assert vectors["tiny"] != vectors["alpha"] and vectors["tiny"] != vectors["beta"]
+    assert vectors["alpha"] != vectors["beta"]
