@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -84,6 +85,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
     n: int = typer.Option(1, help="Number of completions."),
     stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
+    lora: Optional[str] = typer.Option(
+        None, "--lora", help="Run with this LoRA adapter, NAME=PATH (a PEFT adapter directory)."),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
     global _one_shot_done
@@ -96,6 +99,7 @@ def generate(
 
     mark("engine_import")
 
+    lora_request, lora_engine_args = _lora_option(lora)
     try:
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -103,13 +107,14 @@ def generate(
         )
         # One process: the engine core runs here (InprocClient), so torch and the engine import
         # once, not again in a forked core; the tokenizer loads on a thread meanwhile.
-        llm = LLM(model=model, **{**engine_kwargs, "multiprocess": False})
+        # --lora turns LoRA on with room for its rank, unless the flags say otherwise.
+        llm = LLM(model=model, **{**lora_engine_args, **engine_kwargs, "multiprocess": False})
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})
-            outputs = llm.chat(messages, params, use_tqdm=False)
+            outputs = llm.chat(messages, params, use_tqdm=False, lora_request=lora_request)
         else:
-            outputs = llm.generate(prompt, params, use_tqdm=False)
+            outputs = llm.generate(prompt, params, use_tqdm=False, lora_request=lora_request)
     except EngineError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
@@ -120,6 +125,34 @@ def generate(
     sys.stdout.flush()
     mark("done")
     _one_shot_done = True
+
+
+def _lora_option(spec: str | None) -> tuple[Any, dict[str, Any]]:
+    """--lora NAME=PATH -> (its LoRARequest, the engine arguments that let it run: LoRA on, rank
+    room for it); (None, {}) without --lora."""
+    if spec is None:
+        return None, {}
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise typer.BadParameter(f"--lora {spec!r} must look like NAME=PATH (a PEFT adapter directory).")
+    import json
+
+    from lm_console.engine.errors import EngineError
+    from lm_console.engine.lora import LoRARequest
+
+    rank = 16
+    try:  # room for the adapter's rank; the engine checks the adapter itself
+        with open(Path(path.strip()) / "adapter_config.json", "rb") as f:
+            declared = json.loads(f.read(1 << 20)).get("r")
+        if isinstance(declared, int) and not isinstance(declared, bool) and declared > rank:
+            rank = declared
+    except (OSError, ValueError, AttributeError):
+        pass  # the engine's admission check names what is wrong with the files
+    try:
+        request = LoRARequest(name.strip(), 1, path.strip())
+    except EngineError as error:
+        raise typer.BadParameter(str(error)) from error
+    return request, {"enable_lora": True, "max_lora_rank": rank}
 
 
 def _register_commands() -> None:

@@ -36,6 +36,9 @@ def serve(
     kv_offload_disk: KVOffloadDiskOpt = None, kv_offload_cpu_bytes: KVOffloadCpuBytesOpt = 2 << 30,
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     speculative_config: SpeculativeConfigOpt = None,
+    lora_modules: Annotated[Optional[list[str]], typer.Option(
+        "--lora-modules", help="A LoRA adapter to serve as NAME=PATH (repeatable; needs --enable-lora): requests "
+                               "choose it with model=NAME, /v1/models lists it with the base model as parent.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -105,6 +108,14 @@ def serve(
     if max_image_pixels > MAX_IMAGE_PIXELS:
         raise typer.BadParameter(f"--max-image-pixels {max_image_pixels} is over the engine's cap of "
                                  f"{MAX_IMAGE_PIXELS} pixels, which it enforces on every image.")
+    from lm_console.engine.entrypoints.openai.serving_lora import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(lora_modules or [])
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    if modules and not engine_kwargs.get("enable_lora", False):
+        raise typer.BadParameter("--lora-modules needs --enable-lora.")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lm_console.engine.entrypoints.openai.settings import ServerSettings
 
@@ -129,7 +140,7 @@ def serve(
                                   max_structured_output_choices=max_structured_output_choices,
                                   log_level=log_level.lower(),
                                   enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                                  pooler_config=pooling)
+                                  pooler_config=pooling, lora_modules=tuple(modules))
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     args = dict(engine_kwargs)
@@ -161,9 +172,14 @@ def serve(
                    f"{events}{traces}; engine core pid {pid})")
         sys.stdout.flush()
 
+    from lm_console.engine.entrypoints.openai.errors import OpenAIError
+
     try:
         code = run_server(engine, settings, on_ready=on_ready)
     except OSError as error:  # the port is taken, the host is not ours
         typer.echo(f"error: cannot listen on {host}:{port}: {error}", err=True)
+        raise typer.Exit(2) from error
+    except OpenAIError as error:  # a --lora-modules adapter that this engine cannot run
+        typer.echo(f"error: --lora-modules: {error.message}", err=True)
         raise typer.Exit(2) from error
     raise typer.Exit(code)

@@ -47,6 +47,7 @@ class TrackedRequest:
         """The engine's state while it runs (PREEMPTED included), the console's once it ended."""
         return self.core_status if self.core_status and self.finished_ts is None else self.state
     priority: int = 0  # the request's scheduling priority (lower first; 0 unless the engine's policy is priority)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def elapsed(self, now: float) -> float:
         return (self.finished_ts or now) - self.arrival
@@ -84,6 +85,7 @@ class RequestBook:
             if row.num_preemptions > request.num_preemptions:
                 request.seen_preempted.extend([now] * (row.num_preemptions - request.num_preemptions))
             request.core_status = row.status
+            request.lora_name = getattr(row, "lora_name", None) or request.lora_name
             request.num_preemptions = row.num_preemptions
             request.block_ids = [list(group) for group in row.block_ids]
             if row.num_cached_tokens > 0:

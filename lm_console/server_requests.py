@@ -38,6 +38,7 @@ class ServerRequests:
             request.num_generated = int(row.num_generated_tokens)
             request.num_cached = int(row.num_cached_tokens)
             request.priority = int(getattr(row, "priority", 0))
+            request.lora_name = getattr(row, "lora_name", None)
             request.state = RUNNING if row.state == RUNNING else WAITING
             if row.first_token_time is not None:
                 request.first_token_ts = float(row.first_token_time)

@@ -56,6 +56,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lm_console._lazy",
         "lm_console.engine.process_flags",
         "lm_console.engine.metrics", "lm_console.engine.multimodal",
+        # The LoRA request type and the torch-free checks of an adapter's files.
+        "lm_console.engine.lora",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "lm_console.engine.admission",
         # Connector configs are parsed by EngineArgs in the frontend, before any process starts.

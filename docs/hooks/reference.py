@@ -56,7 +56,7 @@ CONFIG_FILES = [
     "lm_console/engine/config/structured_outputs.py", "lm_console/engine/config/multimodal.py",
     "lm_console/engine/config/kv_transfer.py", "lm_console/engine/config/ec_transfer.py",
     "lm_console/engine/config/observability.py",
-    "lm_console/engine/config/speculative.py",
+    "lm_console/engine/config/speculative.py", "lm_console/engine/config/lora.py",
 ]
 
 

@@ -96,6 +96,9 @@ LMC_QUANT_AUTO = _declare(
 LMC_QUANT_DENSE_ROWS = _declare(
     "LMC_QUANT_DENSE_ROWS", "", "from how many rows a quantized GEMM dequantizes to bf16 for oneDNN instead of the int8 "
     "kernel (default never: one path keeps outputs independent of the batch)")
+LMC_LORA_KERNEL = _declare(
+    "LMC_LORA_KERNEL", "auto", "the batched LoRA kernel: auto (the C kernel on the CPU, Triton on CUDA), torch (the "
+    "reference), cpu, triton")
 LMC_OMP_SPIN = _declare(
     "LMC_OMP_SPIN", "1000", "GOMP_SPINCOUNT the engine gives OpenMP (torch's and our kernels' one runtime) unless "
     "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: how long an idle thread spins before it sleeps; off: libgomp's own "
@@ -118,6 +121,10 @@ LMC_ENGINE_STARTUP_TIMEOUT = _declare(
 LMC_STARTUP_TRACE = _declare(
     "LMC_STARTUP_TRACE", "", "anything but empty or 0: print the end of each cold-start phase with its time")
 
+# -- the server -------------------------------------------------------------------------------
+VLLM_ALLOW_RUNTIME_LORA_UPDATING = _declare(
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0", "1/true: `lmc serve --enable-lora` answers /v1/load_lora_adapter and "
+    "/v1/unload_lora_adapter (vLLM's switch, same name); off, they answer 404")
 # -- benchmarks --------------------------------------------------------------------------------
 LMC_BENCH_HISTORY = _declare(
     "LMC_BENCH_HISTORY", "", "the JSON-lines file each benchmark run appends its figures and machine fingerprint "

@@ -30,6 +30,11 @@ class InvalidRequestIdError(InvalidRequestError):
     """A request id is not a non-empty str of at most MAX_REQUEST_ID_CHARS characters."""
 
 
+class InvalidLoRARequestError(InvalidRequestError):
+    """A request's LoRA adapter cannot run: LoRA is off, the adapter is unknown, its files are
+    bad, its rank exceeds max_lora_rank, or it was trained for another base model."""
+
+
 class ModelNotFoundError(EngineError, FileNotFoundError):
     """The model path or name does not resolve to a model directory or GGUF file."""
 

@@ -20,6 +20,7 @@ from lm_console.engine import envs
 from lm_console.engine.errors import InvalidEngineArgsError
 
 if TYPE_CHECKING:
+    from lm_console.engine.lora.request import LoRARequest
     from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class HashedRequest(Protocol):
     block_hashes: list[BlockHash]
     cache_salt: str | None
     mm_features: list[MultiModalFeatureSpec]
+    lora_request: LoRARequest | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -181,7 +183,11 @@ def generate_block_hash_extra_keys(
 ) -> tuple[tuple[Any, ...] | None, int]:
     """lora + mm + cache_salt keys of one block, None when empty."""
     mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(request, start_token_idx, end_token_idx, start_mm_idx)
-    lora_keys: list[Any] = []  # placeholder: the LoRA issue adds the adapter name here
+    # Every block of an adapter's request carries the adapter (name and id, so an adapter
+    # reloaded under its name with a new id shares nothing with the old one): KV computed
+    # through one adapter's q/k/v deltas is never another's or the base model's.
+    lora = request.lora_request
+    lora_keys: list[Any] = [lora.lora_name, lora.lora_int_id] if lora is not None else []
     # The salt only needs to enter the first block: the chain carries it to every later one.
     salt_keys = [request.cache_salt] if start_token_idx == 0 and request.cache_salt else []
     extra_keys = lora_keys + mm_keys + salt_keys

@@ -18,6 +18,7 @@ from lm_console.engine.config.cache import CacheConfig
 from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.scheduler import SchedulerConfig
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.metrics.kv_events import KVEventBatch
 from lm_console.engine.metrics.stats import SchedulerStats
 from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
@@ -47,6 +48,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     mm_features: list[MultiModalFeatureSpec] | None = None
     priority: int = 0  # scheduling_policy="priority": a lower value is scheduled first
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class EngineCoreRequestType(enum.IntEnum):

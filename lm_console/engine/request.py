@@ -12,6 +12,7 @@ from lm_console.engine.protocol import EngineCoreEvent
 
 if TYPE_CHECKING:
     from lm_console.engine.kv_cache_hashing import BlockHash
+    from lm_console.engine.lora.request import LoRARequest
     from lm_console.engine.protocol import EngineCoreEventType
     from lm_console.engine.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class Request:
     block_hasher: Callable[[Request], list[BlockHash]] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     priority: int = 0  # scheduling_policy="priority": a lower value is scheduled first
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lm_console.engine.lora.request import LoRARequest
     from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
     from lm_console.engine.request import Request
     from lm_console.engine.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     mm_features: list[MultiModalFeatureSpec]
+    lora_request: LoRARequest | None = None  # its adapter (the worker loads it on first sight)
 
     @classmethod
     def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
@@ -41,6 +43,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             mm_features=request.mm_features,
+            lora_request=request.lora_request,
         )
 
 

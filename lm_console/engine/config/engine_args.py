@@ -27,6 +27,7 @@ from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.config.fields import UNSET, declarations, verify_values
 from lm_console.engine.config.knobs import ENGINE_ARG_SOURCES, engine_arg_declarations
 from lm_console.engine.config.kv_transfer import KVTransferConfig
+from lm_console.engine.config.lora import LoRAConfig
 from lm_console.engine.config.model import ModelConfig, Quantization
 from lm_console.engine.config.multimodal import MultiModalConfig
 from lm_console.engine.config.observability import ObservabilityConfig
@@ -120,11 +121,18 @@ class EngineArgs:
             mm_config=self.create_mm_config(),
             observability_config=self.create_observability_config(),
             speculative_config=SpeculativeConfig.parse(self.speculative_config),
+            lora_config=self.create_lora_config(),
         )
 
     def create_observability_config(self) -> ObservabilityConfig:
         """The ObservabilityConfig (validated there: URL shape, OpenTelemetry installed)."""
         return self.config_of(ObservabilityConfig)
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig when enable_lora, else None (LoRA off; LoRAConfig.verify_relations
+        refuses the other LoRA knobs without enable_lora)."""
+        config = self.config_of(LoRAConfig)
+        return config if config.enable_lora else None
 
     def create_parallel_config(self) -> ParallelConfig:
         """The ParallelConfig (checked again by its own __post_init__)."""
@@ -212,12 +220,23 @@ class EngineArgs:
                     f"async_scheduling=True cannot be combined with {name}: a connector plans each step from "
                     "the previous step's finished output, which async scheduling does not wait for. "
                     "Drop one of the two.")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise InvalidEngineArgsError(
+                f"enable_lora=True with tensor_parallel_size={self.tensor_parallel_size}: LoRA runs on one "
+                "tensor-parallel rank only; use tensor_parallel_size=1 (or data parallelism).")
         self._verify_speculative()
 
     def _verify_speculative(self) -> None:
         """speculative_config, and what it cannot combine with (InvalidEngineArgsError)."""
         if SpeculativeConfig.parse(self.speculative_config) is None:
             return
+        if self.enable_lora:
+            # The drafts are verified on the C decode stack, which steps with an adapter leave,
+            # and the adapters' per-token slots are not laid out for draft rows.
+            raise InvalidEngineArgsError(
+                "speculative_config cannot be combined with enable_lora=True: speculative decoding does not "
+                "run LoRA adapters yet. Drop one of the two (serve adapters without speculative_config, or "
+                "speculate without --enable-lora).")
         for name, on in (("async_scheduling", self.async_scheduling),
                          ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
                          ("kv_transfer_config", self.kv_transfer_config is not None),
@@ -237,6 +256,7 @@ class EngineArgs:
             device_config=info.device_config, kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
             ec_transfer_config=self.create_ec_transfer_config(), mm_config=self.create_mm_config(),
             observability_config=self.create_observability_config(),
+            lora_config=self.create_lora_config(),
         )
 
 

@@ -11,6 +11,7 @@ from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.ec_transfer import ECTransferConfig
 from lm_console.engine.config.fields import knob
 from lm_console.engine.config.kv_transfer import KVTransferConfig
+from lm_console.engine.config.lora import LoRAConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.multimodal import MultiModalConfig
 from lm_console.engine.config.observability import ObservabilityConfig
@@ -50,6 +51,7 @@ class EngineConfig:
         None, arg_type=dict[str, Any] | str | None, parse=SpeculativeConfig.parse, cli=None,
         help='Speculative decoding, a dict or JSON string (vLLM\'s), e.g. {"method": "ngram", '
              '"num_speculative_tokens": 3}; methods ngram and suffix (lmc: --speculative-config); None: off.')
+    lora_config: LoRAConfig | None = None  # None: LoRA off (lm_console/engine/config/lora.py)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """This config with the KV cache's block count decided (the core calls it once)."""

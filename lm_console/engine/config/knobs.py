@@ -13,6 +13,7 @@ from lm_console.engine.config.device import DeviceConfig
 from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.config.fields import Declaration, engine_knobs
 from lm_console.engine.config.frontend import FrontendConfig
+from lm_console.engine.config.lora import LoRAConfig
 from lm_console.engine.config.model import ModelConfig
 from lm_console.engine.config.multimodal import MultiModalConfig
 from lm_console.engine.config.observability import ObservabilityConfig
@@ -24,7 +25,7 @@ from lm_console.engine.config.scheduler import SchedulerConfig
 # as `lmc` flags.
 ENGINE_ARG_SOURCES: tuple[type, ...] = (
     ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig, FrontendConfig, MultiModalConfig,
-    ObservabilityConfig, EngineConfig,
+    ObservabilityConfig, EngineConfig, LoRAConfig,
 )
 
 

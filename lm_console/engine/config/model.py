@@ -58,6 +58,7 @@ class ModelConfig(DeclaredConfig):
                              "int8 weights, dynamic int8 activations) (docs/quantized-cpu.md).")
     max_logprobs: int = knob(20, ge=-1, cli=None,
                              help="Most logprobs per token a request may ask for (vLLM's max_logprobs; -1: no limit).")
+    intermediate_size: int = 0  # the MLP's width (LoRA adapters' shapes are checked against it)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, model_name: str, tokenizer_dir: str, dtype: str, seed: int,
@@ -95,6 +96,7 @@ class ModelConfig(DeclaredConfig):
             num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_attention_heads),
             head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // num_attention_heads),
             quantization=quantization, max_logprobs=max_logprobs,
+            intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
         )
 
     @property

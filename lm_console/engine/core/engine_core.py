@@ -77,6 +77,7 @@ class EngineCore:
             encoder_scheduler=self.mm.encoder_scheduler,
             structured_output_manager=self.structured_output_manager,
             policy=config.scheduler_config.policy,
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
             speculative_config=config.speculative_config,
         )
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
@@ -137,6 +138,7 @@ class EngineCore:
             block_hasher=self.request_block_hasher,
             kv_transfer_params=(engine_request.sampling_params.extra_args or {}).get("kv_transfer_params"),
             priority=engine_request.priority,
+            lora_request=engine_request.lora_request,
         )
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"Request id {request.request_id!r} is already in the engine.")

@@ -34,7 +34,8 @@ def snapshot_request_blocks(scheduler: Scheduler, kv_cache_manager: Any,
                     hashes[block.block_id] = get_block_hash(block.block_hash)
         rows.append(RequestBlocks(
             request.request_id, request.status.name, request.num_preemptions, request.num_prompt_tokens,
-            request.num_computed_tokens, request.num_cached_tokens, block_ids))
+            request.num_computed_tokens, request.num_cached_tokens, block_ids,
+            request.lora_request.lora_name if request.lora_request is not None else None))
     if pool is not None:
         for block_id in extra_block_ids:
             if 0 < block_id < len(pool.blocks) and pool.blocks[block_id].block_hash is not None:

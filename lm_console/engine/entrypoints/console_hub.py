@@ -306,5 +306,5 @@ def requests_frame(engine: Any, max_rows: int) -> RequestsFrame:
         rows.append(RequestRow(state.request_id, "RUNNING" if started else "WAITING",
                                len(state.prompt_token_ids or ()), metrics.num_generation_tokens,
                                state.num_cached_tokens, metrics.arrival_time, metrics.first_token_time,
-                               getattr(state, "priority", 0)))
+                               getattr(state, "priority", 0), getattr(state, "lora_name", None)))
     return RequestsFrame(time.time(), len(states), rows)

@@ -89,6 +89,7 @@ class RequestRow(msgspec.Struct, array_like=True, gc=False):
     arrival_time: float
     first_token_time: float | None = None
     priority: int = 0  # scheduling_policy="priority": a lower value first
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class RequestsFrame(msgspec.Struct, array_like=True, gc=False):

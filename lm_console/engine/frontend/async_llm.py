@@ -17,12 +17,13 @@ from typing import Any
 
 from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.errors import EngineDeadError, InvalidEngineArgsError, InvalidRequestIdError, fresh_error
-from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, make_mm_processor
+from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, lora_admission, make_mm_processor
 from lm_console.engine.frontend.client_factory import make_async_client
 from lm_console.engine.frontend.output_collector import Broadcast, RequestOutputCollector
 from lm_console.engine.frontend.output_processor import OutputProcessor
 from lm_console.engine.frontend.tracing import make_tracer
 from lm_console.engine.frontend.tokenizer import load_tokenizer, preload_tokenizer_modules, stop_token_ids_of
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.metrics.kv_events import KVEventBatch
 from lm_console.engine.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from lm_console.engine.metrics.stats import BlockPoolState, IterationStats, RequestBlocksState, SchedulerStats
@@ -55,7 +56,7 @@ class AsyncLLM:
             self.tokenizer, self.config.model_config.max_model_len, self.config.model_config.vocab_size,
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
             max_logprobs=self.engine_args.max_logprobs,
-            scheduling_policy=self.config.scheduler_config.policy)
+            scheduling_policy=self.config.scheduler_config.policy, lora=lora_admission(self.config))
         self.output_processor = OutputProcessor(self.tokenizer, tracer=make_tracer(observability))
         if stat_loggers is None:
             stat_loggers = [LoggingStatLogger()] if self.engine_args.log_stats else []
@@ -112,11 +113,13 @@ class AsyncLLM:
     # -- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           cache_salt: str | None = None, priority: int = 0,
-                          trace_headers: Mapping[str, str] | None = None) -> RequestOutputCollector:
+                          trace_headers: Mapping[str, str] | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestOutputCollector:
         """Validate and send one request (n children when n > 1); returns its collector.
 
         trace_headers: the caller's W3C trace context (traceparent), the parent of the request's
-        span when tracing is on (otlp_traces_endpoint).
+        span when tracing is on (otlp_traces_endpoint). lora_request: the LoRA adapter it runs
+        with (None: the base model; needs enable_lora).
         """
         self._check_alive()
         self._ensure_output_handler()
@@ -128,9 +131,10 @@ class AsyncLLM:
                 self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmc-input")
             children = await asyncio.get_running_loop().run_in_executor(
                 self._input_executor, self.input_processor.process_request, request_id, prompt, params,
-                cache_salt, priority)
+                cache_salt, priority, lora_request)
         else:
-            children = self.input_processor.process_request(request_id, prompt, params, cache_salt, priority)
+            children = self.input_processor.process_request(request_id, prompt, params, cache_salt, priority,
+                                                            lora_request)
         collector = RequestOutputCollector(children[0][1].sampling_params.output_kind)
         self.output_processor.add_requests(children, queue=collector, trace_headers=trace_headers)  # all or none
         try:
@@ -144,17 +148,20 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
-                       trace_headers: Mapping[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       trace_headers: Mapping[str, str] | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's RequestOutputs (kind per sampling_params.output_kind).
 
         Stopping the iteration early (break, aclose, cancellation) aborts the request and
         frees its KV blocks. cache_salt: only requests with the same salt share prefix blocks.
         priority: with scheduling_policy="priority", a lower value is scheduled first.
         trace_headers: the caller's traceparent (the parent of the request's OTLP span).
+        lora_request: the LoRA adapter it runs with (None: the base model; needs enable_lora).
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = sampling_params if sampling_params is not None else SamplingParams()
-        collector = await self.add_request(request_id, prompt, params, cache_salt, priority, trace_headers)
+        collector = await self.add_request(request_id, prompt, params, cache_salt, priority, trace_headers,
+                                           lora_request)
         finished = False
         try:
             while not finished:

@@ -56,11 +56,12 @@ class CoreLoad:
 class _BlockView:
     """The fields of a request that the block hasher's extra keys read (mm features, cache salt)."""
 
-    __slots__ = ("mm_features", "cache_salt")
+    __slots__ = ("mm_features", "cache_salt", "lora_request")
 
     def __init__(self, request: EngineCoreRequest) -> None:
         self.mm_features = list(request.mm_features or [])
         self.cache_salt = request.cache_salt
+        self.lora_request = request.lora_request
 
 
 class DPRouter:

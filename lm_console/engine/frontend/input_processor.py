@@ -11,10 +11,13 @@ import msgspec
 
 from lm_console.engine.admission import check_decodable, check_request_id
 from lm_console.engine.errors import (
+    InvalidLoRARequestError,
     InvalidPriorityError, InvalidPromptError, InvalidSamplingParamsError, MultiModalNotSupportedError,
     TooManyMultiModalItemsError,
 )
 from lm_console.engine.frontend.prompt_length import max_prompt_chars
+from lm_console.engine.lora.admission import LoRAAdmission
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.multimodal.processing import MultiModalProcessor
 from lm_console.engine.protocol import EngineCoreRequest
 from lm_console.engine.sampling_params import SamplingParams
@@ -46,7 +49,7 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, extra_stop_token_ids: set[int] | None = None,
                  mm_processor: MultiModalProcessor | None = None, max_logprobs: int = 20,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", lora: LoRAAdmission | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -55,6 +58,7 @@ class InputProcessor:
         self.mm_processor = mm_processor  # None: a text-only model
         self.max_logprobs = max_logprobs  # -1: no limit
         self.scheduling_policy = scheduling_policy  # "fcfs" refuses any priority but 0 (as vLLM)
+        self.lora = lora  # None: every LoRARequest is refused (LoRA not enabled)
         # Texts longer than this cannot fit max_model_len tokens: refused untokenised.
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len) if tokenizer is not None else None
 
@@ -154,12 +158,23 @@ class InputProcessor:
 
     # -- requests ---------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0
-                       ) -> tuple[str | None, EngineCoreRequest]:
+                       arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Validate, tokenize and normalise one request (n is treated as 1)."""
         check_request_id(request_id)
         return self._process_verified(request_id, prompt, self._verified_copy(params), arrival_time, cache_salt,
-                                      priority)
+                                      priority, lora_request)
+
+    def check_lora_request(self, lora_request: object) -> LoRARequest | None:
+        """The request's adapter if this engine can run it; InvalidLoRARequestError otherwise."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            name = getattr(lora_request, "lora_name", None)
+            raise InvalidLoRARequestError(
+                f"Request names LoRA adapter {name!r:.80}, but LoRA is not enabled: start the engine with "
+                "enable_lora=True (lmc: --enable-lora).")
+        return self.lora.check(lora_request)
 
     def check_priority(self, priority: object) -> int:
         """The priority if this engine can honour it; InvalidPriorityError otherwise."""
@@ -173,10 +188,11 @@ class InputProcessor:
         return priority
 
     def _process_verified(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0
-                          ) -> tuple[str | None, EngineCoreRequest]:
+                          arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
         """process_inputs() with params already a verified private copy (it is modified)."""
         priority = self.check_priority(priority)
+        lora_request = self.check_lora_request(lora_request)
         if isinstance(prompt, dict):
             unknown = sorted(str(key) for key in prompt if key not in PROMPT_KEYS)
             if unknown:
@@ -212,6 +228,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             mm_features=mm_features or None,
             priority=priority,
+            lora_request=lora_request,
         )
         check_decodable(request)
         return text, request
@@ -251,7 +268,8 @@ class InputProcessor:
         return params
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                        cache_salt: str | None = None, priority: int = 0) -> list[ChildRequest]:
+                        cache_salt: str | None = None, priority: int = 0,
+                        lora_request: LoRARequest | None = None) -> list[ChildRequest]:
         """One request for n == 1; else n child requests under one ParentRequest.
 
         The prompt is processed once. Children get ids "{index}_{request_id}-{nonce}" (the
@@ -262,13 +280,14 @@ class InputProcessor:
         params = self._verified_copy(params)
         if params.n == 1:
             text, request = self._process_verified(request_id, prompt, params, cache_salt=cache_salt,
-                                                   priority=priority)
+                                                   priority=priority, lora_request=lora_request)
             return [(text, request, None, 0)]
         from lm_console.engine.frontend.output_processor import ParentRequest
 
         num_children = params.n
         params.n = 1
-        text, first = self._process_verified(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
+        text, first = self._process_verified(request_id, prompt, params, cache_salt=cache_salt, priority=priority,
+                                             lora_request=lora_request)
         parent = ParentRequest(request_id=request_id, n=num_children)
         nonce = secrets.token_hex(4)
         children: list[ChildRequest] = []
@@ -291,6 +310,13 @@ def _first(ids: list[int], limit: int = 10) -> str:
 def _wrap_int64(value: int) -> int:
     """value in the signed 64-bit range, wrapping around (child seeds seed + index)."""
     return (value + 2**63) % 2**64 - 2**63
+
+
+def lora_admission(config: EngineConfig) -> LoRAAdmission | None:
+    """The frontend's LoRA check for an EngineConfig, None when LoRA is off."""
+    if config.lora_config is None:
+        return None
+    return LoRAAdmission(config.lora_config, config.model_config)
 
 
 def make_mm_processor(config: EngineConfig) -> MultiModalProcessor | None:

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from lm_console.engine.config.engine_args import EngineArgs
 from lm_console.engine.config.engine_config import EngineConfig
-from lm_console.engine.errors import EngineDeadError, InvalidPromptError, InvalidSamplingParamsError, fresh_error
+from lm_console.engine.errors import (
+    EngineDeadError, InvalidLoRARequestError, InvalidPromptError, InvalidSamplingParamsError, fresh_error,
+)
 from lm_console.engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams
 from lm_console.engine.frontend.core_client import EngineCoreClient
 from lm_console.engine.frontend.client_factory import make_client
-from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, make_mm_processor
+from lm_console.engine.frontend.input_processor import InputProcessor, PromptType, lora_admission, make_mm_processor
 from lm_console.engine.frontend.output_processor import OutputProcessor
 from lm_console.engine.frontend.tracing import make_tracer
 from lm_console.engine.frontend.tokenizer import (
@@ -23,6 +25,7 @@ from lm_console.engine.frontend.tokenizer import (
     preload_tokenizer_modules,
     stop_token_ids_of,
 )
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from lm_console.engine.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from lm_console.engine.startup_trace import mark
@@ -78,6 +81,7 @@ class LLM:
             eos_token_id, extra_stop_ids, mm_processor=make_mm_processor(self.config),
             max_logprobs=self.engine_args.max_logprobs,
             scheduling_policy=self.config.scheduler_config.policy,
+            lora=lora_admission(self.config),
         )
         self.output_processor = OutputProcessor(self.tokenizer, tracer=make_tracer(observability))
         self._request_counter = itertools.count()
@@ -105,8 +109,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
+
+        lora_request: the LoRA adapter every prompt runs with, or a list with one (or None, the
+        base model) per prompt (vLLM's form); needs enable_lora=True.
 
         priority: one int per prompt (vLLM's form), used with scheduling_policy="priority"
         (a lower value is scheduled first); any value but 0 is refused under "fcfs".
@@ -144,9 +152,18 @@ class LLM:
                                        f"{type(priority).__name__}.")
         else:
             priorities = list(priority)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_requests: list[LoRARequest | None] = [lora_request] * len(prompts)
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, (str, bytes)) \
+                and len(lora_request) == len(prompts):
+            lora_requests = list(lora_request)
+        else:
+            raise InvalidLoRARequestError(
+                f"lora_request must be a LoRARequest, None, or a list with one (or None) per prompt ({len(prompts)}); "
+                f"got {type(lora_request).__name__}.")
         # Validate everything first, so a bad prompt is rejected before any request runs.
-        processed = [self._process(prompt, params, prio)
-                     for prompt, params, prio in zip(prompts, params_list, priorities)]
+        processed = [self._process(prompt, params, prio, lora)
+                     for prompt, params, prio, lora in zip(prompts, params_list, priorities, lora_requests)]
         request_ids: list[str] = []
         engine_requests = []
         try:
@@ -169,8 +186,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one or more OpenAI-style conversations via the chat template."""
+        """Generate replies to one or more OpenAI-style conversations via the chat template
+        (lora_request as in generate)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidPromptError("messages must be a non-empty list of {'role', 'content'} dicts "
                                      "(or a list of such lists).")
@@ -183,7 +202,7 @@ class LLM:
                               check_text=self.input_processor.check_prompt_text)
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -270,7 +289,8 @@ class LLM:
             self.output_processor.tracer.shutdown()
 
     # -- internals ------------------------------------------------------------------------
-    def _process(self, prompt: PromptType, params: SamplingParams, priority: int = 0):  # type: ignore[no-untyped-def]
+    def _process(self, prompt: PromptType, params: SamplingParams, priority: int = 0,  # type: ignore[no-untyped-def]
+                 lora_request: LoRARequest | None = None):
         request_id = str(next(self._request_counter))
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(
@@ -278,7 +298,8 @@ class LLM:
         # The offline API returns only finished outputs.
         params = params.clone()
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        return request_id, self.input_processor.process_request(request_id, prompt, params, priority=priority)
+        return request_id, self.input_processor.process_request(request_id, prompt, params, priority=priority,
+                                                                lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -70,6 +70,7 @@ class RequestState:
     temperature: float | None = None
     top_p: float | None = None
     trace_headers: Mapping[str, str] | None = None
+    lora_name: str | None = None  # its LoRA adapter, for the console's request table
 
 
 class OutputProcessor:
@@ -136,6 +137,7 @@ class OutputProcessor:
             temperature=params.temperature,
             top_p=params.top_p,
             trace_headers=trace_headers,
+            lora_name=request.lora_request.lora_name if request.lora_request is not None else None,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -71,6 +71,14 @@ class KVBlockResidencyStats(msgspec.Struct, array_like=True, gc=False):
     reuse_gaps_s: list[float] = msgspec.field(default_factory=list)  # between consecutive accesses
 
 
+class LoRAStats(msgspec.Struct, array_like=True, gc=False):
+    """The adapters of the running and the waiting requests (vLLM's vllm:lora_requests_info)."""
+
+    max_lora: int
+    running_lora_adapters: list[str] = []  # adapter names, each once, in order of first use
+    waiting_lora_adapters: list[str] = []
+
+
 class SpecDecodingStats(msgspec.Struct, array_like=True, gc=False):
     """Speculative decoding since the engine started (vLLM's spec_decode counters): cumulative,
     so a reader that misses snapshots loses nothing."""
@@ -139,6 +147,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     kv_tiers: list[KVTierStats] | None = None  # KV offload tiers (kv_transfer_config), else None
     engine_index: int = 0  # the engine core's data_parallel_rank (several cores: data parallelism)
     kv_block_residency: KVBlockResidencyStats | None = None  # kv_cache_metrics: this step's observations
+    lora: LoRAStats | None = None  # enable_lora only
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding (cumulative), else None
 
 
@@ -182,6 +191,7 @@ class RequestBlocks(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int
     num_cached_tokens: int  # prefix-cache hit at its first scheduling (-1 before it)
     block_ids: list[list[int]]  # per KV cache group, in token order (the null block 0 where skipped)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 class RequestBlocksState(msgspec.Struct, array_like=True, gc=False):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lm_console.engine.errors import UnsupportedArchitectureError
+from lm_console.engine.models import lora
 from lm_console.kernels import cpu_ops, cpu_quant
 
 
@@ -62,6 +63,7 @@ class Linear(nn.Module):
         self.packed_weight: Tensor | None = None  # oneDNN layout; None: plain F.linear
         self.quant: cpu_quant.QuantWeight | None = None  # packed int8/int4 weights
         self.quant_bias: Tensor | None = None  # float32 copy of bias for the quantized kernels
+        self.lora: lora.LoRASlots | None = None  # adapter slots (enable_lora; lm_console/engine/models/lora.py)
 
     def set_quant_weight(self, quant: cpu_quant.QuantWeight) -> None:
         """Run on the packed quantized weights from now on (the caller drops the dense W)."""
@@ -72,10 +74,14 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.quant is not None:
-            return cpu_quant.quant_linear(x, self.quant, self.quant_bias)
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = cpu_quant.quant_linear(x, self.quant, self.quant_bias)
+        elif self.packed_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:  # the step's adapters' deltas beside the (possibly quantized) base
+            return lora.add_delta(self.lora, x, y)
+        return y
 
 
 class LogitsProjection:

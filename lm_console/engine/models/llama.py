@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lm_console.engine.attention.layer import Attention
-from lm_console.engine.models import decode_stack, layers
+from lm_console.engine.models import decode_stack, layers, lora
 from lm_console.engine.models.layers import LogitsProjection, RMSNorm, RopeAngles, RotaryEmbedding, SiluAndMul, rope_parameters
 from lm_console.engine.models.parallel_layers import (
     ColumnParallelLinear, LazyWeight, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
@@ -102,7 +102,11 @@ class LlamaMLP(nn.Module):
         down = self.down_proj
         if down.quant is not None:
             # The int8 kernel quantizes silu(gate) * up as it reads gate | up: no [T, I] pass.
-            return cpu_quant.quant_linear(gate_up, down.quant, down.quant_bias, swiglu=True)
+            out = cpu_quant.quant_linear(gate_up, down.quant, down.quant_bias, swiglu=True)
+            if down.lora is not None and lora.step_has_adapters():
+                # The base keeps its fused kernel; the adapters' delta needs the activation itself.
+                return lora.add_delta(down.lora, self.act_fn(gate_up), out)
+            return out
         return down(self.act_fn(gate_up))
 
 
@@ -155,7 +159,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         # inputs_embeds: text + image embeddings already merged by a multimodal wrapper.
-        if inputs_embeds is None and input_ids.shape[0] <= decode_stack.MAX_ROWS:
+        # The C decode stack runs the linears itself, without the adapters' deltas: a step with
+        # an adapter's token takes the layer-by-layer forward.
+        if inputs_embeds is None and input_ids.shape[0] <= decode_stack.MAX_ROWS and not lora.step_has_adapters():
             if self._decode_stack_version != layers.weights_version():
                 self._decode_stack = decode_stack.attach(self)
                 self._decode_stack_version = layers.weights_version()

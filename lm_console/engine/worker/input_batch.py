@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.sampling_params import SamplingParams
 from lm_console.engine.worker.block_table import MultiGroupBlockTable
 
@@ -23,6 +24,7 @@ class CachedRequestState:
     block_ids: tuple[list[int], ...]  # one list per KV cache group
     num_computed_tokens: int
     mm_features: list = field(default_factory=list)
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from lm_console.engine.forward_context import set_forward_context
 from lm_console.engine.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from lm_console.engine.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from lm_console.engine.models.loader import load_model
+from lm_console.engine.models.lora import lora_step
 from lm_console.engine.platform import torch_device, torch_dtype
 from lm_console.engine.protocol import LogprobsLists
 from lm_console.engine.sample.grammar_bitmask import apply_grammar_bitmask
@@ -44,6 +45,9 @@ from lm_console.engine.worker.step_inputs import (
     verification_attention_metadata,
     verification_logits_indices,
 )
+
+if TYPE_CHECKING:
+    from lm_console.engine.worker.lora_manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class ModelRunner:
         self.prev_sampled_token_ids: torch.Tensor | None = None  # [num_prev_reqs] int64, device
         self.prev_sampled: dict[str, tuple[int, int]] = {}  # req_id -> (row there, token position)
         self._num_prompt_logprobs_reqs = 0  # requests asking for prompt logprobs (skip the scan when 0)
+        self.lora_manager: LoRAManager | None = None  # enable_lora: the adapters' slots (lora_manager.py)
         self.pooler = Pooler()
         self._pooling_reqs: set[str] = set()  # requests asking for an embedding (skip the scan when empty)
 
@@ -148,6 +153,11 @@ class ModelRunner:
         self.model = load_model(Path(model_config.model_dir), model_config.hf_config, self.dtype, self.device,
                                 quantization=model_config.quantization)
         set_attention_backend(self.model, self.attn_backend)
+        lora_config = self.config.lora_config
+        if lora_config is not None:
+            from lm_console.engine.worker.lora_manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, lora_config, model_config, self.dtype, self.device)
         self.encoder_runner = maybe_create_encoder_runner(self.model, self.config)
         if self.speculative and self.encoder_runner is not None:
             raise InvalidEngineArgsError(
@@ -290,12 +300,17 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the step's tokens: a CUDA graph replay for a pure-decode step that fits
         one, else an eager forward with the step's attention metadata. -> [num_tokens, hidden]"""
-        graph_size = self._cuda_graph_size(inputs)
+        lora_mapping = None
+        if self.lora_manager is not None:
+            states = self.input_batch.states[:inputs.num_reqs]
+            lora_mapping = self.lora_manager.prepare_step([s.lora_request for s in states],  # type: ignore[union-attr]
+                                                          inputs.num_scheduled.tolist())
+        graph_size = self._cuda_graph_size(inputs) if lora_mapping is None else None  # graphs hold no adapters
         if graph_size is not None:
             return self.cuda_graphs.replay(inputs.num_reqs, graph_size)  # type: ignore[union-attr]
         attn_metadata, group_metadata = self._build_attention_metadata(inputs)
         positions = self.buffers.positions.copy_to_gpu(inputs.num_tokens)
-        with set_forward_context(attn_metadata, group_metadata, self.kv_connector):
+        with set_forward_context(attn_metadata, group_metadata, self.kv_connector), lora_step(lora_mapping):
             if inputs.inputs_embeds is None:
                 return self.model(inputs.input_ids, positions)
             return self.model(inputs.input_ids, positions, inputs.inputs_embeds)
@@ -487,6 +502,7 @@ class ModelRunner:
                 block_ids=tuple(list(ids) for ids in new_req.block_ids),
                 num_computed_tokens=new_req.num_computed_tokens,
                 mm_features=new_req.mm_features,
+                lora_request=new_req.lora_request,
             )
             if new_req.req_id in self.requests:  # re-sent (e.g. resumed): counted once
                 self._num_prompt_logprobs_reqs -= self.requests[new_req.req_id].sampling_params.prompt_logprobs is not None

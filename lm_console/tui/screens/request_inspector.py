@@ -168,7 +168,8 @@ class RequestInspector(ModalScreen[None]):
                 f"[#7f848e]{self.request_id} has left the console's table (finished a while ago).[/]")
             return
         box = self.query_one("#inspector-box")
-        box.border_title = (f"Request {request.request_id} ─ {request.table_state} · {request.source}"
+        adapter = f" · adapter {request.lora_name}" if request.lora_name else ""
+        box.border_title = (f"Request {request.request_id} ─ {request.table_state} · {request.source}{adapter}"
                             f" · {request.num_preemptions} preemption{'s' if request.num_preemptions != 1 else ''}")
         timeline = timeline_of(request)
         width = max(self.query_one("#inspector-bar").size.width, 20)

@@ -12,16 +12,19 @@ STATE_STYLE = {WAITING: "#e5c07b", RUNNING: "#98c379", FINISHED: "#5c6370", ABOR
 COLUMNS = ("id", "state", "prompt", "gen", "cached", "TTFT", "elapsed", "pre")
 WIDTHS = (9, 9, 6, 4, 6, 7, 7, 3)
 PRIORITY_COLUMN, PRIORITY_WIDTH = "prio", 5
+LORA_COLUMN, LORA_WIDTH = "adapter", 12
 
 
 class RequestTable(DataTable):
     """Rows keyed by request id; updated in place each tick.
 
     A "prio" column (scheduling priority, lower first) joins once a request with a priority
-    other than 0 shows up: under the default fcfs policy every priority is 0.
+    other than 0 shows up: under the default fcfs policy every priority is 0. An "adapter" column
+    (the request's LoRA adapter, "-" for the base model) joins once a request with one shows up.
     """
 
     show_priority = False
+    show_lora = False
 
     def on_mount(self) -> None:
         self.border_title = "Requests"
@@ -34,6 +37,8 @@ class RequestTable(DataTable):
             self.add_column(name, key=name, width=width)
         if self.show_priority:
             self.add_column(PRIORITY_COLUMN, key=PRIORITY_COLUMN, width=PRIORITY_WIDTH)
+        if self.show_lora:
+            self.add_column(LORA_COLUMN, key=LORA_COLUMN, width=LORA_WIDTH)
 
     title = "Requests"  # "Requests on the server" when attached to an lm-console server
 
@@ -46,8 +51,10 @@ class RequestTable(DataTable):
 
     def show(self, rows: list[TrackedRequest], now: float, num_active: int) -> None:
         order = [r.request_id for r in rows]
-        if not self.show_priority and any(r.priority for r in rows):
-            self.show_priority = True
+        if (not self.show_priority and any(r.priority for r in rows)) or (
+                not self.show_lora and any(r.lora_name for r in rows)):
+            self.show_priority = self.show_priority or any(r.priority for r in rows)
+            self.show_lora = self.show_lora or any(r.lora_name for r in rows)
             self.clear(columns=True)
             self._add_columns()
         if order != [key.value for key in self.rows]:
@@ -67,7 +74,8 @@ class RequestTable(DataTable):
         self.border_title = f"{self.title} ─ {num_active} in flight"
 
     def _columns(self) -> tuple[str, ...]:
-        return COLUMNS + (PRIORITY_COLUMN,) if self.show_priority else COLUMNS
+        return (COLUMNS + ((PRIORITY_COLUMN,) if self.show_priority else ())
+                + ((LORA_COLUMN,) if self.show_lora else ()))
 
     def _cells(self, request: TrackedRequest, now: float) -> tuple[str, ...]:
         state = request.table_state
@@ -77,4 +85,8 @@ class RequestTable(DataTable):
             f"{request.num_generated:>4}", f"{request.num_cached:>6}", f"{fmt_seconds(request.ttft_s):>7}",
             f"{request.elapsed(now):5.1f} s", f"{request.num_preemptions:>3}" if request.num_preemptions else "  -",
         )
-        return cells + (f"{request.priority:>4}",) if self.show_priority else cells
+        if self.show_priority:
+            cells += (f"{request.priority:>4}",)
+        if self.show_lora:
+            cells += ((request.lora_name or "-")[:LORA_WIDTH],)
+        return cells

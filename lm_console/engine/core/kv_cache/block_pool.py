@@ -163,6 +163,8 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size],
                     block_size=block_size,
+                    lora_id=request.lora_request.lora_int_id if request.lora_request is not None else None,
+                    lora_name=request.lora_request.lora_name if request.lora_request is not None else None,
                     group_idx=kv_cache_group_id,
                 )
             )

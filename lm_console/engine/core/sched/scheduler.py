@@ -27,7 +27,7 @@ from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorSche
 from lm_console.engine.core.sched.request_queue import create_request_queue
 from lm_console.engine.errors import DuplicateRequestError, InvalidEngineArgsError
 from lm_console.engine.core.spec_decode.proposers import Proposer, create_proposer
-from lm_console.engine.metrics.stats import PrefixCacheStatsSnapshot, SchedulerStats, SpecDecodingStats
+from lm_console.engine.metrics.stats import LoRAStats, PrefixCacheStatsSnapshot, SchedulerStats, SpecDecodingStats
 from lm_console.engine.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
@@ -111,9 +111,13 @@ class Scheduler:
         connector: KVConnectorBase | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         policy: str = "fcfs",
+        max_loras: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # enable_lora: at most this many distinct adapters among the running requests (the
+        # worker's resident slots); None: LoRA off.
+        self.max_loras = max_loras
         self.max_num_running_reqs = max_num_seqs
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -279,8 +283,15 @@ class Scheduler:
         park for an async load, keep their place at the queue's front."""
         skipped: list[Request] = []
         unparked = False
+        running_loras = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                         if self.max_loras is not None else set())
         while self.waiting and step.token_budget > 0:
             request = self.waiting.peek_request()
+            lora = request.lora_request
+            if (lora is not None and self.max_loras is not None and lora.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                skipped.append(self.waiting.pop_request())  # its adapter has no slot: wait for one
+                continue
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 so_request = request.structured_output_request
                 assert so_request is not None
@@ -319,6 +330,8 @@ class Scheduler:
                 skipped.append(request)  # parked in WAITING_FOR_REMOTE_KVS until its load ends
                 continue
             self._admit(request, admission, step)
+            if lora is not None:
+                running_loras.add(lora.lora_int_id)
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
 
@@ -646,8 +659,19 @@ class Scheduler:
             kv_tiers=self.kv_transfer.kv_tier_stats,
             kv_block_residency=(pool.metrics_collector.take_stats()
                                 if drain and pool.metrics_collector is not None else None),
+            lora=self._lora_stats(),
             spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.max_loras is None:
+            return None
+
+        def names(requests: Iterable[Request]) -> list[str]:
+            return list(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
+
+        return LoRAStats(max_lora=self.max_loras, running_lora_adapters=names(self.running),
+                         waiting_lora_adapters=names(self.waiting))
 
 
 def _take_prompt_logprobs(request: Request, chunk: tuple[int, LogprobsLists] | None) -> LogprobsLists | None:

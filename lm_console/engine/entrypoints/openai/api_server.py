@@ -28,7 +28,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from lm_console.engine import envs
 
 from lm_console.engine.entrypoints.console_protocol import STREAM_PATH
 from lm_console.engine.entrypoints.console_stream import build_console_router
@@ -47,6 +49,7 @@ from lm_console.engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from lm_console.engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from lm_console.engine.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from lm_console.engine.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
+from lm_console.engine.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lm_console.engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from lm_console.engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from lm_console.engine.entrypoints.openai.settings import ServerSettings
@@ -142,6 +145,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over a started AsyncLLM (the caller owns the engine and shuts it down)."""
     state = ServerState()
     ctx = ServingContext(engine, settings, state)
+    for name, path in settings.lora_modules:  # checked now: a bad adapter stops the start
+        ctx.loras.add(name, path)
     stat_logger = make_stat_logger(engine, ctx.served_model_names[0])
     engine.add_stat_logger(stat_logger)
     ctx.on_aborted = stat_logger.record_aborted
@@ -195,7 +200,22 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def show_models() -> JSONResponse:
         cards = [ModelCard(id=name, root=engine.config.model_config.model_dir, max_model_len=ctx.max_model_len)
                  for name in ctx.served_model_names]
+        cards += [ModelCard(id=name, root=lora.lora_path, parent=ctx.served_model_names[0],
+                            max_model_len=ctx.max_model_len) for name, lora in ctx.loras.items()]
         return JSONResponse(ModelList(data=cards).model_dump())
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING.get().lower() in ("1", "true"):
+        @api.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            request = await parse_body(raw_request, LoadLoRAAdapterRequest, ctx)
+            await answer(ctx.offload(ctx.loras.add, request.lora_name, request.lora_path))
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+        @api.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            request = await parse_body(raw_request, UnloadLoRAAdapterRequest, ctx)
+            await answer(ctx.offload(ctx.loras.remove, request.lora_name, request.lora_int_id))
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @api.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:

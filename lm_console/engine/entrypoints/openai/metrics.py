@@ -134,6 +134,9 @@ class PrometheusStatLogger(StatLoggerBase):
                           "block accesses. Sampled metrics (controlled by --kv-cache-metrics-sample).",
                           KV_BLOCK_RESIDENCY_BUCKETS),
             )
+        # vLLM's LoRA gauge: one series, labelled with the adapters of the running and the waiting
+        # requests, whose value is when it was last set (created with the first LoRA stats).
+        self.lora_info: Any = None
         self.extras = LmcCollector(self.labels)
         registry.register(self.extras)
         self._preemptions_seen = 0
@@ -200,6 +203,15 @@ class PrometheusStatLogger(StatLoggerBase):
         self.running.set(stats.num_running_reqs)
         self.waiting.set(stats.num_waiting_reqs)
         self.kv_usage.set(stats.kv_cache_usage)
+        if stats.lora is not None:
+            if self.lora_info is None:
+                self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                       ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                       registry=self.registry)
+            self.lora_info.clear()  # only the current adapters' series
+            self.lora_info.labels(max_lora=str(stats.lora.max_lora),
+                                  waiting_lora_adapters=",".join(stats.lora.waiting_lora_adapters),
+                                  running_lora_adapters=",".join(stats.lora.running_lora_adapters)).set_to_current_time()
         # The core counts preemptions cumulatively: follow its total exactly.
         if stats.num_preemptions_total > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)

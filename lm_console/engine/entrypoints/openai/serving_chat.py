@@ -143,6 +143,7 @@ class OpenAIServingChat:
             params.structured_outputs = tool_plan.constraint
         request_id = random_id("chatcmpl")
         engine_request = EngineRequest(ctx, request_id, prompt, params, request.cache_salt, request.priority or 0,
+                                       lora_request=ctx.lora_for(model),
                                        trace_headers=trace_headers_of(raw_request.headers))
         await engine_request.start()
         try:
@@ -170,7 +171,8 @@ class OpenAIServingChat:
         params = beam_search_params(ctx, request, max_tokens, len(token_ids))
         request_id = random_id("chatcmpl")
         [result] = await until_disconnect(raw_request, run_beam_search(ctx, request_id, [token_ids], [params],
-                                                                       request.cache_salt, request.priority or 0))
+                                                                       request.cache_salt, request.priority or 0,
+                                                                       lora_request=ctx.lora_for(model)))
         echo = request.echo_text()
         choices = []
         for i, beam in enumerate(result.sequences):

@@ -65,6 +65,7 @@ class OpenAIServingCompletion:
                                           prompt_logprobs=echo_logprobs)
             engine_requests.append(EngineRequest(ctx, f"{request_id}-{index}", engine_prompt, params,
                                                  request.cache_salt, request.priority or 0,
+                                                 lora_request=ctx.lora_for(model),
                                                  trace_headers=trace_headers_of(raw_request.headers)))
             prompt_texts.append(echo_text)
         await start_all(engine_requests)
@@ -91,7 +92,7 @@ class OpenAIServingCompletion:
         params = [beam_search_params(ctx, request, p["max_tokens"], len(p["prompt_token_ids"])) for p, _ in prepared]
         results = await until_disconnect(raw_request, run_beam_search(
             ctx, request_id, [p["prompt_token_ids"] for p, _ in prepared], params, request.cache_salt,
-            request.priority or 0))
+            request.priority or 0, lora_request=ctx.lora_for(model)))
         choices: list[CompletionResponseChoice] = []
         num_completion_tokens = 0
         for index, (result, (_, echo_text)) in enumerate(zip(results, prepared)):

@@ -104,7 +104,8 @@ class OpenAIServingEmbedding:
         engine_requests = [
             EngineRequest(ctx, f"{request_id}-{i}", {"prompt_token_ids": ids},
                           SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling,
-                                         output_kind=RequestOutputKind.FINAL_ONLY))
+                                         output_kind=RequestOutputKind.FINAL_ONLY),
+                          lora_request=ctx.lora_for(model))
             for i, ids in enumerate(token_lists)]
         await start_all(engine_requests)
         try:

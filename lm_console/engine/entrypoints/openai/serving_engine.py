@@ -24,10 +24,12 @@ from lm_console.engine.entrypoints.openai.errors import bad_request, from_except
 from lm_console.engine.entrypoints.openai.gate import ServerState
 from lm_console.engine.entrypoints.openai.media import MediaLoader
 from lm_console.engine.entrypoints.openai.protocol import SamplingFields, check_model
+from lm_console.engine.entrypoints.openai.serving_lora import LoRAModules
 from lm_console.engine.entrypoints.openai.settings import ServerSettings
 from lm_console.engine.outputs import RequestOutput
 from lm_console.engine.entrypoints.openai.structured_outputs import to_structured_outputs_params
 from lm_console.engine.errors import InvalidPromptError
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -59,12 +61,20 @@ class ServingContext:
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len: int = engine.config.model_config.max_model_len
         self.served_model_names = list(settings.served_model_names) or [engine.config.model_config.model_name]
+        self.loras = LoRAModules(engine, self.served_model_names)  # --lora-modules and runtime loads
         # Told how many engine requests ended by abort (client gone, drain timeout): the
         # frontend never sees their final step, so the metrics learn of them here.
         self.on_aborted: Callable[[int], None] | None = None
 
     def model_name(self, requested: str | None) -> str:
-        return check_model(requested, self.served_model_names)
+        """The model to answer with: a served name or a LoRA adapter's; 404 for any other."""
+        if requested is not None and self.loras.get(requested) is not None:
+            return requested
+        return check_model(requested, self.served_model_names + self.loras.names())
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        """The adapter a request's (checked) model name selects; None for the base model."""
+        return self.loras.get(model)
 
     async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) in the serving pool (off the event loop)."""
@@ -94,9 +104,10 @@ class EngineRequest:
     """One request in the engine: start() it, then `async for output in request`."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams,
-                 cache_salt: str | None = None, priority: int = 0,
+                 cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
                  trace_headers: Mapping[str, str] | None = None) -> None:
         self.ctx = ctx
+        self.lora_request = lora_request
         self.priority = priority
         self.trace_headers = trace_headers  # the client's traceparent: the parent of the request's span
         self.request_id = request_id
@@ -109,7 +120,9 @@ class EngineRequest:
     async def start(self) -> None:
         """Validate and send; raises the engine's error (mapped to 400 by the caller)."""
         self._collector = await self.ctx.engine.add_request(self.request_id, self.prompt, self.params,
-                                                            self.cache_salt, self.priority, self.trace_headers)
+                                                            self.cache_salt, self.priority,
+                                                            lora_request=self.lora_request,
+                                                            trace_headers=self.trace_headers)
         self.ctx.state.request_ids.add(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -302,7 +315,8 @@ def beam_search_params(ctx: ServingContext, request: SamplingFields, max_tokens:
 
 
 async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: list[Any],
-                          cache_salt: str | None = None, priority: int = 0) -> list[Any]:
+                          cache_salt: str | None = None, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> list[Any]:
     """Beam search of each prompt (token ids) with its BeamSearchParams; each step sends one
     one-token request per live beam of every prompt, all at once. Cancelling it aborts the step."""
     from lm_console.engine.frontend.beam_search import BeamSearch, candidates_of, check_beam_width
@@ -319,7 +333,7 @@ async def run_beam_search(ctx: ServingContext, request_id: str, prompts: list[li
     while True:
         pending = [search.pending() for search in searches]
         requests = [EngineRequest(ctx, f"{request_id}-beam{next(steps)}", {"prompt_token_ids": tokens},
-                                  search.params.step_params(), cache_salt, priority)
+                                  search.params.step_params(), cache_salt, priority, lora_request=lora_request)
                     for search, beams in zip(searches, pending) for tokens in beams]
         if not requests:
             break

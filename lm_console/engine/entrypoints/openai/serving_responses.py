@@ -56,7 +56,7 @@ class OpenAIServingResponses:
             top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed, max_tokens=max_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
         response_id = openai_id("resp")
-        engine_request = EngineRequest(ctx, response_id, prompt, params)
+        engine_request = EngineRequest(ctx, response_id, prompt, params, lora_request=ctx.lora_for(model))
         await engine_request.start()
         base = ResponsesResponse(id=response_id, status="in_progress", model=model, output=[],
                                  instructions=request.instructions, max_output_tokens=request.max_output_tokens,

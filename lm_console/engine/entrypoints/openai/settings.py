@@ -47,6 +47,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # /v1/embeddings: vLLM's --pooler-config (pooling_type LAST or MEAN, normalize)
     pooler_config: PoolingParams = field(default_factory=PoolingParams)
+    # (name, adapter directory) of each --lora-modules adapter, chosen by a request's `model`
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
