@@ -23,6 +23,7 @@ import lm_console.engine.scheduler_output as _scheduler_output_module
 from lm_console.engine.distributed.kv_transfer.output import KVConnectorOutput
 from lm_console.engine.ipc import MsgpackDecoder, MsgpackEncoder
 from lm_console.engine.model_runner_output import ModelRunnerOutput
+from lm_console.engine.lora.request import LoRARequest
 from lm_console.engine.multimodal.inputs import MultiModalFeatureSpec
 from lm_console.engine.sampling_params import SamplingParams
 from lm_console.engine.scheduler_output import SchedulerOutput
@@ -32,6 +33,7 @@ from lm_console.engine.scheduler_output import SchedulerOutput
 setattr(_model_runner_output_module, "KVConnectorOutput", KVConnectorOutput)  # noqa: B010
 setattr(_scheduler_output_module, "SamplingParams", SamplingParams)  # noqa: B010
 setattr(_scheduler_output_module, "MultiModalFeatureSpec", MultiModalFeatureSpec)  # noqa: B010
+setattr(_scheduler_output_module, "LoRARequest", LoRARequest)  # noqa: B010
 
 ALL_RANKS = -1  # reply_rank: every rank answers
 NO_REPLY = -2  # reply_rank: no rank answers (execute_model: a failure ends the worker)

@@ -106,6 +106,9 @@ def test_runtime_load_and_unload(client, server, adapters, offline) -> None:
         assert http.post("/v1/load_lora_adapter",
                          json={"lora_name": "gamma", "lora_path": str(adapters["gamma"])}).status_code == 200
     assert _tokens(client, "gamma") == offline["gamma"]
+    # The module's server is shared: leave it with the adapters it started with.
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
 
 
 def test_lora_requests_info_gauge(client, server) -> None:

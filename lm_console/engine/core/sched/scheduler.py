@@ -26,7 +26,6 @@ from lm_console.engine.core.sched.encoder_scheduling import NoEncoderScheduler
 from lm_console.engine.core.sched.kv_connector_scheduling import KVConnectorScheduling, NoKVConnector
 from lm_console.engine.core.sched.request_queue import create_request_queue
 from lm_console.engine.errors import DuplicateRequestError, InvalidEngineArgsError
-from lm_console.engine.core.spec_decode.proposers import Proposer, create_proposer
 from lm_console.engine.metrics.stats import LoRAStats, PrefixCacheStatsSnapshot, SchedulerStats, SpecDecodingStats
 from lm_console.engine.protocol import (
     EngineCoreEventType,
@@ -40,6 +39,7 @@ from lm_console.engine.request import Request, RequestStatus
 from lm_console.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
+    from lm_console.engine.core.spec_decode.proposers import Proposer
     from lm_console.engine.config.speculative import SpeculativeConfig
     from lm_console.engine.core.kv_cache.manager import KVCacheBlocks
     from lm_console.engine.core.sched.encoder_scheduling import EncoderPlan, EncoderScheduler
@@ -148,6 +148,9 @@ class Scheduler:
         self.proposer: Proposer | None = None
         self.spec_decoding_stats: SpecDecodingStats | None = None
         if speculative_config is not None:
+            # numpy's import stays off the core's path until speculation is asked for
+            from lm_console.engine.core.spec_decode.proposers import create_proposer
+
             self.proposer = create_proposer(speculative_config)
             self.spec_decoding_stats = SpecDecodingStats.new(speculative_config.num_speculative_tokens)
 

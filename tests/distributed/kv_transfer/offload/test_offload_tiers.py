@@ -161,14 +161,14 @@ def test_store_write_through_events_and_stats(tmp_path: Path) -> None:
 
 
 def test_chunk_hasher_is_deterministic_and_chained() -> None:
-    request = SimpleNamespace(all_token_ids=list(range(40)), mm_features=[], cache_salt=None)
+    request = SimpleNamespace(all_token_ids=list(range(40)), mm_features=[], cache_salt=None, lora_request=None)
     hasher = ChunkHasher(16, sha256_cbor, "model-a")
     hashes = hasher.extend(request, [], 40)
     assert len(hashes) == 2 and hashes == ChunkHasher(16, sha256_cbor, "model-a").extend(request, [], 40)
     assert hashes[0] != ChunkHasher(16, sha256_cbor, "model-b").extend(request, [], 40)[0]
-    changed = SimpleNamespace(all_token_ids=[99] + list(range(1, 40)), mm_features=[], cache_salt=None)
+    changed = SimpleNamespace(all_token_ids=[99] + list(range(1, 40)), mm_features=[], cache_salt=None, lora_request=None)
     assert ChunkHasher(16, sha256_cbor, "model-a").extend(changed, [], 40)[1] != hashes[1]
-    salted = SimpleNamespace(all_token_ids=list(range(40)), mm_features=[], cache_salt="s")
+    salted = SimpleNamespace(all_token_ids=list(range(40)), mm_features=[], cache_salt="s", lora_request=None)
     assert hasher.extend(salted, [], 40)[0] != hashes[0]
 
 
