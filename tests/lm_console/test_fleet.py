@@ -14,7 +14,7 @@ from console_helpers import DEADLINE_S, SIZE, text_of, until
 from http_helpers import API_KEY, ServerThread, lmc_app
 
 from lm_console.fleet.alerts import DECODE_STALL, DOWN
-from lm_console.fleet.metrics import ITL, TTFT, histogram_quantile, parse_reading
+from lm_console.fleet.metrics import ITL, TTFT, bucket_delta, histogram_quantile, parse_reading
 from lm_console.fleet.monitor import UP
 
 NAMES = ("a", "b", "c")
@@ -93,6 +93,9 @@ def test_the_fleet_view_tracks_live_servers_alerts_and_a_server_that_goes_away(f
             await until(pilot, app, lambda: app.fleet.num_polls >= polls + 2, "two polls of the sleeping engine")
             # The engine holds still: the row and a fresh /metrics describe the same moment.
             seen["rows"] = {r.name: r for r in app.rows}
+            # The quantiles are over the console's window: since its first reading of each server
+            # (a server of this module may have answered other tests' requests before).
+            seen["bases"] = {m.name: m.history[0] for m in app.fleet.monitors}
             seen["metrics"] = {name: metrics_of(server.url) for name, server in servers.items()}
             seen["header_stall"] = text_of(app.query_one("#fleet-alerts"))
             seen["table_a"] = [str(c) for c in app.query_one(FleetTable).get_row("a")]
@@ -141,11 +144,14 @@ def test_the_fleet_view_tracks_live_servers_alerts_and_a_server_that_goes_away(f
         assert shown.running == reading.gauges["vllm:num_requests_running"]
         assert shown.waiting == reading.gauges["vllm:num_requests_waiting"]
         assert shown.kv_usage == pytest.approx(reading.gauges["vllm:kv_cache_usage_perc"])
+        base = seen["bases"][name]
         for p50, p99, histogram in ((shown.ttft_p50, shown.ttft_p99, TTFT), (shown.itl_p50, shown.itl_p99, ITL)):
-            assert p50 == histogram_quantile(0.5, reading.buckets[histogram])
-            assert p99 == histogram_quantile(0.99, reading.buckets[histogram])
-        queries = reading.counters.get("vllm:prefix_cache_queries_total", 0.0)
-        hits = reading.counters.get("vllm:prefix_cache_hits_total", 0.0)
+            window = bucket_delta(reading.buckets[histogram], base.buckets.get(histogram))
+            assert p50 == histogram_quantile(0.5, window)
+            assert p99 == histogram_quantile(0.99, window)
+        queries = (reading.counters.get("vllm:prefix_cache_queries_total", 0.0)
+                   - base.counters.get("vllm:prefix_cache_queries_total", 0.0))
+        hits = reading.counters.get("vllm:prefix_cache_hits_total", 0.0) - base.counters.get("vllm:prefix_cache_hits_total", 0.0)
         assert shown.prefix_hit_rate == (pytest.approx(hits / queries) if queries else None)
     a = seen["rows"]["a"].figures
     assert (a.running, a.waiting) == (2, 2) and a.kv_usage > 0 and a.ttft_p50 is not None and a.itl_p99 is not None
