@@ -87,7 +87,7 @@ async def slow_headers(url: str) -> None:
 
 
 async def health_probe(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(keepalive_expiry=0.5)) as http:
         while not stop.is_set():
             start = time.monotonic()
             assert (await http.get("/health")).status_code == 200
@@ -100,9 +100,15 @@ async def run_round(url: str) -> tuple[list[str], list[str], list[float]]:
     seen: list[str] = []
     latencies: list[float] = []
     semaphore = asyncio.Semaphore(CONCURRENCY)
-    limits = httpx.Limits(max_connections=CONCURRENCY + 8, max_keepalive_connections=CONCURRENCY)
+    # Idle connections are dropped client-side after 0.5 s: the server's 1 s header timeout closes
+    # an idle keep-alive connection, which a client reusing it at that moment reads as an error.
+    limits = httpx.Limits(max_connections=CONCURRENCY + 8, max_keepalive_connections=CONCURRENCY,
+                          keepalive_expiry=0.5)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http, \
-            httpx.AsyncClient(base_url=url, timeout=120) as attacker:
+            httpx.AsyncClient(base_url=url, timeout=120,  # a new connection each time: the server's 1 s
+                              # header timeout closes an idle keep-alive one just as the next request
+                              # (a second later) would reuse it
+                              limits=httpx.Limits(max_keepalive_connections=0)) as attacker:
         async def bounded(index: int) -> str:
             async with semaphore:
                 return await normal(http, index)
