@@ -382,6 +382,13 @@ class ModelRunner:
             batch.append_token(row, token_id)
             sampled_token_ids.append([token_id])
         logprobs = self._logprobs_lists(state, sampler_output.logprobs_tensors)
+        return self._runner_output(state, sampled_token_ids, logprobs, kv_connector_output)
+
+    @staticmethod
+    def _runner_output(state: ExecuteModelState, sampled_token_ids: list[list[int]],
+                       logprobs: dict[str, LogprobsLists],
+                       kv_connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:
+        """The step's ModelRunnerOutput: the tokens each row emitted, with the step's side outputs."""
         return ModelRunnerOutput(
             req_ids=state.req_ids,
             req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
@@ -431,15 +438,7 @@ class ModelRunner:
                                                  [values[:width] for values in lists.logprobs[rows]],
                                                  lists.sampled_token_ranks[rows])
             emitted += len(tokens)
-        return ModelRunnerOutput(
-            req_ids=state.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            kv_connector_output=kv_connector_output,
-            prompt_logprobs=state.prompt_logprobs,
-            pooler_output=state.pooler_output,
-        )
+        return self._runner_output(state, sampled_token_ids, logprobs, kv_connector_output)
 
     def _verification_metadata(self, req_ids: list[str], drafts: list[list[int]]) -> SamplingMetadata:
         """SamplingMetadata with one row per verification row: row j of a request sees its
