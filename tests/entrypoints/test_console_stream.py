@@ -196,8 +196,11 @@ def wait_requests_done(served) -> None:  # noqa: ANN001
 
 
 async def read_stream(url: str, until, topics: str = "stats,kv,requests",  # noqa: ANN001
-                      deadline_s: float = 120) -> list[tuple[str, Any]]:
-    """Read the console stream until `until(events)` holds (or the deadline passes)."""
+                      deadline_s: float = 120, subscribed: asyncio.Event | None = None) -> list[tuple[str, Any]]:
+    """Read the console stream until `until(events)` holds (or the deadline passes). `subscribed`
+    is set once this reader's own hello arrives: the hub has registered it, so nothing the test
+    starts afterwards can be missed (a count of subscribers races with earlier tests' consoles
+    leaving)."""
     events: list[tuple[str, Any]] = []
     end = time.monotonic() + deadline_s
     async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=None), headers=HEADERS) as http:
@@ -205,9 +208,21 @@ async def read_stream(url: str, until, topics: str = "stats,kv,requests",  # noq
             assert response.status_code == 200, await response.aread()
             async for sse in iter_sse(response.aiter_lines()):
                 events.append((sse.event, decode_event(sse.event, sse.data)))
+                if subscribed is not None and sse.event == "hello":
+                    subscribed.set()
                 if until(events) or time.monotonic() > end:
                     break
     return events
+
+
+async def _until_subscribed(reader: asyncio.Task, subscribed: asyncio.Event) -> None:
+    """Wait for the reader's hello; a reader that ended first (refused, say) shows its error."""
+    waiter = asyncio.create_task(subscribed.wait())
+    await asyncio.wait({reader, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if reader.done():
+        reader.result()  # raises what ended it
+    assert subscribed.is_set(), "the console stream sent no hello within 60 s"
 
 
 def test_info_and_auth(served) -> None:  # noqa: ANN001
@@ -238,10 +253,9 @@ def test_stats_events_and_requests_arrive_and_match_the_engine(served) -> None: 
 
     async def listen_then_submit() -> list[tuple[str, Any]]:
         # Subscribe first: on a fast machine the requests could finish before a late console listens.
-        subscribers = served.hub.status()["num_subscribers"]
-        reader = asyncio.create_task(read_stream(served.server.url, done))
-        while served.hub.status()["num_subscribers"] <= subscribers and not reader.done():
-            await asyncio.sleep(0.05)
+        subscribed = asyncio.Event()
+        reader = asyncio.create_task(read_stream(served.server.url, done, subscribed=subscribed))
+        await _until_subscribed(reader, subscribed)
         submit(served, 4, 48, "a")
         return await reader
 
@@ -267,10 +281,11 @@ def test_stats_events_and_requests_arrive_and_match_the_engine(served) -> None: 
 def test_two_consoles_at_once_see_the_same_steps(served) -> None:  # noqa: ANN001
     async def both() -> tuple[list, list]:
         enough = lambda ev: sum(1 for e, _ in ev if e == "stats") >= 30  # noqa: E731
-        first = asyncio.create_task(read_stream(served.server.url, enough, "stats"))
-        second = asyncio.create_task(read_stream(served.server.url, enough, "stats"))
-        while served.hub.status()["num_subscribers"] < 2:
-            await asyncio.sleep(0.05)
+        ready = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(read_stream(served.server.url, enough, "stats", subscribed=ready[0]))
+        second = asyncio.create_task(read_stream(served.server.url, enough, "stats", subscribed=ready[1]))
+        await _until_subscribed(first, ready[0])
+        await _until_subscribed(second, ready[1])
         submit(served, 2, 64, "b")
         return await first, await second
 
@@ -312,9 +327,9 @@ def test_reset_prefix_cache_clears_and_the_stream_says_so(served) -> None:  # no
     async def scenario() -> tuple[dict, list]:
         cleared = lambda ev: any(e == "kv" and any(type(x).__name__ == "AllBlocksCleared" for x in p.batch.events)  # noqa: E731
                                  for e, p in ev)
-        reader = asyncio.create_task(read_stream(served.server.url, cleared, "kv"))
-        while served.hub.status()["num_subscribers"] < 1:
-            await asyncio.sleep(0.05)
+        subscribed = asyncio.Event()
+        reader = asyncio.create_task(read_stream(served.server.url, cleared, "kv", subscribed=subscribed))
+        await _until_subscribed(reader, subscribed)
         async with httpx.AsyncClient(headers=HEADERS) as http:
             response = await http.post(served.server.url + "/lmc/v1/reset_prefix_cache")
         return response.json(), await reader

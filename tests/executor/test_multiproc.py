@@ -72,37 +72,31 @@ def test_refusals_without_an_engine(tiny_llama_dir: Path) -> None:
     assert method_name(_shm) == f"{__name__}:_shm"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llama_tp2(tiny_llama_dir: Path):
+    """A TP=2 engine of its own: the test ends by killing a worker, so no other test may share it
+    (pytest-randomly reorders a module's tests)."""
     shm_before = _shm()
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE_ARGS)
     yield llm, shm_before
     llm.shutdown()
 
 
-def test_tp2_equals_tp1_on_llama_and_no_block_leaks(llama_tp2, tiny_llama_dir: Path) -> None:
-    llm, _ = llama_tp2
+def test_tp2_equals_tp1_on_llama_no_block_leaks_then_worker_sigkill_is_engine_dead(
+        llama_tp2, tiny_llama_dir: Path) -> None:
+    llm, shm_before = llama_tp2
     assert llm.config.parallel_config.distributed_executor_backend == "mp"  # tp > 1 switched uni to mp
     prompts = _prompts(tiny_llama_dir)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
     assert_all_equal([o.outputs[0].token_ids for o in outputs], _reference(tiny_llama_dir, prompts), "TP=2 vs TP=1")
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) > 1  # not a degenerate model
     assert_no_leaked_blocks(llm)
+    _sigkill_of_worker_1_is_engine_dead(llm, shm_before)
 
 
-def test_negative_control_rank1_attention_zeroed_fails_the_tp_check(tiny_llama_dir: Path) -> None:
-    """The TP check (assert_all_equal against TP=1) on the output of an engine whose rank-1 heads
-    lost their attention (tests/broken_variants.py, emulated in-process) must fail."""
-    prompts = _prompts(tiny_llama_dir)
-    reference = _reference(tiny_llama_dir, prompts)
-    with rank1_attention_zeroed():
-        broken = _reference(tiny_llama_dir, prompts)
-    with pytest.raises(AssertionError, match="exactly equal"):
-        assert_all_equal(broken, reference, "TP=2 vs TP=1")
-
-
-def test_worker_sigkill_is_engine_dead_in_llm_caller(llama_tp2) -> None:
-    llm, shm_before = llama_tp2
+def _sigkill_of_worker_1_is_engine_dead(llm: LLM, shm_before: set[str]) -> None:
+    """SIGKILL rank 1 mid-generation: the caller gets EngineDeadError, so does every later call,
+    and shutdown leaves no process and no shared-memory name behind."""
     core_pid = llm.engine_core.ready_info.pid
     workers = _workers(core_pid)
     assert len(workers) == 2
@@ -131,6 +125,17 @@ def test_worker_sigkill_is_engine_dead_in_llm_caller(llama_tp2) -> None:
     llm.shutdown()
     _assert_all_gone(tree)
     assert not (_shm() - shm_before)
+
+
+def test_negative_control_rank1_attention_zeroed_fails_the_tp_check(tiny_llama_dir: Path) -> None:
+    """The TP check (assert_all_equal against TP=1) on the output of an engine whose rank-1 heads
+    lost their attention (tests/broken_variants.py, emulated in-process) must fail."""
+    prompts = _prompts(tiny_llama_dir)
+    reference = _reference(tiny_llama_dir, prompts)
+    with rank1_attention_zeroed():
+        broken = _reference(tiny_llama_dir, prompts)
+    with pytest.raises(AssertionError, match="exactly equal"):
+        assert_all_equal(broken, reference, "TP=2 vs TP=1")
 
 
 @pytest.fixture(scope="module")
