@@ -86,7 +86,8 @@ def generate(
     n: int = typer.Option(1, help="Number of completions."),
     stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
     lora: Optional[str] = typer.Option(
-        None, "--lora", help="Run with this LoRA adapter, NAME=PATH (a PEFT adapter directory)."),
+        None, "--lora", help="Run with this LoRA adapter: NAME=PATH (a PEFT adapter directory), or 'pirate', the "
+              "built-in demo adapter for the embedded model."),
 ) -> None:
     """Generate a completion for PROMPT with the engine (offline, in this process)."""
     global _one_shot_done
@@ -128,13 +129,18 @@ def generate(
 
 
 def _lora_option(spec: str | None) -> tuple[Any, dict[str, Any]]:
-    """--lora NAME=PATH -> (its LoRARequest, the engine arguments that let it run: LoRA on, rank
-    room for it); (None, {}) without --lora."""
+    """--lora NAME=PATH (or a built-in adapter's name) -> (its LoRARequest, the engine arguments
+    that let it run: LoRA on, rank room for it); (None, {}) without --lora."""
     if spec is None:
         return None, {}
+    from lm_console.engine.lora.builtin import BUILTIN_ADAPTERS, builtin_adapter
+
     name, sep, path = spec.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise typer.BadParameter(f"--lora {spec!r} must look like NAME=PATH (a PEFT adapter directory).")
+    if not sep and (builtin := builtin_adapter(spec)) is not None:
+        name, path = builtin
+    elif not sep or not name.strip() or not path.strip():
+        raise typer.BadParameter(f"--lora {spec!r} must look like NAME=PATH (a PEFT adapter directory) "
+                                 f"or name a built-in adapter ({', '.join(BUILTIN_ADAPTERS)}).")
     import json
 
     from lm_console.engine.errors import EngineError

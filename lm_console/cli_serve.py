@@ -37,7 +37,8 @@ def serve(
     kv_offload_disk_bytes: KVOffloadDiskBytesOpt = 16 << 30, kv_chunk_size: KVChunkSizeOpt = 256,
     speculative_config: SpeculativeConfigOpt = None,
     lora_modules: Annotated[Optional[list[str]], typer.Option(
-        "--lora-modules", help="A LoRA adapter to serve as NAME=PATH (repeatable; needs --enable-lora): requests "
+        "--lora-modules", help="A LoRA adapter to serve as NAME=PATH, or 'pirate' (the built-in demo adapter for the "
+                               "embedded model), repeatable; needs --enable-lora: requests "
                                "choose it with model=NAME, /v1/models lists it with the base model as parent.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start-up).")] = 8000,

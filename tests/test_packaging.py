@@ -53,7 +53,9 @@ def test_wheel_and_sdist_carry_the_package_data(dists: tuple[Path, Path]) -> Non
     # Spelled out too, so the check cannot pass on an empty list.
     for name in ("lm_console/kernels/cpu/paged_attention.c", "lm_console/kernels/cpu/cpu_common.h",
                  "lm_console/tui/app.tcss",
-                 "lm_console/engine/models/demo_vlm_vision.safetensors"):
+                 "lm_console/engine/models/demo_vlm_vision.safetensors",
+                 "lm_console/engine/lora/adapters/pirate/adapter_config.json",
+                 "lm_console/engine/lora/adapters/pirate/adapter_model.safetensors"):
         assert name in names
     assert not any(name.startswith("tests/") for name in names)
 

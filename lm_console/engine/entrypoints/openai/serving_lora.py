@@ -13,6 +13,7 @@ from pydantic import Field
 from lm_console.engine.entrypoints.openai.errors import OpenAIError, bad_request
 from lm_console.engine.entrypoints.openai.protocol import RequestModel
 from lm_console.engine.errors import InvalidLoRARequestError
+from lm_console.engine.lora.builtin import BUILTIN_ADAPTERS, builtin_adapter
 from lm_console.engine.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -34,12 +35,17 @@ class UnloadLoRAAdapterRequest(RequestModel):
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
-    """`name=path` strings (vLLM's --lora-modules form) -> (name, path); ValueError naming a bad one."""
+    """`name=path` strings (vLLM's --lora-modules form) or a built-in adapter's bare name ->
+    (name, path); ValueError naming a bad one."""
     modules = []
     for spec in specs:
         name, sep, path = spec.partition("=")
+        if not sep and (builtin := builtin_adapter(spec)) is not None:
+            modules.append(builtin)
+            continue
         if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"--lora-modules {spec!r} must look like NAME=PATH (an adapter directory).")
+            raise ValueError(f"--lora-modules {spec!r} must look like NAME=PATH (an adapter directory) "
+                             f"or name a built-in adapter ({', '.join(BUILTIN_ADAPTERS)}).")
         modules.append((name.strip(), path.strip()))
     names = [name for name, _ in modules]
     if len(set(names)) != len(names):
