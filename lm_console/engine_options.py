@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-import json
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Optional, TypeVar
@@ -215,10 +214,14 @@ SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
 
 
 def speculative_args(speculative_config: str | None) -> dict[str, Any]:
-    """{"speculative_config": ...} for EngineArgs, or {} when speculation was not asked for."""
+    """{"speculative_config": ...} for EngineArgs, or {} when speculation was not asked for; the
+    config's own parse checks the JSON, so a bad value is refused here, before any engine starts."""
     if not speculative_config:
         return {}
+    from lm_console.engine.config.speculative import SpeculativeConfig
+    from lm_console.engine.errors import InvalidEngineArgsError
+
     try:
-        return {"speculative_config": json.loads(speculative_config)}
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"--speculative-config is not valid JSON: {exc}") from None
+        return {"speculative_config": SpeculativeConfig.parse(speculative_config)}
+    except InvalidEngineArgsError as error:
+        raise typer.BadParameter(str(error)) from None

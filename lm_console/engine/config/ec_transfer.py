@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from lm_console.engine.config.fields import DeclaredConfig, knob
+from lm_console.engine.config.fields import DeclaredConfig, json_object_arg, knob
 from lm_console.engine.errors import InvalidEngineArgsError
 
 ECRole = Literal["ec_producer", "ec_consumer", "ec_both"]
@@ -46,17 +45,7 @@ class ECTransferConfig(DeclaredConfig):
         """Build from a dict or a JSON string, naming unknown keys and bad roles."""
         if isinstance(value, ECTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as error:
-                raise InvalidEngineArgsError(f"ec_transfer_config is not valid JSON: {error}") from error
-        if not isinstance(value, dict):
-            raise InvalidEngineArgsError("ec_transfer_config must be a dict or a JSON object string.")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise InvalidEngineArgsError(f"ec_transfer_config has unknown keys {unknown}; allowed: {sorted(names)}.")
+        value = json_object_arg(value, "ec_transfer_config", {f.name for f in fields(cls)})
         config = cls(**value)  # ec_role checked by its declaration
         if not isinstance(config.ec_connector_extra_config, dict):
             raise InvalidEngineArgsError("ec_connector_extra_config must be a dict.")

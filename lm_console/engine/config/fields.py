@@ -20,10 +20,11 @@ This module imports neither torch nor any subsystem: boundary modules load it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -281,3 +282,19 @@ def _describe(hint: Any, spec: Knob) -> str:
     else:
         text = "a valid value"
     return text + (", or None" if optional else "")
+
+
+def json_object_arg(value: Any, name: str, allowed: Iterable[str]) -> dict[str, Any]:
+    """A structured engine argument given as a dict or a JSON object string (vLLM's flags take
+    JSON), with every key one of `allowed`; InvalidEngineArgsError naming `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise InvalidEngineArgsError(f"{name} is not valid JSON: {error}.") from None
+    if not isinstance(value, dict):
+        raise InvalidEngineArgsError(f"{name} must be a dict or a JSON object string, got {type(value).__name__}.")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise InvalidEngineArgsError(f"{name} has unknown key(s) {unknown}; allowed: {sorted(allowed)}.")
+    return value

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lm_console.engine.config.fields import DeclaredConfig, knob
+from lm_console.engine.config.fields import DeclaredConfig, json_object_arg, knob
 from lm_console.engine.errors import InvalidEngineArgsError
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -53,17 +52,8 @@ class KVTransferConfig(DeclaredConfig):
         """Accept a KVTransferConfig, a dict or a JSON string; None stays None."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidEngineArgsError(f"kv_transfer_config is not valid JSON: {exc}.") from None
-        if not isinstance(value, dict):
-            raise InvalidEngineArgsError("kv_transfer_config must be a dict or a JSON object string.")
         known = {"kv_connector", "kv_role", "kv_connector_module_path", "kv_connector_extra_config", "engine_id"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidEngineArgsError(f"kv_transfer_config has unknown key(s) {unknown}; allowed: {sorted(known)}.")
+        value = json_object_arg(value, "kv_transfer_config", known)
         if "kv_connector" not in value:
             raise InvalidEngineArgsError("kv_transfer_config needs 'kv_connector' (e.g. 'OffloadConnector').")
         return cls(**value)

@@ -8,10 +8,10 @@ lm_console/engine/sample/rejection_sampler.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from lm_console.engine.config.fields import json_object_arg
 from lm_console.engine.errors import InvalidEngineArgsError
 
 SpeculativeMethod = Literal["ngram", "suffix"]
@@ -93,22 +93,10 @@ class SpeculativeConfig:
         """A SpeculativeConfig from a dict or a JSON object string (None: no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise InvalidEngineArgsError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
+        value = json_object_arg(value, "speculative_config", {f.name for f in fields(cls)} | {"model"})
+        if "model" in value:
             raise InvalidEngineArgsError(
-                f"speculative_config must be a dict or a JSON object, got {type(value).__name__}.")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            if "model" in unknown:
-                raise InvalidEngineArgsError(
-                    "speculative_config: 'model' (a draft model) is not supported; use method 'ngram' or 'suffix'.")
-            raise InvalidEngineArgsError(
-                f"speculative_config: unknown key(s) {unknown}; allowed: {sorted(names)}.")
+                "speculative_config: 'model' (a draft model) is not supported; use method 'ngram' or 'suffix'.")
         if "method" not in value:
             raise InvalidEngineArgsError("speculative_config needs a 'method': 'ngram' or 'suffix'.")
         return cls(**value)

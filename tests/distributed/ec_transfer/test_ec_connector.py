@@ -26,7 +26,7 @@ def test_config_from_dict_or_json_and_roles() -> None:
     assert both.is_ec_producer and both.is_ec_consumer and not both.is_producer_only
     with pytest.raises(InvalidEngineArgsError, match="ec_role"):
         ECTransferConfig.from_arg({"ec_role": "leader"})
-    with pytest.raises(InvalidEngineArgsError, match="unknown keys"):
+    with pytest.raises(InvalidEngineArgsError, match="unknown key"):
         ECTransferConfig.from_arg({"ec_rol": "ec_consumer"})
     with pytest.raises(InvalidEngineArgsError, match="JSON"):
         ECTransferConfig.from_arg("{not json")
