@@ -15,7 +15,10 @@ import pytest
 import typer
 
 from lm_console.engine.config import EngineArgs
+from lm_console.engine.config.ec_transfer import ECTransferConfig
 from lm_console.engine.config.fields import Declaration, Knob, accepts, declarations, verify_values
+from lm_console.engine.config.kv_transfer import KVTransferConfig
+from lm_console.engine.config.speculative import SpeculativeConfig
 from lm_console.engine.config.knobs import ENGINE_ARG_SOURCES, collect, engine_arg_declarations
 from lm_console.engine.errors import InvalidEngineArgsError
 
@@ -251,3 +254,28 @@ def test_engine_kwargs_keep_only_what_differs_from_the_knobs() -> None:
         "--block-size", "32", "--liveness-timeout", "0", "--no-enable-prefix-caching", "--num-blocks", "7"]
     with pytest.raises(ValueError, match="multiprocess has no `lmc serve` flag"):
         serve_flags({"multiprocess": False})
+
+
+@pytest.mark.parametrize(("name", "parse", "key"), [
+    ("kv_transfer_config", KVTransferConfig.parse, "kv_connector"),
+    ("ec_transfer_config", ECTransferConfig.from_arg, "ec_connector"),
+    ("speculative_config", SpeculativeConfig.parse, "method"),
+])
+def test_json_object_arguments_name_themselves_in_each_refusal(name: str, parse: Any, key: str) -> None:
+    for value, why in (("{not json", "is not valid JSON"), ("[1, 2]", "must be a dict or a JSON object string, got list"),
+                       (7, "must be a dict .*, got int"),
+                       ({key: "x", "colour": 1}, r"has unknown key\(s\) \['colour'\]; allowed: .*" + key)):
+        with pytest.raises(InvalidEngineArgsError, match=f"^{name} {why}"):
+            parse(value)
+
+
+def test_the_speculative_flag_is_refused_before_an_engine_starts() -> None:
+    from lm_console.engine_options import speculative_args
+
+    assert speculative_args(None) == {}
+    parsed = speculative_args('{"method": "ngram", "num_speculative_tokens": 3}')["speculative_config"]
+    assert isinstance(parsed, SpeculativeConfig) and parsed.num_speculative_tokens == 3
+    with pytest.raises(typer.BadParameter, match="draft model"):
+        speculative_args('{"method": "ngram", "model": "tiny"}')
+    with pytest.raises(typer.BadParameter, match="speculative_config is not valid JSON"):
+        speculative_args("{ngram")
