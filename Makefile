@@ -27,8 +27,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The tests not marked slow (end-to-end runs of the embedded model, long engine runs): a quick
-# check while working; `make test` (and CI) runs everything.
+# The unit level, under 2 minutes on 2 cores: the tests not marked slow (slow: starts an engine
+# process, a server, a subprocess or Ray, or runs the embedded model); `make test` (and CI) runs
+# everything.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 

@@ -17,6 +17,8 @@ import pytest
 
 from lm_console.engine.version import __version__
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "lm_console")
 

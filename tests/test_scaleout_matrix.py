@@ -34,6 +34,8 @@ from lm_console.engine import LLM, AsyncLLM, SamplingParams
 from lm_console.engine.errors import EngineDeadError
 from llm_helpers import text_prompts
 
+pytestmark = pytest.mark.slow
+
 ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=128)
 MAX_TOKENS = 10
 TOP = 5  # logprobs per position for the near-tie rule

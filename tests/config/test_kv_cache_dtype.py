@@ -10,6 +10,8 @@ from lm_console.engine.config.cache import resolve_kv_cache_dtype
 from lm_console.engine.errors import InvalidEngineArgsError
 from lm_console.kernels import cpu_attention
 
+pytestmark = pytest.mark.slow
+
 QUANTIZED_CPU = dict(dtype="bfloat16", device="cpu", quantization="gguf", head_dim=64, num_heads=9, num_kv_heads=3,
                      block_size=16, attention_backend="auto")
 

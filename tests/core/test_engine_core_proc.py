@@ -18,6 +18,8 @@ from lm_console.engine.ipc import MsgpackEncoder
 from lm_console.engine.protocol import EngineCoreRequestType, UtilityCall
 from llm_helpers import assert_no_leaked_blocks
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

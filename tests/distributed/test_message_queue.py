@@ -13,6 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lm_console.engine.distributed.message_queue import Handle, MessageQueue
 
+pytestmark = pytest.mark.slow
+
 CHUNK = 96  # small slots, so messages of a few dozen bytes already overflow to ZMQ
 
 

@@ -19,6 +19,8 @@ from lm_console.engine.errors import EngineDeadError
 from lm_console.engine.metrics.stats import BlockPoolState, SchedulerStats
 from lm_console.client.sse import iter_sse
 
+pytestmark = pytest.mark.slow
+
 STATS = frozenset({"stats"})
 
 

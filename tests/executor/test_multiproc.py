@@ -20,6 +20,8 @@ from lm_console.engine.worker.rpc_protocol import method_name
 from broken_variants import rank1_attention_zeroed
 from llm_helpers import assert_all_equal, assert_no_leaked_blocks, text_prompts
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=256)
 MAX_TOKENS = 12
 

@@ -17,6 +17,8 @@ from lm_console.engine.errors import EngineDeadError  # noqa: E402
 from broken_variants import rank1_attention_zeroed  # noqa: E402
 from llm_helpers import assert_all_equal, random_prompts, sigkill_during_generate  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, device="cpu")
 
 

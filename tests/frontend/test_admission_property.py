@@ -30,7 +30,7 @@ DEADLINE_S = 5.0  # the acceptance bound; the tiny model answers any accepted re
 ENGINE_ARGS = dict(dtype="float32", max_model_len=32, num_gpu_blocks_override=512, max_num_seqs=64)
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SURROGATES = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
 TEXT = st.text(st.one_of(st.characters(), SURROGATES), max_size=12)

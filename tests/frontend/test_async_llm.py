@@ -13,6 +13,8 @@ from lm_console.engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
 from lm_console.engine.errors import DuplicateRequestError, EngineDeadError, InvalidPromptError
 from llm_helpers import assert_no_leaked_blocks
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=512, stat_loggers=[])
 
 

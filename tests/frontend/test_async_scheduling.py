@@ -14,6 +14,8 @@ from lm_console.engine.protocol import EngineCoreRequest
 from broken_variants import rank1_attention_zeroed
 from llm_helpers import assert_all_equal, assert_no_leaked_blocks, random_prompts, text_prompts
 
+pytestmark = pytest.mark.slow
+
 
 def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):  # noqa: ANN202
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

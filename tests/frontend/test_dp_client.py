@@ -17,6 +17,8 @@ from lm_console.engine.metrics.stats import SchedulerStats
 from broken_variants import rank1_attention_zeroed
 from llm_helpers import assert_all_equal, random_prompts, sigkill_during_generate, text_prompts
 
+pytestmark = pytest.mark.slow
+
 TINY_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=96, block_size=16)
 
 

@@ -21,6 +21,8 @@ from lm_console.engine.frontend.dp_client import SyncDPClient  # noqa: E402
 from lm_console.engine.frontend.dp_ray import RayEngineProcess, core_bundle, frontend_host  # noqa: E402
 from llm_helpers import assert_all_equal, random_prompts, sigkill_during_generate  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, device="cpu")
 
 

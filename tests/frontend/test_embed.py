@@ -16,6 +16,8 @@ import torch
 
 from lm_console.engine.sampling_params import PoolingParams
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The quick brown fox jumps over the lazy dog, then runs far away into the forest.",
            "Embeddings turn text into vectors; similar texts should land close to each other.",
            "Hi"]

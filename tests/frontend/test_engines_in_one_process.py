@@ -19,6 +19,8 @@ ray = pytest.importorskip("ray", reason="the [ray] extra installs Ray")
 from lm_console.engine import LLM, SamplingParams  # noqa: E402
 from llm_helpers import assert_no_leaked_blocks, random_prompts  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 ARGS = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=64)
 
 

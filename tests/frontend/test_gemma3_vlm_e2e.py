@@ -11,6 +11,8 @@ from lm_console.engine.errors import TooManyMultiModalItemsError
 from gemma3_vlm_helpers import assert_matches_hf, hf_greedy
 from mm_factory import GEMMA3_MM_TOKENS, make_image
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 # One torch thread: the tiny matmuls only lose to thread hand-offs on a busy 2-core machine.

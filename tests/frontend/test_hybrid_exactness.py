@@ -11,6 +11,8 @@ from lm_console.engine.kv_cache_interface import SlidingWindowSpec
 from lm_console.engine.kv_cache_interface import cdiv
 from llm_helpers import compare_greedy, greedy_token_ids, hf_greedy, prefix_sharing_prompts, random_prompts
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 32
 WINDOW = 24  # tiny_gemma3_dir's sliding_window
 BLOCK_SIZE = 16

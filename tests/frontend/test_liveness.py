@@ -19,7 +19,7 @@ from lm_console.engine import AsyncLLM, LLM, RequestOutputKind, SamplingParams
 from lm_console.engine.errors import EngineDeadError, EngineUnresponsiveError
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=256, liveness_timeout_s=1.5)
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _stop(pid: int) -> None:

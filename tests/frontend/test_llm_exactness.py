@@ -10,6 +10,8 @@ from broken_variants import block_hash_drops_tokens, rank1_attention_zeroed
 from llm_helpers import (compare_greedy, greedy_token_ids, hf_greedy, hf_teacher_forced, prefix_sharing_prompts,
                          random_prompts, text_prompts)
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 64
 MAX_INEXACT = 2  # of 20 prompts, at most 2 may differ from HF (each at a near tie)
 

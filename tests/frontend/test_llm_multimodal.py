@@ -16,6 +16,8 @@ from lm_console.engine.errors import (
 )
 from mm_factory import make_image, png_bytes
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = dict(multiprocess=False, dtype="float32", max_model_len=512, kv_cache_memory=1 << 24, block_size=16)
 

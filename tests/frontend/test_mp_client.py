@@ -18,6 +18,8 @@ from lm_console.engine.frontend.mp_client import SyncMPClient
 from lm_console.engine.protocol import EngineCoreStartupFailure
 from llm_helpers import random_prompts, sigkill_during_generate, text_prompts
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

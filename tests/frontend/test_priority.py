@@ -9,6 +9,8 @@ import pytest
 from lm_console.engine import LLM, AsyncLLM, SamplingParams
 from lm_console.engine.errors import InvalidEngineArgsError, InvalidPriorityError
 
+pytestmark = pytest.mark.slow
+
 
 def test_priority_orders_admission_and_outputs_are_unchanged(tiny_llama_dir) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=1,

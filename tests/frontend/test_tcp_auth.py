@@ -19,7 +19,7 @@ from lm_console.engine.ipc import MsgpackEncoder, set_curve_client
 from lm_console.engine.metrics.kv_events import KVEventSubscriber
 from lm_console.engine.protocol import EngineCoreOutputs
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 _FAILED = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
            zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_DISCONNECTED}
 

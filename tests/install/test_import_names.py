@@ -10,10 +10,13 @@ packages.
 
 from __future__ import annotations
 
+import pytest
 import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST = "lm-console"

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from lm_console.cli import app
 
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 
 

@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 from lm_console.engine.startup_trace import ENV_VAR, parse_marks
 from lm_console.cli import app
 
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Hello there, how are"

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
 
 from lm_console.engine.version import __version__
+
+pytestmark = pytest.mark.slow
 
 CHECK = """
 import sys

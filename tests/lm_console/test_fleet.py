@@ -17,6 +17,8 @@ from lm_console.fleet.alerts import DECODE_STALL, DOWN
 from lm_console.fleet.metrics import ITL, TTFT, bucket_delta, histogram_quantile, parse_reading
 from lm_console.fleet.monitor import UP
 
+pytestmark = pytest.mark.slow
+
 NAMES = ("a", "b", "c")
 
 

@@ -15,6 +15,8 @@ from lm_console.tui.widgets.chat_message import ChatMessage
 from lm_console.tui.widgets.encoder_cache_panel import EncoderCachePanel
 from mm_factory import make_image
 
+pytestmark = pytest.mark.slow
+
 SIZE = (120, 36)
 
 

@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 
 from lm_console.cli import app
 
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 STANDIN_SCRIPT = Path(__file__).with_name("openai_standin.py")
 

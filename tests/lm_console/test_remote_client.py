@@ -25,6 +25,8 @@ from lm_console.client.types import (
 )
 from lm_console.client.vllm_metrics import MetricsSampler, parse_metrics
 
+pytestmark = pytest.mark.slow
+
 
 def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(asyncio.wait_for(coro, 60))

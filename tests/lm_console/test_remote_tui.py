@@ -19,6 +19,8 @@ from lm_console.tui.widgets.kv_event_log import KVEventLog
 from lm_console.tui.widgets.request_table import RequestTable
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
 
+pytestmark = pytest.mark.slow
+
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 
 from lm_console.client.types import RequestTimeline
@@ -9,6 +10,8 @@ from lm_console.tui.demo import demo_app, drive_load
 from lm_console.tui.screens.request_inspector import RequestInspector, timeline_bar, timeline_labels
 from lm_console.tui.widgets.block_map import BlockMap
 from lm_console.tui.widgets.request_table import RequestTable
+
+pytestmark = pytest.mark.slow
 
 SIZE = (120, 36)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 
 from console_helpers import SIZE, text_of, until
@@ -20,6 +21,8 @@ from lm_console.tui.widgets.block_map import BlockMap
 from lm_console.tui.widgets.chat_message import ChatMessage
 from lm_console.tui.widgets.kv_event_log import KVEventLog
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
+
+pytestmark = pytest.mark.slow
 
 def run(coro) -> None:  # noqa: ANN001
     asyncio.run(coro)

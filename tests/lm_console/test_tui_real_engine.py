@@ -20,6 +20,8 @@ from lm_console.tui.widgets.prompt_input import PromptInput
 from lm_console.tui.widgets.request_table import RequestTable
 from lm_console.tui.widgets.scheduler_panel import SchedulerPanel
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=2, seed=0)
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from lm_console.tui.demo import demo_app, drive_chat, drive_load
 
+pytestmark = pytest.mark.slow
+
 SIZE = (120, 36)
 
 

@@ -13,6 +13,8 @@ from lm_console.engine.metrics.kv_events import BlockStored
 from llm_helpers import random_prompts
 from lora_helpers import write_adapter
 
+pytestmark = pytest.mark.slow
+
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -15,6 +15,8 @@ from lm_console.engine import LLM, SamplingParams
 from lm_console.engine.lora import LoRARequest
 from llm_helpers import compare_greedy, random_prompts
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 16
 MAX_INEXACT = 1  # of 20 requests, at most one may differ from PEFT (at a near tie)
 NAMES = [None, "all-r8", "attn-r16", "mlp-qv-r4-rs", "all-r8-a32"]

@@ -16,6 +16,8 @@ from lm_console.engine.metrics.kv_events import (
     KVEventBatch, KVEventPublisher, KVEventSubscriber, decode_kv_event_message, encode_kv_event_batch,
 )
 
+pytestmark = pytest.mark.slow
+
 BLOCK_SIZE = 16
 
 

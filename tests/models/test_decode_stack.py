@@ -22,8 +22,8 @@ from lm_console.engine.models.quant import quantize_model
 from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
 from paged_model_harness import PagedHarness
 
-pytestmark = pytest.mark.skipif(cpu_quant.load() is None or cpu_decode.load() is None,
-                                reason="no C compiler (or LMC_CPU_KERNELS=0): no driver")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_quant.load() is None or cpu_decode.load() is None,
+                                reason="no C compiler (or LMC_CPU_KERNELS=0): no driver")]
 
 
 @pytest.fixture

@@ -26,6 +26,8 @@ from gguf_factory import MIXED_TYPES, small_vocabulary, write_gguf  # noqa: E402
 from model_factory import LLAMA3_ROPE, make_tiny_model_dir  # noqa: E402
 from paged_model_harness import PagedHarness  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 1024  # SmolLM2's first 1024 tokens: a tokenizer that converts fast
 NUM_NEW = 6
 ARCHS = {

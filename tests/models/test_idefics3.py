@@ -8,6 +8,8 @@ import torch
 from lm_console.engine import SamplingParams
 from mm_factory import make_image
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     ("<image>What is in this image?", [make_image(1)]),
     ("Compare <image> with <image> please.", [make_image(2, 40, 40), make_image(3, 70, 30)]),

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from lm_console.engine.sample import rejection_sampler as rs
 from lm_console.engine.sample.metadata import SamplingMetadata
 from lm_console.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
 
 VOCAB = 6
 DRAWS = 6000

@@ -22,6 +22,8 @@ from lm_console.engine.protocol import EngineCoreRequest
 from lm_console.engine.sample import rejection_sampler
 from llm_helpers import _TEXT, assert_all_equal, assert_no_leaked_blocks, random_prompts
 
+pytestmark = pytest.mark.slow
+
 ENGINE = dict(dtype="float32", multiprocess=False)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 FREE = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

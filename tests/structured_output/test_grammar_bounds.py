@@ -12,7 +12,7 @@ import pytest
 
 from lm_console.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-pytestmark = pytest.mark.hostile
+pytestmark = [pytest.mark.slow, pytest.mark.hostile]
 
 
 class FakeBackend:

@@ -19,6 +19,8 @@ from lm_console.engine.errors import InvalidStructuredOutputError
 from llm_helpers import assert_no_leaked_blocks
 from schema_gen import make_schemas
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, max_num_seqs=128,
                    multiprocess=False)
 NUM_SCHEMAS = 50

@@ -13,6 +13,8 @@ from lm_console.engine.distributed.ec_transfer.example_connector import ECExampl
 from lm_console.engine.errors import InvalidEngineArgsError
 from mm_factory import make_image
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = dict(multiprocess=False, dtype="float32", max_model_len=512, kv_cache_memory=1 << 24,
               enable_prefix_caching=False)

@@ -9,6 +9,8 @@ import pytest
 
 from lm_console.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 

@@ -16,6 +16,8 @@ from lm_console.engine import LLM, SamplingParams
 from lm_console.engine.version import __version__
 from openai_server_helpers import ThreadServer, parse_metrics, read_sse, sample_value
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=512, num_threads=1,
                    stat_loggers=[])
 PROMPT = "The history of computing is a story of"

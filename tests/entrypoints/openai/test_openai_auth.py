@@ -10,6 +10,8 @@ import pytest
 from lm_console.engine.entrypoints.openai.auth import api_key_matches
 from openai_server_helpers import ThreadServer, assert_openai_error
 
+pytestmark = pytest.mark.slow
+
 KEY = "sk-test-4d1e8f"
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=128, num_threads=1, stat_loggers=[])
 PROTECTED = [

@@ -20,6 +20,8 @@ from lm_console.engine import LLM, SamplingParams
 from mm_factory import make_image, png_bytes
 from openai_server_helpers import ThreadServer, assert_openai_error, read_sse
 
+pytestmark = pytest.mark.slow
+
 MAX_BODY = 256 * 1024
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=256, num_threads=1, stat_loggers=[])
 

@@ -28,7 +28,7 @@ import pytest
 from mm_factory import make_image, png_bytes
 from openai_server_helpers import ThreadServer, assert_openai_error
 
-pytestmark = pytest.mark.hostile
+pytestmark = [pytest.mark.slow, pytest.mark.hostile]
 
 API_KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

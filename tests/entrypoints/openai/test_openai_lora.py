@@ -14,6 +14,8 @@ import pytest
 
 from openai_server_helpers import REPO_ROOT, ServeProcess, parse_metrics
 
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lora"))
 
 PROMPT = [300 + i for i in range(40)]

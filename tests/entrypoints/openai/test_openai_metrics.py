@@ -10,6 +10,8 @@ import pytest
 
 from openai_server_helpers import ThreadServer, parse_metrics, sample_value
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_threads=1, stat_loggers=[])
 LABELS = {"model_name": "tiny", "engine": "0"}
 GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]

@@ -18,6 +18,8 @@ import pytest
 
 from openai_server_helpers import ThreadServer
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=256, num_threads=1, stat_loggers=[])
 SCHEMA = {
     "type": "object",

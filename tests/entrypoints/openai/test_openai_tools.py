@@ -20,6 +20,8 @@ from transformers import AutoTokenizer
 
 from openai_server_helpers import ThreadServer
 
+pytestmark = pytest.mark.slow
+
 ENGINE_ARGS = dict(dtype="float32", max_model_len=1024, num_gpu_blocks_override=256, num_threads=1, stat_loggers=[])
 WEATHER_PARAMS = {
     "type": "object",

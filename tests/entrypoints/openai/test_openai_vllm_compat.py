@@ -18,6 +18,8 @@ import pytest
 from lm_console.engine import LLM, BeamSearchParams, SamplingParams
 from openai_server_helpers import ThreadServer, assert_openai_error, parse_metrics, read_sse, sample_value
 
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 512
 ENGINE_ARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=512, num_threads=1,
                    stat_loggers=[])

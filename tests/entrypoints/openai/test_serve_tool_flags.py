@@ -15,6 +15,8 @@ import torch
 
 from openai_server_helpers import REPO_ROOT, ServeProcess
 
+pytestmark = pytest.mark.slow
+
 QUESTION = [{"role": "user", "content": "Weather in Oslo?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

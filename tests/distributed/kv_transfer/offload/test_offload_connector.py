@@ -19,7 +19,7 @@ CHUNK = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 LENGTHS = (100, 70, 33)
 EXPECTED_HITS = [96, 64, 32]  # whole chunks, at most num_tokens - 1, in whole blocks
-pytestmark = pytest.mark.timeout(300)  # a hang fails fast instead of stalling the suite
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a hang fails fast instead of stalling the suite
 
 
 def offload_config(disk_path: Path | None, role: str = "kv_both", **extra: object) -> dict:
