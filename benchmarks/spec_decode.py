@@ -27,9 +27,12 @@ import platform
 import random
 import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PASSAGE = (
     "The history of computing is a story of abstractions stacked on one another. Early machines were "
@@ -200,6 +203,12 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
         prompts = [tokenizer.encode(p) for p in copy_prompts(args.single_requests)]
         gguf = _embedded_gguf_path(_EMBEDDED[DEFAULT_MODEL])
+        try:
+            from _llamacpp import prepare
+
+            report["llamacpp_note"] = prepare(gguf)
+        except ImportError:
+            pass  # run_llamacpp says so
         for lookup in (False, True):
             result = run_llamacpp(gguf, prompts, args.single_tokens, args.threads or os.cpu_count() or 1, lookup)
             if result is None:

@@ -426,6 +426,12 @@ def main() -> None:
             report["breakdown"][variant] = lmc_step_breakdown(variant, args.threads)
             print(variant, "step ms", json.dumps(report["breakdown"][variant]), flush=True)
     if "llamacpp" not in skip:
+        try:
+            from _llamacpp import prepare
+
+            report["llamacpp_note"] = prepare(gguf)
+        except ImportError:
+            pass  # llamacpp() says so
         report["llamacpp"] = llamacpp(gguf, requests, args.threads)
         print("llama.cpp", json.dumps(report["llamacpp"]), flush=True)
     if "hf" not in skip:
