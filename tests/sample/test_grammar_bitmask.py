@@ -30,7 +30,7 @@ def test_masks_only_the_structured_rows_and_the_padding(kernel) -> None:
     req_ids = [f"r{i}" for i in range(num_reqs)]
     structured = ["r4", "r0", "r3"]
     got = logits.clone()
-    apply_grammar_bitmask(got, bitmask, structured, {r: i for i, r in enumerate(req_ids)})
+    apply_grammar_bitmask(got, bitmask, [req_ids.index(r) for r in structured])
     expected = logits.clone()
     apply_grammar_bitmask_reference(expected, bitmask, [4, 0, 3])
     expected[[4, 0, 3], bitmask_vocab:] = float("-inf")

@@ -6,7 +6,9 @@ A random tiny model never copies its prompt, so the model-free proposers would h
 on it. Its engines get an *oracle* proposer instead: the reference continuation, corrupted at a
 random position in a third of the proposals, so steps accept all, some and none of their drafts.
 The embedded model runs the real ngram and suffix proposers on a copy-friendly prompt.
-Negative control: a rejection sampler that accepts one draft too many must fail the check.
+Structured requests verify drafts cut by their grammar, under its bitmask after each draft.
+Negative controls: a rejection sampler that accepts one draft too many, and a bitmask on the
+first verification row only, must each fail the check.
 """
 
 from __future__ import annotations
@@ -206,6 +208,55 @@ def test_abort_mid_stream_emits_nothing_more_and_frees_every_block(spec, prompts
             assert tokens[request_id] == full
     state = core.get_block_pool_state()
     assert state.num_free_blocks == state.num_blocks - 1
+
+
+def _structured_cases(n: int) -> list[SamplingParams]:
+    """Greedy structured requests whose outputs run long enough to carry drafts: JSON (no
+    optional whitespace: a random model would emit it until max_tokens), regexes, a choice."""
+    from lm_console.engine import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "tags"]}
+    kinds = [StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+             StructuredOutputsParams(regex=r"[a-z]{8,40}"), StructuredOutputsParams(regex=r"(\d{3}-){3,6}\d{2}"),
+             StructuredOutputsParams(choice=["alpha beta gamma delta", "epsilon zeta eta"])]
+    return [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=kinds[i % len(kinds)])
+            for i in range(n)]
+
+
+def test_structured_outputs_verify_grammar_checked_drafts(make_llm, tiny_llama_dir, base, prompts,  # noqa: ANN001
+                                                          vocab_size) -> None:
+    """Drafts for structured requests are cut at the first token the grammar refuses and verified
+    under the grammar's bitmask after each draft: greedy output is token for token the plain one."""
+    params = _structured_cases(20)
+    expected = _outputs(base, prompts[:20], params)
+    assert all(out[0][1] in ("stop", "length") for out in expected)
+    llm = _oracle_llm(make_llm, tiny_llama_dir, prompts[:20], expected, vocab_size)
+    assert_all_equal(_outputs(llm, prompts[:20], params), expected, "structured, speculative vs plain")
+    stats = _stats(llm)
+    assert stats.num_drafts > 20 and stats.num_accepted_tokens > 40, stats
+    assert_no_leaked_blocks(llm)
+
+
+def test_negative_control_a_bitmask_only_on_the_first_row_fails_the_structured_check(  # noqa: ANN001
+        make_llm, tiny_llama_dir, base, prompts, vocab_size, monkeypatch) -> None:
+    """With the grammar's bitmask on a request's first verification row only (the rows after its
+    drafts unmasked), the random model picks tokens the grammar refuses: the check must fail,
+    by a difference or by the engine's own refusal of such a token."""
+    from lm_console.engine.errors import RequestRejectedError
+    from lm_console.engine.structured_output.backend_xgrammar import XgrammarGrammar
+
+    def first_row_only(self, bitmask, first_row, draft_ids):  # noqa: ANN001, ANN202
+        self.matcher.fill_next_token_bitmask(bitmask, first_row)
+        return first_row + len(draft_ids) + 1  # the other rows stay all-allowed
+
+    params = _structured_cases(20)
+    expected = _outputs(base, prompts[:20], params)
+    monkeypatch.setattr(XgrammarGrammar, "fill_rows", first_row_only)
+    llm = _oracle_llm(make_llm, tiny_llama_dir, prompts[:20], expected, vocab_size)
+    with pytest.raises((AssertionError, RequestRejectedError), match="exactly equal|grammar refused sampled token"):
+        assert_all_equal(_outputs(llm, prompts[:20], params), expected, "structured, speculative vs plain")
 
 
 def test_what_cannot_combine_is_refused_at_start(tiny_llama_dir) -> None:  # noqa: ANN001

@@ -15,15 +15,13 @@ import torch
 from lm_console.kernels import cpu_grammar_bitmask
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, req_ids: list[str],
-                          req_id_to_row: dict[str, int]) -> None:
-    """logits[row of req_ids[i]] keeps only the tokens bitmask[i] allows (in place).
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """logits[rows[i]] keeps only the tokens bitmask[i] allows (in place).
 
-    logits: [num_reqs, vocab] float32. bitmask: [len(req_ids), ceil(bits / 32)] int32, where
+    logits: [num_rows, vocab] float32. bitmask: [len(rows), ceil(bits / 32)] int32, where
     bits may differ from vocab (a padded embedding): tokens past the bitmask are masked too.
     CPU float32 logits take our C kernel (lm_console/kernels/cpu/grammar_bitmask.c); others xgrammar's.
     """
-    rows = [req_id_to_row[r] for r in req_ids]
     if cpu_grammar_bitmask.supports(logits):
         cpu_grammar_bitmask.apply_token_bitmask(logits, torch.from_numpy(np.ascontiguousarray(bitmask)),
                                                 torch.tensor(rows, dtype=torch.int64))

@@ -198,9 +198,12 @@ class StructuredOutputManager:
     def add_grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Put on the step's output the structured requests that sample a token this step (in
         step order; a prompt chunk that does not finish its prompt samples nothing) and their
-        bitmask rows: [num_ids, ceil(vocab / 32)] int32, bit t of row i set if the i-th request's
-        grammar allows token t next. Runs before the scheduler advances num_computed_tokens."""
-        req_ids, grammars = [], []
+        bitmask rows: [num_rows, ceil(vocab / 32)] int32, bit t of a row set if the grammar allows
+        token t there. A request has one row per token the step samples for it: one, or with
+        speculative drafts len(drafts) + 1 (next, then after each draft), in that order. Runs
+        before the scheduler advances num_computed_tokens."""
+        req_ids, grammars, drafts = [], [], []
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             so_request = request.structured_output_request
@@ -208,11 +211,12 @@ class StructuredOutputManager:
                     and request.num_computed_tokens + num_tokens >= request.num_tokens):
                 req_ids.append(req_id)
                 grammars.append(so_request.grammar)
+                drafts.append(spec.get(req_id, []))
         if not req_ids:
             return
         backend = self._get_backend()
-        bitmask = backend.allocate_bitmask(len(grammars))
-        backend.fill_bitmask(grammars, bitmask)
+        bitmask = backend.allocate_bitmask(len(grammars) + sum(len(d) for d in drafts))
+        backend.fill_bitmask(grammars, drafts, bitmask)
         scheduler_output.structured_output_request_ids = req_ids
         scheduler_output.grammar_bitmask = bitmask
 

@@ -35,6 +35,40 @@ class XgrammarGrammar:
         """The grammar is complete and a stop token was accepted: the request is done."""
         return bool(self.matcher.is_terminated())
 
+    def valid_prefix(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (speculative drafts) the grammar allows from here,
+        ending at a token that completes it; the matcher is left where it was (rollback)."""
+        accepted = 0
+        for token_id in token_ids:
+            if self.matcher.is_terminated() or not 0 <= token_id < self.vocab_size:
+                break
+            if not self.matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return token_ids[:accepted]
+
+    def fill_rows(self, bitmask: np.ndarray, first_row: int, draft_ids: list[int]) -> int:
+        """Fill len(draft_ids) + 1 rows from `first_row`: what the grammar allows next, then after
+        each draft in turn (the verification step's rows; the drafts passed valid_prefix). A row
+        after a completing draft allows everything: the request ends at that draft, and an
+        all-masked row would make its softmax NaN. The matcher is left where it was. Returns the
+        next free row."""
+        row = first_row
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        for token_id in draft_ids:
+            row += 1
+            accepted = self.matcher.accept_token(token_id)
+            assert accepted, "drafts reach the bitmask only after valid_prefix"
+            if self.matcher.is_terminated():
+                bitmask[row] = -1
+            else:
+                self.matcher.fill_next_token_bitmask(bitmask, row)
+        if draft_ids:
+            self.matcher.rollback(len(draft_ids))
+        return row + 1
+
 
 class XgrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it, and a compiler over it (thread-safe)."""
@@ -82,10 +116,12 @@ class XgrammarBackend:
         """An int32 bitmask of num_rows rows, ceil(vocab_size / 32) words each."""
         return np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
 
-    def fill_bitmask(self, grammars: list[XgrammarGrammar], bitmask: np.ndarray) -> None:
-        """Row i of bitmask <- the tokens grammars[i] allows next."""
-        for row, grammar in enumerate(grammars):
-            grammar.matcher.fill_next_token_bitmask(bitmask, row)
+    def fill_bitmask(self, grammars: list[XgrammarGrammar], drafts: list[list[int]], bitmask: np.ndarray) -> None:
+        """For each grammar in turn, len(drafts[i]) + 1 rows of bitmask: the tokens it allows
+        next, then after each of its drafts (one row for a request without drafts)."""
+        row = 0
+        for grammar, draft_ids in zip(grammars, drafts):
+            row = grammar.fill_rows(bitmask, row, draft_ids)
 
 
 def choice_to_ebnf(choices: list[str]) -> str:

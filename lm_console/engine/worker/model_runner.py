@@ -360,8 +360,9 @@ class ModelRunner:
         if state.draft_token_ids is not None:
             return self._verify_drafts(state, kv_connector_output)
         if state.grammar_bitmask is not None:
-            apply_grammar_bitmask(state.logits, state.grammar_bitmask, state.structured_output_request_ids or [],
-                                  {r: i for i, r in enumerate(state.req_ids)})
+            row_of = {r: i for i, r in enumerate(state.req_ids)}
+            apply_grammar_bitmask(state.logits, state.grammar_bitmask,
+                                  [row_of[r] for r in state.structured_output_request_ids or []])
         sampler_output = self.sampler(state.logits, self._get_sampling_metadata())
         # Every TP rank samples from the same gathered logits; rank 0's tokens are taken by all,
         # so no rank's state can drift (e.g. a sampler that draws from the global generator).
@@ -406,14 +407,16 @@ class ModelRunner:
         batch = self.input_batch
         drafts = state.draft_token_ids
         assert drafts is not None
-        first_rows: dict[str, int] = {}
-        row = 0
-        for req_id, request_drafts in zip(state.req_ids, drafts):
-            first_rows[req_id] = row
-            row += len(request_drafts) + 1
-        if state.grammar_bitmask is not None:  # structured requests get no drafts: one row each
-            apply_grammar_bitmask(state.logits, state.grammar_bitmask, state.structured_output_request_ids or [],
-                                  first_rows)
+        if state.grammar_bitmask is not None:
+            # A structured request's bitmask rows cover its len(drafts) + 1 logits rows, in order.
+            first_rows: dict[str, tuple[int, int]] = {}
+            row = 0
+            for req_id, request_drafts in zip(state.req_ids, drafts):
+                first_rows[req_id] = (row, len(request_drafts) + 1)
+                row += len(request_drafts) + 1
+            apply_grammar_bitmask(state.logits, state.grammar_bitmask,
+                                  [first + j for req_id in state.structured_output_request_ids or []
+                                   for first, count in (first_rows[req_id],) for j in range(count)])
         output = self.rejection_sampler(state.logits, self._verification_metadata(state.req_ids, drafts), drafts)
         sampled_token_ids: list[list[int]] = []
         logprobs: dict[str, LogprobsLists] = {}

@@ -251,9 +251,10 @@ class Scheduler:
         """Draft tokens for a decoding request (vLLM's spec_token_ids), or None.
 
         Only requests whose next step samples from logits that do not depend on earlier
-        samples in a way the worker cannot replay get drafts: no grammar (its matcher advances
-        one accepted token at a time, here), no penalties; none while min_tokens masks stop
-        tokens. Drafts never run past max_tokens or max_model_len, and none are made while
+        samples in a way the worker cannot replay get drafts: no penalties; none while
+        min_tokens masks stop tokens. A structured request's drafts are cut at the first token
+        its grammar refuses (the verification rows then carry the grammar's bitmask after each
+        draft). Drafts never run past max_tokens or max_model_len, and none are made while
         disable_by_batch_size requests or more run.
         """
         config, proposer = self.speculative_config, self.proposer
@@ -263,7 +264,8 @@ class Scheduler:
         if config.disable_by_batch_size is not None and len(self.running) >= config.disable_by_batch_size:
             return None
         params = request.sampling_params
-        if (request.structured_output_request is not None or params.frequency_penalty != 0.0
+        so_request = request.structured_output_request
+        if ((so_request is not None and so_request.grammar is None) or params.frequency_penalty != 0.0
                 or params.presence_penalty != 0.0 or params.repetition_penalty != 1.0
                 or request.num_output_tokens < params.min_tokens):
             return None
@@ -273,7 +275,10 @@ class Scheduler:
             num_drafts = min(num_drafts, request.max_tokens - request.num_output_tokens - 1)
         if num_drafts <= 0:
             return None
-        return proposer.propose(request.request_id, request.all_token_ids, num_drafts) or None
+        drafts = proposer.propose(request.request_id, request.all_token_ids, num_drafts)
+        if drafts and so_request is not None and so_request.grammar is not None:
+            drafts = so_request.grammar.valid_prefix(drafts)
+        return drafts or None
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         """The tokens a running request's KV should cover after its next step (the async
