@@ -6,7 +6,9 @@ without adapters), the engine core in this process so that CPU time is this proc
 Adapters cover q/k/v/o/gate/up/down of every layer, B random (non-zero). Prints tokens/s and
 CPU seconds per generated token of each run, and the ratio.
 
-    python benchmarks/lora_throughput.py [--requests 32] [--output-len 64] [--threads 2]
+    python benchmarks/lora_throughput.py [--requests 32] [--output-len 64] [--threads 2] [--save-result out.json]
+
+The result goes to the benchmark history with the machine's fingerprint (_record.py).
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ import json
 import random
 import resource
 import tempfile
+import os
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _record import record  # noqa: E402
 
 
 def write_adapter(path: Path, rank: int, seed: int, layers: int, dims: dict[str, tuple[int, int]]) -> Path:
@@ -54,7 +61,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-result", default=None)
     args = parser.parse_args()
+    loadavg_before = os.getloadavg()
 
     from lm_console.engine import LLM, SamplingParams
     from lm_console.engine.lora import LoRARequest
@@ -100,6 +109,13 @@ def main() -> None:
                   f"{1000 * cpu / tokens:.1f} ms CPU per generated token")
     (base_tps, base_cpu, _, _), (lora_tps, lora_cpu, _, _) = results.values()
     print(f"ratio (LoRA / no LoRA): throughput {lora_tps / base_tps:.2f}x, CPU per token {lora_cpu / base_cpu:.2f}x")
+    record("lora_throughput", {
+        "config": {k: v for k, v in vars(args).items() if k != "save_result"},
+        "runs": {mode: {"output_tok_s": tps, "cpu_ms_per_token": 1000 * cpu, "wall_s": wall, "output_tokens": tokens}
+                 for mode, (tps, cpu, wall, tokens) in results.items()},
+        "throughput_ratio": lora_tps / base_tps, "cpu_per_token_ratio": lora_cpu / base_cpu,
+        "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(),
+    }, args.save_result)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ def add_lora_cpu(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tensor
                 num_tokens, in_features, out_features, rank, num_slots, 0)
     if status == 2:
         raise ValueError(f"add_lora_cpu: rank {rank} is outside [1, 4096]")
+    if status == 3:
+        raise MemoryError(f"add_lora_cpu: no memory for the kernel's scratch ({num_tokens} tokens, in {in_features})")
     if status != 0:
         raise ValueError(f"add_lora_cpu: a token's adapter slot is out of range [-1, {num_slots}) (status {status})")
     return y

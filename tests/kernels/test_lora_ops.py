@@ -92,3 +92,31 @@ def test_lmc_lora_kernel_picks_the_implementation(monkeypatch) -> None:
     monkeypatch.setenv("LMC_LORA_KERNEL", "bogus")
     with pytest.raises(ValueError, match="LMC_LORA_KERNEL='bogus'"):
         lora_ops.add_lora(y.clone(), x, a, b, token_slots, scalings)
+
+
+@pytest.mark.skipif(not lora_ops.cpu_kernel_available(), reason="no C compiler: no C LoRA kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_gives_a_token_the_same_bits_in_any_batch(dtype) -> None:
+    """The C kernel tiles tokens of one slot (16 at a time, 4 per pass): a token's delta must
+    not depend on the tile it lands in, its place there, or the other slots in the batch."""
+    gen = torch.Generator().manual_seed(3)
+    num_slots, rank, d_in, d_out = 3, 24, 200, 70  # odd sizes: partial output blocks
+    a = torch.randn(num_slots, rank, d_in, generator=gen).to(dtype)
+    b = torch.randn(num_slots, d_out, rank, generator=gen).to(dtype)
+    scalings = torch.tensor([0.5, 2.0, 1.0])
+    x = torch.randn(40, d_in, generator=gen).to(dtype)
+    base = torch.randn(40, d_out, generator=gen).to(dtype)
+    slots = torch.tensor([(7 * t) % 4 - 1 for t in range(40)], dtype=torch.int64)  # -1..2, interleaved
+
+    def run(rows: list[int]) -> torch.Tensor:
+        y = base[rows].clone()
+        return lora_ops.add_lora_cpu(y, x[rows].contiguous(), a, b, slots[rows].contiguous(), scalings)
+
+    whole = run(list(range(40)))
+    for t in range(40):
+        assert torch.equal(run([t])[0], whole[t]), t
+    order = list(range(40))
+    torch.manual_seed(0)
+    shuffled = torch.randperm(40).tolist()
+    assert torch.equal(run(shuffled), whole[shuffled])
+    assert torch.equal(run(order[5:23])[3], whole[8])
