@@ -41,7 +41,7 @@ class FakeManager(StructuredOutputManager):
 
     def __init__(self) -> None:
         backend = SimpleNamespace(allocate_bitmask=lambda num_rows: [],
-                                  fill_bitmask=lambda grammars, bitmask: bitmask.extend(grammars))
+                                  fill_bitmask=lambda grammars, drafts, bitmask: bitmask.extend(grammars))
         self._get_backend = lambda: backend
         self.num_structured_requests = 0  # the real manager's count, kept by the scheduler
         # What give_up() touches when a request ends while its compile runs.
