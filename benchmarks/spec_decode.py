@@ -12,10 +12,13 @@ the greedy outputs equal the plain run's. With llama-cpp-python installed, llama
 stream on the same GGUF file, plain and with LlamaPromptLookupDecoding, joins the report.
 
     python benchmarks/spec_decode.py [--width 32] [--single-tokens 96] [--batched-tokens 48]
-        [--num-speculative-tokens 4] [--skip batched,llamacpp] [--save-result out.json]
+        [--num-speculative-tokens 4] [--rounds 3] [--skip batched,llamacpp] [--save-result out.json]
+
+Each variant runs --rounds times, the order rotated per round; figures are the medians. The JSON
+goes to the benchmark history with the machine's fingerprint (_record.py).
 
 The development machine is shared (other jobs take cores at random): the report records the load
-average before and after each run; compare ratios within one run, not absolute figures across runs.
+average before each run; compare ratios within one run, not absolute figures across runs.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _record import record  # noqa: E402
 
 PASSAGE = (
     "The history of computing is a story of abstractions stacked on one another. Early machines were "
@@ -161,6 +166,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     parser.add_argument("--skip", default="", help="comma list of: single,batched,copy,random,llamacpp")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of every variant, in a rotated order per round; figures are medians")
     parser.add_argument("--save-result", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -186,17 +193,30 @@ def main() -> None:
             if mode in skip:
                 continue
             prompts = random_prompts(requests, vocab) if random_ids else make(requests)  # type: ignore[misc]
-            plain_ids = None
-            for name, spec in variants:
-                result = run_lmc(spec, prompts, tokens, width, random_ids, args.threads)
-                ids = result.pop("token_ids")
-                if plain_ids is None:
-                    plain_ids = ids
-                result["greedy_equal_to_plain"] = ids == plain_ids
+            # Each round runs the variants in a rotated order, so a drift of the machine's load
+            # over the run does not favour whichever variant always runs last.
+            runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+            ids_of: dict[str, list] = {}
+            for round_index in range(args.rounds):
+                shift = round_index % len(variants)
+                for name, spec in variants[shift:] + variants[:shift]:
+                    result = run_lmc(spec, prompts, tokens, width, random_ids, args.threads)
+                    ids = result.pop("token_ids")
+                    result["greedy_equal_to_first_run"] = ids_of.setdefault(name, ids) == ids
+                    runs_of[name].append(result)
+            for name, results in runs_of.items():
+                result = dict(results[0])
+                for field in ("output_tok_s", "cpu_ms_per_token", "wall_s"):
+                    result[field] = statistics.median(r[field] for r in results)
+                result["rounds"] = [{f: r[f] for f in ("output_tok_s", "cpu_ms_per_token", "loadavg_1m_before")}
+                                    for r in results]
+                result["greedy_equal_to_plain"] = ids_of[name] == ids_of["plain"] and all(
+                    r.pop("greedy_equal_to_first_run") for r in results)
+                result.pop("greedy_equal_to_first_run", None)
                 key = f"{workload}/{mode}/{name}"
                 report["runs"][key] = result
                 print(key, json.dumps({k2: (round(v, 3) if isinstance(v, float) else v)
-                                       for k2, v in result.items()}), flush=True)
+                                       for k2, v in result.items() if k2 != "rounds"}), flush=True)
     if "llamacpp" not in skip and "copy" not in skip:
         from transformers import AutoTokenizer
 
@@ -241,8 +261,7 @@ def main() -> None:
     report["machine"]["loadavg_end"] = os.getloadavg()
     for key, value in summary.items():
         print(key, json.dumps({k2: round(v, 3) for k2, v in value.items()}))
-    if args.save_result:
-        Path(args.save_result).write_text(json.dumps(report, indent=1))
+    record("spec_decode", report, args.save_result)
 
 
 if __name__ == "__main__":
