@@ -34,10 +34,10 @@ from lm_console.engine.attention.torch_backend import CpuAttentionBackend
 from lm_console.engine.forward_context import get_forward_context
 from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
 
-# Rows above which a step takes the usual forward. Quantized: up to cpu_quant.dense_rows()
-# (16 with AMX), where the layer path's linears switch to dequantize + oneDNN (the driver would
-# not); elsewhere every decode batch up to MAX_ROWS (the driver's scratch is sized for it, about
-# 6 MB for the embedded model). Dense: the driver's GEMV re-reads each weight tile per row from
+# Rows above which a step takes the usual forward. Quantized: every decode batch up to MAX_ROWS
+# (the driver's scratch is sized for it, about 6 MB for the embedded model), or fewer where
+# LMC_QUANT_DENSE_ROWS makes the layer path's linears switch to dequantize + oneDNN from that
+# many rows (the driver would not; by default they never switch). Dense: the driver's GEMV re-reads each weight tile per row from
 # L1; oneDNN's blocked GEMM overtakes it as rows grow, so a smaller bound.
 MAX_ROWS = 256
 DENSE_MAX_ROWS = 8
