@@ -10,7 +10,8 @@ runs the base model only. One call serves a batch mixing any adapters and the ba
 Three implementations, one contract:
 - `add_lora_torch`: the reference, grouped by slot (a gather, two matmuls, a scatter-add each);
 - `add_lora_cpu`: a C kernel (lm_console/kernels/cpu/lora.c), float32 accumulation, OpenMP
-  over tokens, float32 and bf16 (it serves the CPU whenever the library is built);
+  over tiles of one adapter's tokens, float32 and bf16 (it serves the CPU whenever the library
+  is built);
 - `add_lora_triton`: two Triton kernels (shrink into a float32 buffer, expand into y), for
   GPUs; tested under TRITON_INTERPRET=1.
 `add_lora` picks one for the tensors' device and dtype.
@@ -42,6 +43,19 @@ def slot_groups(token_slots: Tensor) -> list[tuple[int, Tensor]]:
         if slot >= 0:
             rows.setdefault(slot, []).append(row)
     return [(slot, torch.tensor(r, dtype=torch.int64, device=token_slots.device)) for slot, r in sorted(rows.items())]
+
+
+def check_lora_shapes(where: str, y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tensor,
+                      scalings: Tensor) -> tuple[int, int, int, int, int]:
+    """(num_tokens, in_features, out_features, rank, num_slots) of tensors that fit the
+    contract above; ValueError naming `where` and every shape otherwise."""
+    num_tokens, out_features = y.shape
+    num_slots, rank, in_features = a.shape
+    if x.shape != (num_tokens, in_features) or b.shape != (num_slots, out_features, rank) \
+            or token_slots.shape != (num_tokens,) or scalings.shape != (num_slots,):
+        raise ValueError(f"{where}: shapes y {tuple(y.shape)} x {tuple(x.shape)} a {tuple(a.shape)} "
+                         f"b {tuple(b.shape)} slots {tuple(token_slots.shape)} scalings {tuple(scalings.shape)}")
+    return num_tokens, in_features, out_features, rank, num_slots
 
 
 def add_lora_torch(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, scalings: Tensor,
@@ -87,12 +101,8 @@ def add_lora_cpu(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tensor
     """add_lora_torch's contract in one C call (cpu_kernel_serves must hold); returns y."""
     lib = _load()
     assert lib is not None
-    num_tokens, out_features = y.shape
-    num_slots, rank, in_features = a.shape
-    if x.shape != (num_tokens, in_features) or b.shape != (num_slots, out_features, rank) \
-            or token_slots.shape != (num_tokens,) or scalings.shape != (num_slots,):
-        raise ValueError(f"add_lora_cpu: shapes y {tuple(y.shape)} x {tuple(x.shape)} a {tuple(a.shape)} "
-                         f"b {tuple(b.shape)} slots {tuple(token_slots.shape)} scalings {tuple(scalings.shape)}")
+    num_tokens, in_features, out_features, rank, num_slots = check_lora_shapes(
+        "add_lora_cpu", y, x, a, b, token_slots, scalings)
     fn = lib.lora_add_f32 if y.dtype == torch.float32 else lib.lora_add_bf16
     status = fn(y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), token_slots.data_ptr(), scalings.data_ptr(),
                 num_tokens, in_features, out_features, rank, num_slots, 0)
@@ -139,4 +149,5 @@ def add_lora_triton(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Ten
     """add_lora_torch's contract as two Triton kernels (shrink, expand); returns y."""
     from lm_console.kernels.lora_triton import lora_shrink_expand
 
+    check_lora_shapes("add_lora_triton", y, x, a, b, token_slots, scalings)
     return lora_shrink_expand(y, x, a, b, token_slots, scalings)
