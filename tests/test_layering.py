@@ -58,6 +58,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lm_console.engine.metrics", "lm_console.engine.multimodal",
         # The LoRA request type and the torch-free checks of an adapter's files.
         "lm_console.engine.lora",
+        # The bounded safetensors header read that adapters and connectors' stored files share.
+        "lm_console.engine.safetensors_header",
         # Type-safe admission: the frontend checks a request with the core's own decoder.
         "lm_console.engine.admission",
         # Connector configs are parsed by EngineArgs in the frontend, before any process starts.

@@ -9,13 +9,13 @@ that tensor needs; only then may the caller load it.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from lm_console.engine.safetensors_header import SafetensorsHeaderError, read_header
 
 MAX_HEADER_BYTES = 64 << 10  # a one-tensor header is ~120 bytes
 _MAX_HEADER_DEPTH = 3  # {"name": {"shape": [...]}}
@@ -32,24 +32,10 @@ def check_single_tensor_file(file: str | os.PathLike[str], name: str, shape_ok: 
     (or OSError) otherwise. shape_ok judges the declared shape; `expected` describes it."""
     with open(Path(file), "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise InvalidStoredFileError(f"it is {size} bytes, shorter than a safetensors header")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise InvalidStoredFileError(f"its header declares {header_len} bytes (file {size} bytes, at most "
-                                         f"{MAX_HEADER_BYTES})")
-        raw = f.read(header_len)
-    depth = 0
-    for char in raw:  # bound the nesting before json recurses into it
-        depth += char in b"[{"
-        depth -= char in b"]}"
-        if depth > _MAX_HEADER_DEPTH:
-            raise InvalidStoredFileError(f"its header nests JSON deeper than {_MAX_HEADER_DEPTH} levels")
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as error:
-        raise InvalidStoredFileError(f"its header is not JSON ({error})") from None
+        try:
+            header, header_len = read_header(f, size, MAX_HEADER_BYTES, _MAX_HEADER_DEPTH)
+        except SafetensorsHeaderError as error:
+            raise InvalidStoredFileError(str(error)) from None
     entry = header.get(name) if isinstance(header, dict) else None
     if not isinstance(entry, dict) or set(header) - {name, "__metadata__"}:
         raise InvalidStoredFileError(f"it does not hold exactly one tensor named {name}")

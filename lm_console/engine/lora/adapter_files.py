@@ -15,12 +15,12 @@ import json
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lm_console.engine.errors import InvalidLoRARequestError
+from lm_console.engine.safetensors_header import SafetensorsHeaderError, read_header
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -145,28 +145,14 @@ def _read_header(weights_file: Path, path: str) -> tuple[dict[str, Any], int, in
         with open(weights_file, "rb") as f:
             stat = os.fstat(f.fileno())
             size = stat.st_size
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise _fail(path, f"{WEIGHTS_FILE} is {size} bytes, shorter than a safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise _fail(path, f"{WEIGHTS_FILE}'s header declares {header_len} bytes (file {size} bytes, "
-                                  f"at most {MAX_HEADER_BYTES})")
-            raw = f.read(header_len)
+            header, header_len = read_header(f, size, MAX_HEADER_BYTES, _MAX_HEADER_DEPTH, WEIGHTS_FILE,
+                                             f"{WEIGHTS_FILE}'s")
+    except SafetensorsHeaderError as error:
+        raise _fail(path, str(error)) from None
     except FileNotFoundError:
         raise _fail(path, f"no {WEIGHTS_FILE} (only the safetensors format is read)") from None
     except OSError as error:
         raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({error.strerror or error})") from None
-    depth = 0
-    for char in raw:  # bound the nesting before json recurses into it
-        depth += char in b"[{"
-        depth -= char in b"]}"
-        if depth > _MAX_HEADER_DEPTH:
-            raise _fail(path, f"{WEIGHTS_FILE}'s header nests JSON deeper than {_MAX_HEADER_DEPTH} levels")
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as error:
-        raise _fail(path, f"{WEIGHTS_FILE}'s header is not JSON ({error})") from None
     if not isinstance(header, dict):
         raise _fail(path, f"{WEIGHTS_FILE}'s header is not a JSON object")
     header.pop("__metadata__", None)
