@@ -27,11 +27,11 @@ from lm_console.engine.platform import torch_device, torch_dtype
 from lm_console.engine.protocol import LogprobsLists
 from lm_console.engine.sample.grammar_bitmask import apply_grammar_bitmask
 from lm_console.engine.sample.metadata import SamplingMetadata
-from lm_console.engine.sample.rejection_sampler import RejectionSampler
 from lm_console.engine.sample.sampler import Sampler
 from lm_console.engine.scheduler_output import SchedulerOutput
 from lm_console.engine.worker.cpu_gpu_buffer import CpuGpuBuffer, InputBuffers
 from lm_console.engine.worker.cuda_graph import CudaGraphRunner
+from lm_console.engine.worker.draft_verifier import DraftVerifier
 from lm_console.engine.worker.encoder_runner import EncoderRunner, maybe_create_encoder_runner
 from lm_console.engine.worker.input_batch import CachedRequestState, InputBatch
 from lm_console.engine.worker.kv_cache_groups import GroupAttentionMetadataBuilder, allocate_kv_caches, get_kv_cache_spec
@@ -117,7 +117,7 @@ class ModelRunner:
         self.attn_backend = load_attention_backend(self.attention_backend, self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler()
+        self.draft_verifier = DraftVerifier(self.vocab_size, self.device)
         self.speculative = config.speculative_config is not None
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -402,30 +402,18 @@ class ModelRunner:
 
     def _verify_drafts(self, state: ExecuteModelState,
                        kv_connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:
-        """sample_tokens for a step that verifies drafts: the rejection sampler over each
-        request's len(drafts) + 1 rows; the accepted tokens join the worker's state."""
+        """sample_tokens for a step that verifies drafts (DraftVerifier); the accepted tokens
+        join the worker's state."""
         batch = self.input_batch
-        drafts = state.draft_token_ids
-        assert drafts is not None
-        if state.grammar_bitmask is not None:
-            # A structured request's bitmask rows cover its len(drafts) + 1 logits rows, in order.
-            first_rows: dict[str, tuple[int, int]] = {}
-            row = 0
-            for req_id, request_drafts in zip(state.req_ids, drafts):
-                first_rows[req_id] = (row, len(request_drafts) + 1)
-                row += len(request_drafts) + 1
-            apply_grammar_bitmask(state.logits, state.grammar_bitmask,
-                                  [first + j for req_id in state.structured_output_request_ids or []
-                                   for first, count in (first_rows[req_id],) for j in range(count)])
-        output = self.rejection_sampler(state.logits, self._verification_metadata(state.req_ids, drafts), drafts)
+        assert state.draft_token_ids is not None
+        token_ids, verified_logprobs = self.draft_verifier.verify(
+            state.logits, state.req_ids, state.draft_token_ids, self.requests, state.grammar_bitmask,
+            state.structured_output_request_ids)
         sampled_token_ids: list[list[int]] = []
         logprobs: dict[str, LogprobsLists] = {}
-        lists = output.logprobs_tensors.tolists() if output.logprobs_tensors is not None else None
-        emitted = 0
-        for row_index, (req_id, tokens) in enumerate(zip(state.req_ids, output.token_ids)):
+        for row_index, (req_id, tokens) in enumerate(zip(state.req_ids, token_ids)):
             if not state.sample_rows[row_index]:
                 sampled_token_ids.append([])
-                emitted += len(tokens)
                 continue
             req_state = batch.states[row_index]
             assert req_state is not None and req_state.req_id == req_id
@@ -433,30 +421,9 @@ class ModelRunner:
                 req_state.output_token_ids.append(token_id)
                 batch.append_token(row_index, token_id)
             sampled_token_ids.append(tokens)
-            num_logprobs = req_state.sampling_params.logprobs
-            if lists is not None and num_logprobs is not None:
-                rows = slice(emitted, emitted + len(tokens))
-                width = num_logprobs + 1
-                logprobs[req_id] = LogprobsLists([ids[:width] for ids in lists.logprob_token_ids[rows]],
-                                                 [values[:width] for values in lists.logprobs[rows]],
-                                                 lists.sampled_token_ranks[rows])
-            emitted += len(tokens)
+            if req_id in verified_logprobs:
+                logprobs[req_id] = verified_logprobs[req_id]
         return self._runner_output(state, sampled_token_ids, logprobs, kv_connector_output)
-
-    def _verification_metadata(self, req_ids: list[str], drafts: list[list[int]]) -> SamplingMetadata:
-        """SamplingMetadata with one row per verification row: row j of a request sees its
-        output plus its first j drafts (penalties, min_tokens); its generator sits on its first row."""
-        params, outputs, prompts = [], [], []
-        generators: dict[int, torch.Generator] = {}
-        for req_id, request_drafts in zip(req_ids, drafts):
-            req_state = self.requests[req_id]
-            if req_state.generator is not None:
-                generators[len(params)] = req_state.generator
-            for j in range(len(request_drafts) + 1):
-                params.append(req_state.sampling_params)
-                outputs.append(req_state.output_token_ids + request_drafts[:j] if j else req_state.output_token_ids)
-                prompts.append(req_state.prompt_token_ids)
-        return SamplingMetadata.from_params(params, outputs, prompts, generators, self.vocab_size, self.device)
 
     def _logprobs_lists(self, state: ExecuteModelState, tensors) -> dict[str, LogprobsLists]:  # type: ignore[no-untyped-def]
         if tensors is None:
