@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from lm_console.engine.config.engine_config import EngineConfig
 from lm_console.engine.core.kv_cache.manager import KVCacheManager
 from lm_console.engine.core.mm_core import EncoderOnlyKVCacheManager, MultiModalCore
-from lm_console.engine.core.sched.scheduler import AsyncScheduler
+from lm_console.engine.core.sched.async_scheduler import AsyncScheduler
 from lm_console.engine.core.sched.scheduler import Scheduler
 from lm_console.engine.errors import DuplicateRequestError, InsufficientKVCacheError, InvalidEngineArgsError
 from lm_console.engine.executor.abstract import Executor

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from lm_console.engine.core.engine_core import EngineCore
-from lm_console.engine.core.sched.scheduler import AsyncScheduler
+from lm_console.engine.core.sched.async_scheduler import AsyncScheduler
 from lm_console.engine.errors import DuplicateRequestError, InvalidEngineArgsError
 from lm_console.engine.executor.fake import FakeModelConfig, fake_engine_config, fake_token_id, request_key
 from lm_console.engine.protocol import EngineCoreRequest, FinishReason

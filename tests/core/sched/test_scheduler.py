@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from lm_console.engine.core.kv_cache import KVCacheManager
 from lm_console.engine.kv_cache_hashing import get_request_block_hasher, init_none_hash, sha256_cbor
-from lm_console.engine.core.sched.scheduler import AsyncScheduler, Scheduler
+from lm_console.engine.core.sched.async_scheduler import AsyncScheduler
+from lm_console.engine.core.sched.scheduler import Scheduler
 from lm_console.engine.request import Request, RequestStatus
 from lm_console.engine.sampling_params import SamplingParams
 from lm_console.engine.model_runner_output import ModelRunnerOutput
