@@ -221,3 +221,15 @@ def single_engine_greedy(model_dir, prompts: list[list[int]], params, **engine_a
         return [o.outputs[0].token_ids for o in outputs]
     finally:
         llm.shutdown()
+
+
+def assert_aborts_cut_outputs(tokens: dict[str, list[int]], request_ids: list[str], full_outputs: list[list[int]],
+                              emitted_at_abort: dict[str, int]) -> None:
+    """Each aborted request emitted exactly what it had at the abort (a strict prefix of its
+    full output); every other request its full output."""
+    for request_id, full in zip(request_ids, full_outputs):
+        if request_id in emitted_at_abort:
+            got = tokens.get(request_id, [])
+            assert got == full[:emitted_at_abort[request_id]] and len(got) < len(full)
+        else:
+            assert tokens[request_id] == full

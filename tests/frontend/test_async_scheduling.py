@@ -12,7 +12,7 @@ from lm_console.engine import LLM, SamplingParams
 from lm_console.engine.core.engine_core import EngineCore
 from lm_console.engine.protocol import EngineCoreRequest
 from broken_variants import rank1_attention_zeroed
-from llm_helpers import assert_all_equal, assert_no_leaked_blocks, random_prompts, text_prompts
+from llm_helpers import assert_aborts_cut_outputs, assert_all_equal, assert_no_leaked_blocks, random_prompts, text_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -202,13 +202,7 @@ def test_abort_mid_stream_emits_nothing_more_and_frees_every_block(llms, prompts
 
     ids = _add(core, prompts)
     tokens = _drain(core, abort)
-    for request_id, out in zip(ids, free_outputs):
-        full = out[0][0]
-        if request_id in emitted_at_abort:
-            got = tokens.get(request_id, [])
-            assert got == full[:emitted_at_abort[request_id]] and len(got) < len(full)
-        else:
-            assert tokens[request_id] == full
+    assert_aborts_cut_outputs(tokens, ids, [out[0][0] for out in free_outputs], emitted_at_abort)
     _assert_core_idle_and_no_leak(core)
 
 

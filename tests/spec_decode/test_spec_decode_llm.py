@@ -22,7 +22,7 @@ from lm_console.engine.core.engine_core import EngineCore
 from lm_console.engine.errors import InvalidEngineArgsError
 from lm_console.engine.protocol import EngineCoreRequest
 from lm_console.engine.sample import rejection_sampler
-from llm_helpers import _TEXT, assert_all_equal, assert_no_leaked_blocks, random_prompts
+from llm_helpers import _TEXT, assert_aborts_cut_outputs, assert_all_equal, assert_no_leaked_blocks, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -199,13 +199,7 @@ def test_abort_mid_stream_emits_nothing_more_and_frees_every_block(spec, prompts
             aborted = {r: len(tokens.get(r, [])) for r in ("core-1", "core-4")}
             core.abort_requests(list(aborted))
         step += 1
-    for request_id, out in zip(ids, free_outputs):
-        full = out[0][0]
-        if request_id in aborted:
-            got = tokens.get(request_id, [])
-            assert got == full[:aborted[request_id]] and len(got) < len(full)
-        else:
-            assert tokens[request_id] == full
+    assert_aborts_cut_outputs(tokens, ids, [out[0][0] for out in free_outputs], aborted)
     state = core.get_block_pool_state()
     assert state.num_free_blocks == state.num_blocks - 1
 
