@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,28 +64,6 @@ def copy_prompts(n: int) -> list[str]:
 def random_prompts(n: int, vocab: int, length: int = 64, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    import torch
-
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "commit": commit,
-            "loadavg_start": os.getloadavg(), "shared_machine": True}
 
 
 def _cpu_seconds() -> float:
@@ -178,7 +154,8 @@ def main() -> None:
     variants: list[tuple[str, dict[str, Any] | None]] = [
         ("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
         ("suffix", {"method": "suffix", "num_speculative_tokens": k})]
-    report: dict[str, Any] = {"machine": machine(), "model": DEFAULT_MODEL, "runs": {}}
+    # The machine itself (CPU, ISA, commit, load) is in the fingerprint record() stamps on the report.
+    report: dict[str, Any] = {"model": DEFAULT_MODEL, "loadavg_start": os.getloadavg(), "runs": {}}
     workloads = {"copy": (copy_prompts, False), "random": (None, True)}
     from transformers import AutoConfig
 
@@ -258,7 +235,7 @@ def main() -> None:
                     **({"prompt_lookup": run["output_tok_s"] / llamacpp["prompt_lookup"]["output_tok_s"]}
                        if "prompt_lookup" in llamacpp else {})}
     report["summary"] = summary
-    report["machine"]["loadavg_end"] = os.getloadavg()
+    report["loadavg_end"] = os.getloadavg()
     for key, value in summary.items():
         print(key, json.dumps({k2: round(v, 3) for k2, v in value.items()}))
     record("spec_decode", report, args.save_result)
