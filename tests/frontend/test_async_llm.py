@@ -213,7 +213,15 @@ def test_stats_stream_and_utility_calls(llm) -> None:
                 received.append(stats)
 
         watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0)
+        # The engine is shared by the module's tests (in random order): the stats of an earlier
+        # test's last steps may still be on their way. Let them arrive (0.2 s without a new one),
+        # then count only this test's steps.
+        seen, quiet_since = -1, asyncio.get_running_loop().time()
+        while asyncio.get_running_loop().time() - quiet_since < 0.2:
+            if len(received) != seen:
+                seen, quiet_since = len(received), asyncio.get_running_loop().time()
+            await asyncio.sleep(0.02)
+        received.clear()
         await _collect(llm, "stats please", _params(RequestOutputKind.FINAL_ONLY, max_tokens=8))
         await asyncio.sleep(0.1)  # the idle snapshot after the last step
         watcher.cancel()
