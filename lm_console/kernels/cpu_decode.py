@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lm_console.kernels import cpu_attention, cpu_ops, cpu_quant
+from lm_console.kernels import cpu_attention, cpu_ops, cpu_quant, lora_ops
 from lm_console.kernels.cpu_build import CpuKernelBuildError, load_library
 
 logger = logging.getLogger(__name__)
@@ -31,14 +31,14 @@ SOURCE = Path(__file__).parent / "cpu" / "decode_stack.c"
 
 # decode_stack.c's enums, in order.
 KERNELS = ("quantize_act", "quant_gemm", "rms_norm_bf16", "add_rms_norm_bf16", "rms_norm_heads_bf16",
-           "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16", "reshape_and_cache_rows")
+           "rotary_neox_bf16", "silu_and_mul_bf16", "paged_decode_attention_bf16", "reshape_and_cache_rows", "lora_add_bf16")
 GLOBALS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "qk_norm",
-           "max_rows", "max_position", "num_slots", "kv_int8")
-LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias")
+           "max_rows", "max_position", "num_slots", "kv_int8", "max_loras")
+LINEAR = ("fmt", "n", "k", "kp", "w", "scales", "offsets", "bias", "lora_a", "lora_b_t", "lora_rank")
 LAYER_TAIL = ("in_norm", "post_norm", "q_norm", "k_norm", "k_cache", "v_cache", "block_stride", "window")
 LAYER_FIELDS = 4 * len(LINEAR) + len(LAYER_TAIL)
 STEP = ("rows", "embeds", "out", "positions", "slots", "block_table", "block_table_stride", "seq_lens",
-        "blocks_per_row")
+        "blocks_per_row", "lora_slots", "lora_scalings")
 BUFFERS = ("res_a", "res_b", "normed", "qkv", "attn", "gate_up", "act", "xq", "xd", "xs", "cos", "sin")
 FMT_DENSE_BF16 = 16
 
@@ -75,7 +75,7 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scalar: 
         raise ValueError(f"bias must be a contiguous float32 [{weight.shape[0]}]")
     n, k = weight.shape
     lin = (ctypes.c_int64 * len(LINEAR))(FMT_DENSE_BF16, n, k, k, weight.data_ptr(), 0, 0,
-                                          bias.data_ptr() if bias is not None else 0)
+                                          bias.data_ptr() if bias is not None else 0, 0, 0, 0)
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     library.decode_stack_dense_linear(lin, x.data_ptr(), k, x.shape[0], out.data_ptr(), n)
     return out
@@ -95,7 +95,11 @@ EXPECTED_ARGTYPES = {
     "paged_decode_attention_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P,
                                     _I, _I, _I, _I, _I, _F, _I, _F, _I64, _I64],
     "reshape_and_cache_rows": [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64],
+    "lora_add_bf16": [_P] * 6 + [_I64] * 6,
 }
+# Kernels the driver runs without: with no LoRA library its table holds NULL there, and the
+# driver refuses the steps with adapters (the layer path serves them, with its own fallback).
+OPTIONAL = frozenset({"lora_add_bf16"})
 # The int8 cache's kernels take the same arguments (caches as bytes; the writer's last one is the
 # head size): kernel_table(int8_cache=True) puts them in the bf16 ones' places.
 INT8_CACHE_KERNELS = {"paged_decode_attention_bf16": "paged_decode_attention_int8",
@@ -103,17 +107,21 @@ INT8_CACHE_KERNELS = {"paged_decode_attention_bf16": "paged_decode_attention_int
 
 
 @functools.cache
-def kernel_table(int8_cache: bool = False) -> ctypes.Array | None:
+def kernel_table(int8_cache: bool = False, lora: bool = False) -> ctypes.Array | None:
     """The driver's function-pointer table (KERNELS order; int8_cache: the int8 cache's attention
-    and writer), or None if a library is missing or declares a kernel with another signature
-    than the driver calls it with."""
-    libraries = {"quant": cpu_quant.load(), "ops": cpu_ops.load(), "attention": cpu_attention.load()}
-    if any(lib is None for lib in libraries.values()):
+    and writer; lora: the LoRA kernel too, else NULL in its place, and nothing compiled for it),
+    or None if a library is missing or declares a kernel with another signature than the driver
+    calls it with."""
+    libraries = {"quant": cpu_quant.load(), "ops": cpu_ops.load(), "attention": cpu_attention.load(),
+                 "lora": lora_ops.load() if lora else None}
+    if any(lib is None for name, lib in libraries.items() if name != "lora"):
         return None
     owners = {"quantize_act": "quant", "quant_gemm": "quant", "paged_decode_attention_bf16": "attention",
-              "reshape_and_cache_rows": "attention"}
+              "reshape_and_cache_rows": "attention", "lora_add_bf16": "lora"}
     table = (ctypes.c_void_p * len(KERNELS))()
     for i, name in enumerate(KERNELS):
+        if name in OPTIONAL and libraries[owners[name]] is None:
+            continue  # NULL: the driver refuses what needs it
         symbol = INT8_CACHE_KERNELS.get(name, name) if int8_cache else name
         fn = getattr(libraries[owners.get(name, "ops")], symbol, None)
         if fn is None or list(fn.argtypes or ()) != EXPECTED_ARGTYPES[name]:

@@ -11,7 +11,8 @@ Three implementations, one contract:
 - `add_lora_torch`: the reference, grouped by slot (a gather, two matmuls, a scatter-add each);
 - `add_lora_cpu`: a C kernel (lm_console/kernels/cpu/lora.c), float32 accumulation, OpenMP
   over tiles of one adapter's tokens, float32 and bf16 (it serves the CPU whenever the library
-  is built);
+  is built). It reads B transposed ([num_slots, R, out]); a B that is a transposed view of such
+  a tensor (the model's adapter slots on the CPU) costs no copy;
 - `add_lora_triton`: two Triton kernels (shrink into a float32 buffer, expand into y), for
   GPUs; tested under TRITON_INTERPRET=1.
 `add_lora` picks one for the tensors' device and dtype.
@@ -72,7 +73,7 @@ def add_lora_torch(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tens
 
 
 @functools.cache
-def _load() -> ctypes.CDLL | None:
+def load() -> ctypes.CDLL | None:
     """The compiled LoRA kernel, or None (no compiler, LMC_CPU_KERNELS=0, or the build failed)."""
     library = load_library(_SOURCE, "the CPU LoRA kernel")
     if library is not None:
@@ -85,26 +86,31 @@ def _load() -> ctypes.CDLL | None:
 
 def cpu_kernel_available() -> bool:
     """Whether the C LoRA kernel is built and loaded on this machine."""
-    return _load() is not None
+    return load() is not None
 
 
 def cpu_kernel_serves(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, scalings: Tensor) -> bool:
-    """Whether add_lora_cpu takes these tensors (CPU, contiguous, one float dtype, int64 slots)."""
+    """Whether add_lora_cpu takes these tensors (CPU, contiguous (B: either way), one float
+    dtype, int64 slots)."""
     dtype = y.dtype
     return (dtype in (torch.float32, torch.bfloat16) and y.device.type == "cpu"
-            and all(t.dtype == dtype and t.is_contiguous() for t in (y, x, a, b))
+            and all(t.dtype == dtype and t.is_contiguous() for t in (y, x, a)) and b.dtype == dtype
+            and (b.is_contiguous() or b.transpose(1, 2).is_contiguous())
             and token_slots.dtype == torch.int64 and token_slots.is_contiguous()
-            and scalings.dtype == torch.float32 and scalings.is_contiguous() and _load() is not None)
+            and scalings.dtype == torch.float32 and scalings.is_contiguous() and load() is not None)
 
 
 def add_lora_cpu(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, scalings: Tensor) -> Tensor:
     """add_lora_torch's contract in one C call (cpu_kernel_serves must hold); returns y."""
-    lib = _load()
+    lib = load()
     assert lib is not None
     num_tokens, in_features, out_features, rank, num_slots = check_lora_shapes(
         "add_lora_cpu", y, x, a, b, token_slots, scalings)
     fn = lib.lora_add_f32 if y.dtype == torch.float32 else lib.lora_add_bf16
-    status = fn(y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), token_slots.data_ptr(), scalings.data_ptr(),
+    b_t = b.transpose(1, 2)
+    if not b_t.is_contiguous():
+        b_t = b_t.contiguous()  # one transposed copy (the model's slots keep B transposed already)
+    status = fn(y.data_ptr(), x.data_ptr(), a.data_ptr(), b_t.data_ptr(), token_slots.data_ptr(), scalings.data_ptr(),
                 num_tokens, in_features, out_features, rank, num_slots, 0)
     if status == 2:
         raise ValueError(f"add_lora_cpu: rank {rank} is outside [1, 4096]")
@@ -150,4 +156,5 @@ def add_lora_triton(y: Tensor, x: Tensor, a: Tensor, b: Tensor, token_slots: Ten
     from lm_console.kernels.lora_triton import lora_shrink_expand
 
     check_lora_shapes("add_lora_triton", y, x, a, b, token_slots, scalings)
-    return lora_shrink_expand(y, x, a, b, token_slots, scalings)
+    # The kernels read B [slots, out, R] row-major; the CPU's adapter slots hold it transposed.
+    return lora_shrink_expand(y, x, a, b.contiguous(), token_slots, scalings)

@@ -1,6 +1,7 @@
 """LoRA on the default CPU path: the base stays quantized (int8 / GGUF kernels) and the adapter's
-delta is added beside it; steps with an adapter's token leave the C decode stack (which runs the
-linears itself) for the layer-by-layer forward, which computes the same base hidden states."""
+delta is added beside it, by the layer-by-layer forward and by the C decode stack alike (the
+stack calls the same LoRA kernel after each linear; tests/models/test_decode_stack.py checks the
+two bit for bit)."""
 
 from __future__ import annotations
 
@@ -94,9 +95,8 @@ def _embedded_dims() -> dict:
 @pytest.mark.slow
 def test_the_default_llm_serves_lora_beside_its_quantized_weights(tmp_path, monkeypatch) -> None:
     """LLM() as users get it (the embedded GGUF model, bf16, quantized weights, the C decode
-    stack): an adapter whose B is zero gives exactly the base model's tokens (the layer path
-    its steps take computes what the decode stack does), a random one changes them, and the
-    decode stack serves only the steps without an adapter."""
+    stack): an adapter whose B is zero gives exactly the base model's tokens, a random one
+    changes them, and the decode stack serves the adapters' decode steps too."""
     from lm_console.engine import LLM, SamplingParams
     from lm_console.engine.lora import LoRARequest
     from lm_console.engine.models import decode_stack
@@ -104,10 +104,16 @@ def test_the_default_llm_serves_lora_beside_its_quantized_weights(tmp_path, monk
     modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     zero = write_adapter(tmp_path / "zero", rank=8, modules=modules, layers=30, dims=_embedded_dims(), zero_b=True)
     noisy = write_adapter(tmp_path / "noisy", rank=8, modules=modules, layers=30, dims=_embedded_dims())
-    stack_runs: list[bool] = []
+    stack_runs: list[bool] = []  # per step the stack served: whether it had an adapter's token
     real_run = decode_stack.DecodeStack.run
-    monkeypatch.setattr(decode_stack.DecodeStack, "run",
-                        lambda self, ids, pos: stack_runs.append(lora.step_has_adapters()) or real_run(self, ids, pos))
+
+    def spy(self, ids, pos):
+        out = real_run(self, ids, pos)
+        if out is not None:
+            stack_runs.append(lora.step_has_adapters())
+        return out
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
     llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, multiprocess=False, max_model_len=512)
     try:
         assert llm.config.model_config.quantization is not None, "the default path is the quantized one"
@@ -118,7 +124,7 @@ def test_the_default_llm_serves_lora_beside_its_quantized_weights(tmp_path, monk
         stack_runs.clear()
         with_zero = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("zero", 1, str(zero)))
         assert [o.outputs[0].token_ids for o in with_zero] == base
-        assert not stack_runs, "a step with an adapter must not run the C decode stack"
+        assert stack_runs and all(stack_runs), "the decode stack serves the adapter's decode steps"
         with_noise = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("noisy", 2, str(noisy)))
         assert [o.outputs[0].token_ids for o in with_noise] != base
     finally:

@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from lm_console.engine.models import decode_stack
+from lm_console.engine.models import decode_stack, lora
 from lm_console.engine.models.layers import Linear, bump_weights_version
 from lm_console.engine.models.loader import load_model
 from lm_console.engine.models.quant import quantize_model
-from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
+from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant, lora_ops
 from paged_model_harness import PagedHarness
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_quant.load() is None or cpu_decode.load() is None,
@@ -67,11 +67,11 @@ def _model(model_dir, quant: str) -> torch.nn.Module:
     return model
 
 
-def _run(model: torch.nn.Module, prompt: list[int],
-         kv_cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[int]]:
+def _run(model: torch.nn.Module, prompt: list[int], kv_cache_dtype: torch.dtype | None = None,
+         harness_cls: type[PagedHarness] = PagedHarness) -> tuple[torch.Tensor, list[int]]:
     """Prefill, chunked prefill beside a decode, decodes of 1, 3 and 9 rows: all logits, and
     the greedy tokens of the decode-only steps."""
-    harness = PagedHarness(model, num_blocks=96, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    harness = harness_cls(model, num_blocks=96, block_size=16, kv_cache_dtype=kv_cache_dtype)
     got = [harness.step([("a", prompt[:21])])]
     for token in prompt[21:24]:  # one row
         got.append(harness.step([("a", [token])]))
@@ -96,14 +96,54 @@ def _quantized_driver_steps() -> list[int]:
     return [1, 1, 1, 3, 3] + ([17] if bound >= 17 else []) + [12]
 
 
-def _both(model_dir, quant: str, monkeypatch, mode: str = "1", kv_cache_dtype: torch.dtype | None = None):
+def _both(model_dir, quant: str, monkeypatch, mode: str = "1", kv_cache_dtype: torch.dtype | None = None,
+          adapters: bool = False):
     prompt = torch.randint(0, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    harness_cls = _AdapterHarness if adapters else PagedHarness
+    make = _model_with_adapters if adapters else _model
     monkeypatch.setenv("LMC_DECODE_STACK", "0")
-    reference = _run(_model(model_dir, quant), prompt, kv_cache_dtype)
-    model = _model(model_dir, quant)  # the same weights (loaded and quantized alike)
+    reference = _run(make(model_dir, quant), prompt, kv_cache_dtype, harness_cls)
+    model = make(model_dir, quant)  # the same weights (loaded and quantized alike)
     monkeypatch.setenv("LMC_DECODE_STACK", mode)
     bump_weights_version()
-    return reference, _run(model, prompt, kv_cache_dtype)
+    return reference, _run(model, prompt, kv_cache_dtype, harness_cls)
+
+
+# -- LoRA: adapter steps stay in the driver -------------------------------------------------------
+MAX_LORAS, LORA_RANK = 3, 8
+SCALINGS = torch.tensor([0.5, 2.0, 1.25])
+
+
+def _adapter_slot(name: str) -> int:
+    """Each request's adapter slot (-1: the base model), so that every step mixes adapters and base."""
+    fixed = {"a": 0, "b": -1, "c": 1, "d": 2}
+    return fixed[name] if name in fixed else int(name[1:]) % (MAX_LORAS + 1) - 1
+
+
+class _AdapterHarness(PagedHarness):
+    """Every step runs with a LoRA mapping: each token the slot of its request."""
+
+    def step(self, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
+        token_slots = torch.tensor([_adapter_slot(name) for name, tokens in chunks for _ in tokens],
+                                   dtype=torch.int64)
+        mapping = lora.LoRAMapping(token_slots, SCALINGS, lora_ops.slot_groups(token_slots))
+        with lora.lora_step(mapping):
+            return super().step(chunks)
+
+
+def _model_with_adapters(model_dir, quant: str) -> torch.nn.Module:
+    """_model's weights with 3 random non-zero adapters (rank 8, every projection of every layer)."""
+    model = _model(model_dir, quant)
+    lora.attach_lora_slots(model, MAX_LORAS, LORA_RANK)
+    gen = torch.Generator().manual_seed(5)
+    for _, _, linear in lora.lora_linears(model):
+        slots = linear.lora
+        for slot in range(MAX_LORAS):
+            for index, size in enumerate(slots.out_sizes):
+                a = torch.randn(LORA_RANK, slots.a.shape[2], generator=gen) / slots.a.shape[2] ** 0.5
+                b = torch.randn(size, LORA_RANK, generator=gen) / 2
+                slots.set_projection(slot, index, a.to(slots.a.dtype), b.to(slots.b.dtype))
+    return model
 
 
 @pytest.mark.parametrize("quant", ["int8", "b4"])
@@ -201,3 +241,42 @@ def test_a_block_table_entry_past_the_cache_is_refused(tiny_llama_dir, monkeypat
     with pytest.raises(IndexError, match="outside the cache's 8 blocks"):
         harness.step([("a", [5]), ("b", [6])])
     assert driver_steps == [1]
+
+
+@pytest.mark.skipif(not lora_ops.cpu_kernel_available(), reason="no C LoRA kernel: adapter steps keep the layer path")
+@pytest.mark.parametrize("quant", ["int8", "b4"])
+def test_adapter_steps_stay_in_the_driver_bit_identical(quant, tiny_llama_dir, monkeypatch, driver_steps):
+    """Steps mixing 3 adapters and the base: the driver adds each linear's deltas with the
+    layer path's LoRA kernel on the same inputs (the down projection's: silu(gate) * up), so it
+    serves every pure-decode step and every logit is the same bits."""
+    (ref_logits, ref_greedy), (logits, greedy) = _both(tiny_llama_dir, quant, monkeypatch, adapters=True)
+    assert driver_steps == _quantized_driver_steps(), "adapter steps are the driver's too"
+    assert torch.equal(logits, ref_logits)
+    assert greedy == ref_greedy
+    base_logits, _ = _run(_model(tiny_llama_dir, quant), torch.randint(
+        0, 500, (60,), generator=torch.Generator().manual_seed(1)).tolist())
+    changed = (logits - base_logits).abs().amax(dim=-1) > 0
+    assert changed.float().mean() > 0.5, "the adapters must change the logits (else the test proves nothing)"
+
+
+def test_negative_control_a_driver_that_reads_half_of_each_adapter_differs(tiny_llama_dir, monkeypatch,
+                                                                           driver_steps):
+    """The equality above fails when the driver's deltas are wrong: a plan that reads only half
+    of each adapter's rank (the layer path the whole) gives other logits."""
+    if not lora_ops.cpu_kernel_available():
+        pytest.skip("no C LoRA kernel")
+    real = decode_stack._lora_fields
+    monkeypatch.setattr(decode_stack, "_lora_fields",
+                        lambda linear: (lambda f: [f[0], f[1], f[2] // 2])(real(linear)))
+    (ref_logits, _), (logits, _) = _both(tiny_llama_dir, "int8", monkeypatch, adapters=True)
+    assert driver_steps == _quantized_driver_steps()
+    assert not torch.equal(logits, ref_logits)
+
+
+def test_adapter_steps_take_the_layer_path_with_the_torch_lora_kernel(tiny_llama_dir, monkeypatch, driver_steps):
+    """LMC_LORA_KERNEL=torch: the layer path adds the deltas with torch's ops, which the driver
+    does not call, so it leaves the adapter steps to that path."""
+    monkeypatch.setenv("LMC_LORA_KERNEL", "torch")
+    (ref_logits, _), (logits, _) = _both(tiny_llama_dir, "int8", monkeypatch, adapters=True)
+    assert driver_steps == []
+    assert torch.equal(logits, ref_logits)

@@ -15,7 +15,11 @@ It serves a step only when everything it does is what the layer-by-layer forward
 - the step: decode rows only (query_len 1 each, rows in request order, no padding), at most
   `max_rows` of them, every K/V slot valid, no KV connector, no per-group metadata, no image
   spans, no inputs_embeds, and the C attention kernel serving the cache (bf16, or int8 with
-  the int8 cache's kernels in the table).
+  the int8 cache's kernels in the table);
+- LoRA: a step whose tokens use adapters (lora.py's step mapping) when the layer path would add
+  their deltas with the C LoRA kernel (LMC_LORA_KERNEL auto or cpu): the driver calls that
+  kernel after each linear with adapter slots, on the same inputs, so those steps stay
+  bit-identical too.
 Any other step returns None and the caller runs the usual forward. LMC_DECODE_STACK=0 turns it
 off, =quant keeps it to quantized models. float32 models never use it (the HF-exactness tests
 compare their torch path op for op).
@@ -32,6 +36,7 @@ from torch import Tensor
 from lm_console.engine import envs
 from lm_console.engine.attention.torch_backend import CpuAttentionBackend
 from lm_console.engine.forward_context import get_forward_context
+from lm_console.engine.models import lora
 from lm_console.kernels import cpu_attention, cpu_decode, cpu_quant
 
 # Rows above which a step takes the usual forward. Quantized: every decode batch up to MAX_ROWS
@@ -97,6 +102,21 @@ def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _lora_fields(linear: Any) -> list[int]:
+    """A linear's adapter slots as the driver reads them (a, b, rank), zeros without slots."""
+    slots = linear.lora
+    if slots is None:
+        return [0, 0, 0]
+    return [slots.a.data_ptr(), slots.b_t.data_ptr(), slots.a.shape[1]]
+
+
+def _lora_slots_suit(linear: Any) -> bool:
+    """Whether the C LoRA kernel takes this linear's slots as the layer path hands them to it."""
+    slots = linear.lora
+    return slots is not None and slots.b_t is not None and all(
+        t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in (slots.a, slots.b_t))
+
+
 def _linear_fields(linear: Any, keep: list[Tensor]) -> list[int]:
     """One linear's row of the driver's layer array (cpu_decode.LINEAR order)."""
     q = linear.quant
@@ -107,12 +127,12 @@ def _linear_fields(linear: Any, keep: list[Tensor]) -> list[int]:
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         keep.extend(t for t in (w, bias) if t is not None)
         return [cpu_decode.FMT_DENSE_BF16, w.shape[0], w.shape[1], w.shape[1], w.data_ptr(), 0, 0,
-                bias.data_ptr() if bias is not None else 0]
+                bias.data_ptr() if bias is not None else 0] + _lora_fields(linear)
     bias = linear.quant_bias
     keep.extend(t for t in (q.qweight, q.scales, q.offsets, bias) if t is not None)
     return [cpu_quant.FORMATS[q.fmt], q.out_features, q.in_features, q.padded_in, q.qweight.data_ptr(),
             q.scales.data_ptr(), q.offsets.data_ptr() if q.offsets is not None else 0,
-            bias.data_ptr() if bias is not None else 0]
+            bias.data_ptr() if bias is not None else 0] + _lora_fields(linear)
 
 
 class DecodeStack:
@@ -136,6 +156,8 @@ class DecodeStack:
         self._layers: Tensor | None = None
         self._dense: list[tuple[Any, Tensor]] = []  # (linear, the weight Parameter the plan reads)
         self._usable = False  # whether the last _build made a plan (else the caches do not suit)
+        self._max_loras = 0
+        self._serves_lora = False  # whether the plan adds the adapters' deltas (every linear has slots)
 
     # -- plan ---------------------------------------------------------------------------------
     def _stale(self) -> bool:
@@ -158,6 +180,7 @@ class DecodeStack:
 
     def _make_plan(self) -> bool:
         model = self.model
+        keep: list[Tensor] = []
         first = model.layers[0].self_attn
         attn0 = first.attn
         caches = self._caches
@@ -175,11 +198,18 @@ class DecodeStack:
         q_like = torch.empty(1, first.num_heads * first.head_dim, dtype=torch.bfloat16)
         if not cpu_attention.supports(q_like, caches[0]):
             return False
-        kernels = cpu_decode.kernel_table(int8_cache=caches[0].dtype == torch.int8)
+        linears = [linear for layer in model.layers for linear in _linears(layer)]
+        # Adapter steps only where the layer path would add the deltas with the C kernel too.
+        want_lora = (envs.LMC_LORA_KERNEL.get().lower() in ("auto", "cpu")
+                     and all(_lora_slots_suit(linear) for linear in linears))
+        kernels = cpu_decode.kernel_table(int8_cache=caches[0].dtype == torch.int8, lora=want_lora)
         if kernels is None:
             return False
         self.kernels = kernels
-        keep: list[Tensor] = []
+        self._serves_lora = want_lora and kernels[cpu_decode.KERNELS.index("lora_add_bf16")] is not None
+        max_loras = self._max_loras = linears[0].lora.a.shape[0] if self._serves_lora else 0
+        if self._serves_lora:
+            keep += [t for linear in linears for t in (linear.lora.a, linear.lora.b_t)]
         self._dense = [(linear, linear.weight) for layer in model.layers for linear in _linears(layer)
                        if linear.quant is None]
         rows = []
@@ -203,7 +233,7 @@ class DecodeStack:
              "head_dim": head_dim, "inter": inter, "block_size": block_size, "qk_norm": int(first.use_qk_norm),
              "max_rows": self.max_rows, "max_position": cos.shape[0],
              "num_slots": min(c.shape[1] for c in caches) * block_size,  # the K/V writes' bound
-             "kv_int8": int(caches[0].dtype == torch.int8)}
+             "kv_int8": int(caches[0].dtype == torch.int8), "max_loras": max_loras}
         self._globals = torch.tensor([g[name] for name in cpu_decode.GLOBALS], dtype=torch.int64)
         m = self.max_rows
         kp = max(cpu_quant.padded(hidden), cpu_quant.padded(inter))
@@ -235,6 +265,14 @@ class DecodeStack:
             return None
         if not (self._build() if self._stale() else self._usable):
             return None
+        mapping = lora.active_mapping()
+        token_slots = scalings = None
+        if mapping is not None and mapping.has_adapters:
+            token_slots, scalings = mapping.token_slots, mapping.scalings
+            if (not self._serves_lora or token_slots.shape != (rows,) or token_slots.dtype != torch.int64
+                    or not token_slots.is_contiguous() or scalings.dtype != torch.float32
+                    or not scalings.is_contiguous() or scalings.shape[0] != self._max_loras):
+                return None
         slots, block_table, seq_lens = md.slot_mapping, md.block_table, md.seq_lens
         if (slots.dtype != torch.int64 or block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32
                 or positions.dtype != torch.int64 or block_table.stride(1) != 1 or not slots.is_contiguous()
@@ -249,9 +287,14 @@ class DecodeStack:
         step[4], step[5], step[6], step[7] = (slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                               seq_lens.data_ptr())
         step[8] = block_table.shape[1]
+        step[9] = token_slots.data_ptr() if token_slots is not None else 0
+        step[10] = scalings.data_ptr() if scalings is not None else 0
         status = self.library.decode_stack_run(self.kernels, *self._args, self._buffer_ptrs, step)
         if status == -1:
             return None
+        if status >= 100:
+            raise ValueError(f"the CPU LoRA kernel refused this step's adapters (status {status - 100}: "
+                             "1 a slot out of range, 2 a rank outside [1, 4096], 3 out of memory, -3 a strided buffer)")
         if status != 0:
             raise ValueError(f"the CPU decode kernel refused this model's attention shape (status {status})")
         return out

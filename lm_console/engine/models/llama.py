@@ -159,9 +159,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None) -> Tensor:
         # inputs_embeds: text + image embeddings already merged by a multimodal wrapper.
-        # The C decode stack runs the linears itself, without the adapters' deltas: a step with
-        # an adapter's token takes the layer-by-layer forward.
-        if inputs_embeds is None and input_ids.shape[0] <= decode_stack.MAX_ROWS and not lora.step_has_adapters():
+        if inputs_embeds is None and input_ids.shape[0] <= decode_stack.MAX_ROWS:
             if self._decode_stack_version != layers.weights_version():
                 self._decode_stack = decode_stack.attach(self)
                 self._decode_stack_version = layers.weights_version()

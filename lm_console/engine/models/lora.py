@@ -42,7 +42,10 @@ PROJECTION_TO_LINEAR: dict[str, tuple[str, int]] = {
 
 class LoRASlots(nn.Module):
     """One linear's adapter slots: a [max_loras, S * R, in], b [max_loras, out, S * R] (S fused
-    projections of rank up to R), zero where no adapter (or a smaller rank) fills them."""
+    projections of rank up to R), zero where no adapter (or a smaller rank) fills them.
+
+    On the CPU, b is a transposed view of `b_t` [max_loras, S * R, out], the layout the C LoRA
+    kernel reads (its expand runs along the outputs); elsewhere b is contiguous and b_t None."""
 
     def __init__(self, in_features: int, out_sizes: list[int], max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -53,8 +56,15 @@ class LoRASlots(nn.Module):
         num = len(out_sizes)
         self.register_buffer("a", torch.zeros(max_loras, num * max_rank, in_features, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("b", torch.zeros(max_loras, sum(out_sizes), num * max_rank, dtype=dtype, device=device),
-                             persistent=False)
+        self.b_t: Tensor | None
+        if device.type == "cpu":
+            self.register_buffer("b_t", torch.zeros(max_loras, num * max_rank, sum(out_sizes), dtype=dtype,
+                                                    device=device), persistent=False)
+            self.b = self.b_t.transpose(1, 2)
+        else:
+            self.register_buffer("b", torch.zeros(max_loras, sum(out_sizes), num * max_rank, dtype=dtype,
+                                                  device=device), persistent=False)
+            self.b_t = None
 
     def clear(self, slot: int) -> None:
         """No adapter in `slot` (its rows and columns all zero)."""
@@ -99,9 +109,14 @@ def lora_step(mapping: LoRAMapping | None) -> Iterator[None]:
 
 
 def step_has_adapters() -> bool:
-    """Whether the forward in progress has a token with an adapter (paths that skip the
-    per-layer linears, e.g. the C decode stack, must not serve it)."""
+    """Whether the forward in progress has a token with an adapter."""
     return _active is not None and _active.has_adapters
+
+
+def active_mapping() -> LoRAMapping | None:
+    """The forward in progress' mapping (None outside `lora_step`): for paths that run the
+    linears themselves (the C decode stack) and must add the same deltas."""
+    return _active
 
 
 def add_delta(slots: LoRASlots, x: Tensor, y: Tensor) -> Tensor:

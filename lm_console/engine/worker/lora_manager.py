@@ -21,6 +21,7 @@ from lm_console.engine.errors import InvalidLoRARequestError
 from lm_console.engine.lora.admission import base_shapes
 from lm_console.engine.lora.adapter_files import AdapterSpec, read_adapter
 from lm_console.engine.lora.request import LoRARequest
+from lm_console.engine.models.layers import bump_weights_version
 from lm_console.engine.models.lora import (
     PROJECTION_TO_LINEAR, LoRAMapping, attach_lora_slots, lora_linears,
 )
@@ -69,6 +70,7 @@ class LoRAManager:
         self.dtype = dtype
         self.device = device
         attach_lora_slots(model, config.max_loras, config.max_lora_rank)
+        bump_weights_version()  # plans that read the linears (the C decode stack) take the slots in
         self.linears = {(layer, name): linear for layer, name, linear in lora_linears(model)}
         self.cpu_cache: OrderedDict[int, LoadedAdapter] = OrderedDict()  # LRU: oldest first
         self.slot_ids: list[int | None] = [None] * config.max_loras  # adapter id in each slot

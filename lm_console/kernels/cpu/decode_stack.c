@@ -16,6 +16,11 @@
  *                 (dense: s = silu(g_gate) * g_up stored, then the GEMV)
  *   end         out = add_rms_norm(x, res) with the final norm's weight
  *
+ * With LoRA adapters in the step (a slot per row, -1 for the base model), each linear that has
+ * adapter slots adds their delta to its output with the LoRA kernel the layer path calls
+ * (lora.c), on the same inputs (the down projection's: silu(gate) * up, stored for it), so a
+ * step with adapters stays here and its hidden states stay bit-identical to that forward's.
+ *
  * Dense bf16 linears (FMT_DENSE_BF16) run this file's own GEMV (AVX512-BF16 dot products, a
  * portable loop otherwise): oneDNN cannot be called from C here; its results round alike but
  * accumulate in another order, so the dense fast path is close to, not bit-equal with, torch's.
@@ -60,17 +65,21 @@ typedef int (*decode_attn_fn)(const bf16 *, int64_t, bf16 *, int64_t, const int6
                               int64_t);
 typedef int (*cache_write_fn)(const char *, int64_t, const char *, int64_t, char *, char *, int64_t,
                               const int64_t *, int64_t, int64_t, int64_t);
+typedef int (*lora_add_fn)(void *, const void *, const void *, const void *, const int64_t *, const float *,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 /* Function table, in this order (lm_console/kernels/cpu_decode.py KERNELS). */
 enum { K_QUANTIZE_ACT, K_QUANT_GEMM, K_RMS_NORM, K_ADD_RMS_NORM, K_RMS_NORM_HEADS, K_ROTARY,
-       K_SILU, K_DECODE_ATTN, K_CACHE_WRITE, K_COUNT };
+       K_SILU, K_DECODE_ATTN, K_CACHE_WRITE, K_LORA_ADD, K_COUNT };
 
 /* Model-wide integers (int64 each), in this order. */
 enum { G_LAYERS, G_HIDDEN, G_HEADS, G_KV_HEADS, G_HEAD_DIM, G_INTER, G_BLOCK_SIZE, G_QK_NORM,
-       G_MAX_ROWS, G_MAX_POSITION, G_NUM_SLOTS, G_KV_INT8, G_COUNT };
+       G_MAX_ROWS, G_MAX_POSITION, G_NUM_SLOTS, G_KV_INT8, G_MAX_LORAS, G_COUNT };
 
-/* One linear: 8 int64, in this order. fmt: quant_gemm's (0 b8, 1 b4, 2 c8) or FMT_DENSE_BF16. */
-enum { L_FMT, L_N, L_K, L_KP, L_W, L_SCALES, L_OFFSETS, L_BIAS, L_COUNT };
+/* One linear: L_COUNT int64, in this order. fmt: quant_gemm's (0 b8, 1 b4, 2 c8) or FMT_DENSE_BF16.
+ * lora_a [max_loras, rank, K] and lora_b_t [max_loras, rank, N] (B transposed, as lora.c reads
+ * it), bf16: its adapter slots (rank 0: none). */
+enum { L_FMT, L_N, L_K, L_KP, L_W, L_SCALES, L_OFFSETS, L_BIAS, L_LORA_A, L_LORA_B, L_LORA_RANK, L_COUNT };
 #define FMT_DENSE_BF16 16
 
 /* One layer: its four linears, then these (int64 each; pointers as integers). */
@@ -80,7 +89,7 @@ enum { Y_QKV = 0, Y_O = L_COUNT, Y_GATE_UP = 2 * L_COUNT, Y_DOWN = 3 * L_COUNT,
 
 /* Per-step arguments (int64 each), in this order. */
 enum { S_ROWS, S_EMBEDS, S_OUT, S_POSITIONS, S_SLOTS, S_BLOCK_TABLE, S_BLOCK_TABLE_STRIDE,
-       S_SEQ_LENS, S_BLOCKS_PER_ROW, S_COUNT };
+       S_SEQ_LENS, S_BLOCKS_PER_ROW, S_LORA_SLOTS, S_LORA_SCALINGS, S_COUNT };
 
 /* Scratch buffers, in this order (sized for G_MAX_ROWS rows by the caller). */
 enum { B_RES_A, B_RES_B, B_NORMED, B_QKV, B_ATTN, B_GATE_UP, B_ACT, B_XQ, B_XD, B_XS, B_COS,
@@ -135,32 +144,48 @@ static void dense_rows(const int64_t *lin, const bf16 *x, int64_t ldx, int64_t r
     }
 }
 
-/* out[rows, N] (row stride ldo) = linear(x[rows, K], row stride ldx). With kind ACT_SWIGLU_BF16
- * x is gate | up rows [rows, 2K] and the input is silu(gate) * up: a quantized linear quantizes
- * it straight from gate | up (as the layer path does), a dense one reads it from the act buffer. */
-static void linear(const void *const *kern, const int64_t *lin, const bf16 *x, int64_t ldx,
-                   int64_t rows, bf16 *out, int64_t ldo, void *const *buf, int kind) {
-    if (lin[L_FMT] == FMT_DENSE_BF16) {
-        if (kind == ACT_SWIGLU_BF16) {
-            bf16 *act = (bf16 *)buf[B_ACT];
-            ((silu_fn)kern[K_SILU])(x, ldx, act, lin[L_K], rows, lin[L_K]);
+/* out[rows, N] (row stride ldo) = linear(x[rows, K], row stride ldx), plus the step's LoRA
+ * deltas where it has adapter slots and the step has adapters (lora_slots non-NULL). With kind
+ * ACT_SWIGLU_BF16 x is gate | up rows [rows, 2K] and the input is silu(gate) * up: a quantized
+ * linear quantizes it straight from gate | up (as the layer path does), a dense one (and the
+ * LoRA delta) reads it from the act buffer. Returns 0, or the LoRA kernel's nonzero status. */
+static int linear(const void *const *kern, const int64_t *g, const int64_t *lin, const bf16 *x, int64_t ldx,
+                  int64_t rows, bf16 *out, int64_t ldo, void *const *buf, int kind, const int64_t *lora_slots,
+                  const float *lora_scalings) {
+    const int lora = lora_slots != NULL && lin[L_LORA_RANK] > 0;
+    if (kind == ACT_SWIGLU_BF16 && (lin[L_FMT] == FMT_DENSE_BF16 || lora)) {
+        bf16 *act = (bf16 *)buf[B_ACT];
+        ((silu_fn)kern[K_SILU])(x, ldx, act, lin[L_K], rows, lin[L_K]);
+        if (lin[L_FMT] == FMT_DENSE_BF16) {
             x = act;
             ldx = lin[L_K];
+            kind = ACT_BF16;
         }
-        dense_rows(lin, x, ldx, rows, out, ldo);
-        return;
     }
-    const int64_t Kp = lin[L_KP];
-    int8_t *xq = (int8_t *)buf[B_XQ];
-    float *xd = (float *)buf[B_XD], *xs = (float *)buf[B_XS];
-    ((quantize_act_fn)kern[K_QUANTIZE_ACT])(x, ldx, kind, rows, lin[L_K], Kp, 0, xq, xd, xs);
-    ((quant_gemm_fn)kern[K_QUANT_GEMM])((int)lin[L_FMT], rows, lin[L_N], Kp, PTR(const uint8_t *, lin[L_W]),
-                                        PTR(const void *, lin[L_SCALES]), PTR(const void *, lin[L_OFFSETS]),
-                                        PTR(const float *, lin[L_BIAS]), xq, xd, xs, out, ldo, 1);
+    if (lin[L_FMT] == FMT_DENSE_BF16) {
+        dense_rows(lin, x, ldx, rows, out, ldo);
+    } else {
+        const int64_t Kp = lin[L_KP];
+        int8_t *xq = (int8_t *)buf[B_XQ];
+        float *xd = (float *)buf[B_XD], *xs = (float *)buf[B_XS];
+        ((quantize_act_fn)kern[K_QUANTIZE_ACT])(x, ldx, kind, rows, lin[L_K], Kp, 0, xq, xd, xs);
+        ((quant_gemm_fn)kern[K_QUANT_GEMM])((int)lin[L_FMT], rows, lin[L_N], Kp, PTR(const uint8_t *, lin[L_W]),
+                                            PTR(const void *, lin[L_SCALES]), PTR(const void *, lin[L_OFFSETS]),
+                                            PTR(const float *, lin[L_BIAS]), xq, xd, xs, out, ldo, 1);
+    }
+    if (!lora) return 0;
+    /* The kernel takes packed rows: every output and input buffer here is [rows, N] / [rows, K]. */
+    const bf16 *lora_x = kind == ACT_SWIGLU_BF16 ? (const bf16 *)buf[B_ACT] : x;
+    const int64_t lora_ldx = kind == ACT_SWIGLU_BF16 ? lin[L_K] : ldx;
+    if (ldo != lin[L_N] || lora_ldx != lin[L_K]) return -3;
+    return ((lora_add_fn)kern[K_LORA_ADD])(out, lora_x, PTR(const void *, lin[L_LORA_A]),
+                                           PTR(const void *, lin[L_LORA_B]), lora_slots, lora_scalings, rows,
+                                           lin[L_K], lin[L_N], lin[L_LORA_RANK], g[G_MAX_LORAS], 0);
 }
 
 /* Returns 0, or -1 when the step does not fit (the caller runs the layer-by-layer forward;
- * nothing was written), or the attention kernel's nonzero status. */
+ * nothing was written), or the attention kernel's nonzero status, or 100 + the LoRA kernel's
+ * nonzero status (-3 + 100: a buffer the LoRA kernel cannot take). */
 int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *layers,
                      const void *final_norm, float eps, float scale, float soft_cap,
                      const float *cos_table, const float *sin_table, void *const *buf,
@@ -196,6 +221,15 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
     const add_rms_norm_fn add_rms_norm = (add_rms_norm_fn)kern[K_ADD_RMS_NORM];
     const int32_t *block_table = PTR(const int32_t *, step[S_BLOCK_TABLE]);
     const int32_t *seq_lens = PTR(const int32_t *, step[S_SEQ_LENS]);
+    const int64_t *lora_slots = PTR(const int64_t *, step[S_LORA_SLOTS]);
+    const float *lora_scalings = PTR(const float *, step[S_LORA_SCALINGS]);
+    if (lora_slots && !kern[K_LORA_ADD]) return -1;
+    int lora_status = 0;
+#define LINEAR(lin, x, ldx, out, ldo, kind)                                                                    \
+    do {                                                                                                     \
+        lora_status = linear(kern, g, lin, x, ldx, rows, out, ldo, buf, kind, lora_slots, lora_scalings);    \
+        if (lora_status != 0) return 100 + lora_status;                                                      \
+    } while (0)
     for (int64_t l = 0; l < g[G_LAYERS]; l++) {
         const int64_t *y = layers + l * Y_COUNT;
         /* pre-attention norm; `res` holds the residual stream, `x` the last sublayer's output */
@@ -205,7 +239,7 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
             add_rms_norm(x, H, res, H, normed, H, PTR(const bf16 *, y[Y_IN_NORM]), rows, H, eps);
             bf16 *t = res; res = x; x = t; /* the sum (in x) is the stream now */
         }
-        linear(kern, y + Y_QKV, normed, H, rows, qkv, qkv_n, buf, ACT_BF16);
+        LINEAR(y + Y_QKV, normed, H, qkv, qkv_n, ACT_BF16);
         if (g[G_QK_NORM]) {
             const rms_norm_heads_fn norm_heads = (rms_norm_heads_fn)kern[K_RMS_NORM_HEADS];
             norm_heads(qkv, qkv_n, PTR(const bf16 *, y[Y_Q_NORM]), rows, heads, D, eps);
@@ -235,12 +269,13 @@ int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *l
         if (rows == 1) omp_set_num_threads(threads);
 #endif
         if (status != 0) return status;
-        linear(kern, y + Y_O, attn, q_size, rows, x, H, buf, ACT_BF16);
+        LINEAR(y + Y_O, attn, q_size, x, H, ACT_BF16);
         add_rms_norm(x, H, res, H, normed, H, PTR(const bf16 *, y[Y_POST_NORM]), rows, H, eps);
         { bf16 *t = res; res = x; x = t; }
-        linear(kern, y + Y_GATE_UP, normed, H, rows, gate_up, 2 * I, buf, ACT_BF16);
-        linear(kern, y + Y_DOWN, gate_up, 2 * I, rows, x, H, buf, ACT_SWIGLU_BF16);
+        LINEAR(y + Y_GATE_UP, normed, H, gate_up, 2 * I, ACT_BF16);
+        LINEAR(y + Y_DOWN, gate_up, 2 * I, x, H, ACT_SWIGLU_BF16);
     }
+#undef LINEAR
     bf16 *out = PTR(bf16 *, step[S_OUT]);
     if (g[G_LAYERS] == 0) {
         rms_norm(res, H, out, H, (const bf16 *)final_norm, rows, H, eps);

@@ -4,6 +4,9 @@
  *     h = A[s] x[t]            (shrink: [R, in] x [in] -> [R], float32)
  *     y[t] += scaling[s] * B[s] h   (expand: [out, R] x [R] -> [out])
  *
+ * B comes transposed, bt [num_slots, R, out] (the model keeps its adapter slots in that layout on
+ * the CPU): the expand then reads each rank's row along the outputs, with no per-call transpose.
+ *
  * Tokens with slot -1 are left alone (the base model's rows). Sums are float32; a bf16 y is
  * read, added to and rounded once. Tiles run in parallel (OpenMP); each token's row is written
  * by one tile. Returns 0; 1 when a slot is outside [-1, num_slots) (nothing is written for that
@@ -29,12 +32,14 @@ static inline float load_f32(const void *base, int64_t index, int bf16) {
 #define LORA_OUT_BLOCK 64
 
 /* One tile: shrink with each A row converted to float once and dotted with every token of the
- * tile, four tokens at a time; expand by blocks of 64 outputs with B's block transposed to float ([rank][64]), so the
- * inner loop runs along the outputs (no horizontal sums). Scratch: xf [count][in] (filled by the
- * caller), h [count][rank], arow [in], bt [rank][64]. */
-static void lora_tile(void *y, const float *xf, const void *a, const void *b, const int64_t *tokens,
+ * tile, four tokens at a time; expand by blocks of 64 outputs, each token's block summed over the
+ * ranks along B^T's rows (the inner loop runs along the outputs: no horizontal sums, no
+ * transpose). Scratch: xf [count rounded up to 4][in] (filled by the caller, zero padding rows),
+ * h [same][rank], arow [in], bblock [rank][64] (past a last block's width: stale values whose
+ * sums are never stored). */
+static void lora_tile(void *y, const float *xf, const void *a, const void *bt, const int64_t *tokens,
                       int64_t count, int64_t s, float scale, int64_t in_features, int64_t out_features,
-                      int64_t rank, float *h, float *arow, float *bt, int bf16) {
+                      int64_t rank, float *h, float *arow, float *bblock, int bf16) {
     for (int64_t r = 0; r < rank; r++) {
         const int64_t ao = (s * rank + r) * in_features;
         for (int64_t k = 0; k < in_features; k++) arow[k] = load_f32(a, ao + k, bf16);
@@ -59,30 +64,41 @@ static void lora_tile(void *y, const float *xf, const void *a, const void *b, co
     }
     for (int64_t o0 = 0; o0 < out_features; o0 += LORA_OUT_BLOCK) {
         const int64_t width = out_features - o0 < LORA_OUT_BLOCK ? out_features - o0 : LORA_OUT_BLOCK;
-        for (int64_t oo = 0; oo < width; oo++) {
-            const int64_t bo = (s * out_features + o0 + oo) * rank;
-            for (int64_t r = 0; r < rank; r++) bt[r * LORA_OUT_BLOCK + oo] = load_f32(b, bo + r, bf16);
+        for (int64_t r = 0; r < rank; r++) { /* B^T's block as float, once for the tile */
+            const int64_t bo = (s * rank + r) * out_features + o0;
+            for (int64_t oo = 0; oo < width; oo++) bblock[r * LORA_OUT_BLOCK + oo] = load_f32(bt, bo + oo, bf16);
         }
-        for (int64_t i = 0; i < count; i++) {
-            float acc[LORA_OUT_BLOCK] = {0.f};
-            const float *hr = h + i * rank;
+        /* Four tokens per pass over the block (the padding rows' h is zero): each block row is
+         * loaded once for four accumulators. A token's sums run over the ranks in order. */
+        for (int64_t i = 0; i < count; i += 4) {
+            float acc[4][LORA_OUT_BLOCK] = {{0.f}};
+            const float *h0 = h + i * rank;
             for (int64_t r = 0; r < rank; r++) {
-                const float hv = hr[r];
-                const float *btr = bt + r * LORA_OUT_BLOCK;
-                for (int64_t oo = 0; oo < width; oo++) acc[oo] += hv * btr[oo];
+                const float hv0 = h0[r], hv1 = h0[rank + r], hv2 = h0[2 * rank + r], hv3 = h0[3 * rank + r];
+                const float *br = bblock + r * LORA_OUT_BLOCK;
+                for (int64_t oo = 0; oo < LORA_OUT_BLOCK; oo++) {
+                    const float bv = br[oo];
+                    acc[0][oo] += hv0 * bv;
+                    acc[1][oo] += hv1 * bv;
+                    acc[2][oo] += hv2 * bv;
+                    acc[3][oo] += hv3 * bv;
+                }
             }
-            if (bf16) {
-                uint16_t *yr = (uint16_t *)y + tokens[i] * out_features + o0;
-                for (int64_t oo = 0; oo < width; oo++) yr[oo] = float_to_bf16(bf16_to_float(yr[oo]) + acc[oo] * scale);
-            } else {
-                float *yr = (float *)y + tokens[i] * out_features + o0;
-                for (int64_t oo = 0; oo < width; oo++) yr[oo] += acc[oo] * scale;
+            for (int64_t j = 0; j < 4 && i + j < count; j++) {
+                if (bf16) {
+                    uint16_t *yr = (uint16_t *)y + tokens[i + j] * out_features + o0;
+                    for (int64_t oo = 0; oo < width; oo++)
+                        yr[oo] = float_to_bf16(bf16_to_float(yr[oo]) + acc[j][oo] * scale);
+                } else {
+                    float *yr = (float *)y + tokens[i + j] * out_features + o0;
+                    for (int64_t oo = 0; oo < width; oo++) yr[oo] += acc[j][oo] * scale;
+                }
             }
         }
     }
 }
 
-static int lora_add(void *y, const void *x, const void *a, const void *b, const int64_t *slots,
+static int lora_add(void *y, const void *x, const void *a, const void *bt, const int64_t *slots,
                     const float *scalings, int64_t num_tokens, int64_t in_features, int64_t out_features,
                     int64_t rank, int64_t num_slots, int bf16) {
     if (rank > LORA_MAX_RANK || rank < 1) return 2;
@@ -118,8 +134,8 @@ static int lora_add(void *y, const void *x, const void *a, const void *b, const 
         float *xf = malloc((size_t)LORA_TILE * (size_t)in_features * sizeof *xf);
         float *h = malloc((size_t)LORA_TILE * (size_t)rank * sizeof *h);
         float *arow = malloc((size_t)in_features * sizeof *arow);
-        float *bt = malloc((size_t)rank * LORA_OUT_BLOCK * sizeof *bt);
-        const int ok = xf && h && arow && bt;
+        float *bblock = calloc((size_t)rank * LORA_OUT_BLOCK, sizeof *bblock); /* defined values throughout */
+        const int ok = xf && h && arow && bblock;
         if (!ok) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t tile = 0; tile < num_tiles; tile++) {
@@ -134,12 +150,13 @@ static int lora_add(void *y, const void *x, const void *a, const void *b, const 
             }
             for (int64_t i = count; i % 4 != 0; i++)  /* the padding rows of the last group of four */
                 for (int64_t k = 0; k < in_features; k++) xf[i * in_features + k] = 0.f;
-            lora_tile(y, xf, a, b, tokens, count, s, scalings[s], in_features, out_features, rank, h, arow, bt, bf16);
+            lora_tile(y, xf, a, bt, tokens, count, s, scalings[s], in_features, out_features, rank, h, arow, bblock,
+                      bf16);
         }
         free(xf);
         free(h);
         free(arow);
-        free(bt);
+        free(bblock);
     }
     free(counts);
     free(order);
@@ -148,16 +165,16 @@ static int lora_add(void *y, const void *x, const void *a, const void *b, const 
     return bad ? 1 : 0;
 }
 
-int lora_add_f32(void *y, const void *x, const void *a, const void *b, const int64_t *slots, const float *scalings,
+int lora_add_f32(void *y, const void *x, const void *a, const void *bt, const int64_t *slots, const float *scalings,
                  int64_t num_tokens, int64_t in_features, int64_t out_features, int64_t rank, int64_t num_slots,
                  int64_t reserved) {
     (void)reserved;
-    return lora_add(y, x, a, b, slots, scalings, num_tokens, in_features, out_features, rank, num_slots, 0);
+    return lora_add(y, x, a, bt, slots, scalings, num_tokens, in_features, out_features, rank, num_slots, 0);
 }
 
-int lora_add_bf16(void *y, const void *x, const void *a, const void *b, const int64_t *slots, const float *scalings,
+int lora_add_bf16(void *y, const void *x, const void *a, const void *bt, const int64_t *slots, const float *scalings,
                   int64_t num_tokens, int64_t in_features, int64_t out_features, int64_t rank, int64_t num_slots,
                   int64_t reserved) {
     (void)reserved;
-    return lora_add(y, x, a, b, slots, scalings, num_tokens, in_features, out_features, rank, num_slots, 1);
+    return lora_add(y, x, a, bt, slots, scalings, num_tokens, in_features, out_features, rank, num_slots, 1);
 }
