@@ -1,8 +1,9 @@
 """Speculative decoding (ngram, suffix) against plain decoding, and llama.cpp's prompt lookup.
 
 Two workloads, greedy, on the embedded model (the default LLM(): GGUF weights, the C decode stack):
-- copy: "Repeat the following text exactly" over a passage of about 150-250 tokens; the answer
-  copies its prompt, which is what model-free proposers reward;
+- copy: a chat turn (the model's own chat template) asking to repeat a passage of about 130
+  tokens word for word; the answer copies its prompt, which is what model-free proposers reward.
+  The prompts go in as token ids, the same ids to llama.cpp;
 - random: prompts of random token ids (ignore_eos); nothing to copy, so proposals are rare and
   mostly rejected: this measures what speculation costs when it does not help.
 Each workload runs as a single stream (one request at a time) and batched (--width requests at
@@ -50,14 +51,20 @@ PASSAGE = (
 )
 
 
-def copy_prompts(n: int) -> list[str]:
-    """n copy-friendly prompts: a sliding window over PASSAGE, to be repeated verbatim."""
+def copy_prompts(n: int, tokenizer: Any) -> list[list[int]]:
+    """n copy-friendly prompts as token ids: a chat turn asking to repeat a window of PASSAGE.
+
+    A chat turn, not a bare completion prompt: the embedded model is an instruct model, and
+    without its template it wanders off into a quiz for half of the windows instead of copying.
+    """
     words = PASSAGE.split()
     prompts = []
     for i in range(n):
         start = (i * 17) % 40
         text = " ".join(words[start:start + 110])
-        prompts.append(f"Repeat the following text exactly, word for word.\n\nText: {text}\n\nRepeated text:")
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word.\n\n{text}"}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
 
@@ -77,7 +84,7 @@ def run_lmc(spec: dict[str, Any] | None, prompts: list, max_tokens: int, width: 
 
     llm = LLM(multiprocess=False, max_num_seqs=max(width, 1), speculative_config=spec, num_threads=threads)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=random_ids)
-    inputs = [{"prompt_token_ids": p} for p in prompts] if random_ids else prompts
+    inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     load_before = os.getloadavg()[0]
     cpu0, wall0 = _cpu_seconds(), time.perf_counter()
@@ -157,11 +164,12 @@ def main() -> None:
     # The machine itself (CPU, ISA, commit, load) is in the fingerprint record() stamps on the report.
     report: dict[str, Any] = {"model": DEFAULT_MODEL, "loadavg_start": os.getloadavg(), "runs": {}}
     workloads = {"copy": (copy_prompts, False), "random": (None, True)}
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from lm_console.engine.models.embedded import resolve_model_path
 
     vocab = AutoConfig.from_pretrained(resolve_model_path(None)).vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
     for workload, (make, random_ids) in workloads.items():
         if workload in skip:
             continue
@@ -169,7 +177,7 @@ def main() -> None:
                                               ("batched", args.width, args.width, args.batched_tokens)):
             if mode in skip:
                 continue
-            prompts = random_prompts(requests, vocab) if random_ids else make(requests)  # type: ignore[misc]
+            prompts = random_prompts(requests, vocab) if random_ids else make(requests, tokenizer)  # type: ignore[misc]
             # Each round runs the variants in a rotated order, so a drift of the machine's load
             # over the run does not favour whichever variant always runs last.
             runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
@@ -195,10 +203,7 @@ def main() -> None:
                 print(key, json.dumps({k2: (round(v, 3) if isinstance(v, float) else v)
                                        for k2, v in result.items() if k2 != "rounds"}), flush=True)
     if "llamacpp" not in skip and "copy" not in skip:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
-        prompts = [tokenizer.encode(p) for p in copy_prompts(args.single_requests)]
+        prompts = copy_prompts(args.single_requests, tokenizer)
         gguf = _embedded_gguf_path(_EMBEDDED[DEFAULT_MODEL])
         try:
             from _llamacpp import prepare
