@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from lm_console.engine import envs
 from lm_console.kernels import cpu_quant
 from lm_console.kernels.cpu_build import kernels_disabled
 
@@ -279,3 +280,39 @@ def test_swiglu_without_the_kernel_path_computes_the_same_product(monkeypatch):
         cpu_quant.quant_linear(gate_up[:, :-2], qw, swiglu=True)
     with pytest.raises(ValueError, match=r"\[M, 2 x 80\]"):
         cpu_quant.quant_gemm(gate_up.float(), qw, swiglu=True)
+
+
+@pytest.fixture
+def amx():
+    """The AMX path on (skipped where the CPU, the build or the kernel lacks it); as it was after."""
+    if not cpu_quant.set_amx(True):
+        cpu_quant.set_amx(False)
+        pytest.skip("no AMX tile unit here (CPU, compiler or kernel permission)")
+    yield
+    cpu_quant.set_amx(envs.LMC_QUANT_AMX.get().lower() not in ("0", "false", "off"))
+
+
+@pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_amx_path_is_bit_identical_to_vnni(fmt, out_dtype, amx):
+    """The tile unit's block sums are the same integers and the epilogue the same instructions:
+    every output of every batch size (passes of 16-32 tokens on AMX, the rest on VNNI) and the
+    SwiGLU input are the same bits with AMX on and off, and the AMX path really ran."""
+    qw, _ = _weights(fmt)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    for rows in (1, 15, 16, 17, 31, 32, 33, 48, 131, 300):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(out_dtype)
+        gate_up, _ = _gate_up(rows)
+        cpu_quant.set_amx(False)
+        passes = cpu_quant.amx_passes()
+        ref = cpu_quant.quant_gemm(x, qw, bias)
+        ref_swiglu = cpu_quant.quant_gemm(gate_up, qw, swiglu=True)
+        assert cpu_quant.amx_passes() == passes, "AMX off: no tile pass"
+        cpu_quant.set_amx(True)
+        got = cpu_quant.quant_gemm(x, qw, bias)
+        got_swiglu = cpu_quant.quant_gemm(gate_up, qw, swiglu=True)
+        ran = cpu_quant.amx_passes() - passes
+        assert (ran > 0) == (rows >= 16), f"{rows} rows: {ran} AMX passes"
+        assert torch.equal(got, ref), f"{fmt}, {rows} rows"
+        assert torch.equal(got_swiglu, ref_swiglu), f"{fmt}, {rows} rows, SwiGLU"
+

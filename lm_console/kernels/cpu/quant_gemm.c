@@ -28,6 +28,14 @@
  * threads split the tiles; each tile is read once for the whole batch, up to 8 tokens at a time
  * in registers, more in passes of TPASS with the accumulators in L1, so a decode step streams
  * the weights once. Without AVX512-VNNI a portable C path computes the same int32 block sums.
+ *
+ * With AMX (Sapphire Rapids and later; built where the compiler targets it, used where the kernel
+ * grants the tile state and LMC_QUANT_AMX is not 0), a pass of AMX_MIN_ROWS tokens or more takes
+ * each block's int32 sums from the tile unit instead: one tdpbsud multiplies up to 16 tokens'
+ * 32 int8 activations (A: rows of xq as they lie) by the block's 512 weight bytes (B: the tile
+ * layout above is AMX's VNNI layout for 32 x 16, so B8 and C8 blocks load as stored; B4 blocks
+ * are unpacked first). The sums are exact integers either way and the float epilogue is the same
+ * instructions in the same order, so every output is bit-identical to the VNNI path's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +52,14 @@
 #include <immintrin.h>
 #else
 #define QG_VNNI 0
+#endif
+
+#if QG_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define QG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define QG_AMX 0
 #endif
 
 enum { FMT_B8 = 0, FMT_B4 = 1, FMT_C8 = 2 };
@@ -71,6 +87,25 @@ static inline float half_to_float(uint16_t h) {
 }
 
 int quant_gemm_has_vnni(void) { return QG_VNNI; }
+
+/* Whether passes of AMX_MIN_ROWS tokens or more use the tile unit: -1 not decided yet, then 0/1.
+ * quant_gemm_set_amx(0) turns it off (LMC_QUANT_AMX=0); (1) asks Linux for the tile state (a
+ * process-wide permission, once) and keeps AMX off if it is refused. */
+static int amx_enabled = -1;
+static int64_t amx_passes; /* tile_tokens_amx calls so far (tests: the path really ran) */
+
+int64_t quant_gemm_amx_passes(void) { return __atomic_load_n(&amx_passes, __ATOMIC_RELAXED); }
+
+int quant_gemm_set_amx(int on) {
+#if QG_AMX
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile instruction faults */
+    amx_enabled = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    (void)on;
+    amx_enabled = 0;
+#endif
+    return amx_enabled;
+}
 
 /* Element i of an activation row (ACT_*: kind; K: the row's width, where up starts in a
  * gate | up row). */
@@ -262,6 +297,99 @@ static inline __attribute__((always_inline)) void tile_tokens(
     }
 }
 
+#if QG_AMX
+/* Fewer tokens than this keep the VNNI path: a pass's fixed costs (the tile config, the B loads,
+ * the stores) outweigh the 8 vpdpbusd per token and block it saves below ~16 tokens (one core of
+ * the Sapphire Rapids VM, 1536 x 576 Q4_1: 8 tokens 0.79x, 16 1.09x, 32 to 1024 1.24-1.29x). */
+#define AMX_MIN_ROWS 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tile_tokens for up to 32 tokens (T <= TPASS) with the tile unit's block sums. Tiles: C tmm0-3
+ * (token chunk 0 / 1 x block b / b + 1, 16 int32 a row), A tmm4 / tmm5 (chunk 0 / 1: its tokens'
+ * 32 int8 of a block, rows of xq as they lie), B tmm6 / tmm7 (blocks b / b + 1: 8 x 64 weight
+ * bytes). Blocks go in pairs (Kp is a whole number of pairs), so four independent dot products
+ * are in flight and a B4 pair is unpacked once for all the tokens. */
+static void tile_tokens_amx(const int64_t T, const int is4, const int chan, int64_t nb, int64_t Kp,
+                            const uint8_t *tw, const void *td, const void *tm, const int8_t *xq,
+                            const float *xd, const float *xs, const uint8_t *pw, __m512 *acc) {
+    __atomic_fetch_add(&amx_passes, 1, __ATOMIC_RELAXED);
+    for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    __m512 d[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, m[2] = {d[0], d[0]};
+    if (chan) {
+        d[0] = d[1] = _mm512_loadu_ps((const float *)td);
+        m[0] = m[1] = _mm512_mul_ps(d[0], _mm512_set1_ps(-128.f));
+    }
+    const int rows0 = T < 16 ? (int)T : 16, rows1 = T > 16 ? (int)(T - 16) : 0;
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 4; i++) cfg.rows[i] = (uint8_t)(i < 2 ? rows0 : rows1), cfg.colsb[i] = 64;
+    cfg.rows[4] = (uint8_t)rows0, cfg.colsb[4] = QBLOCK;
+    cfg.rows[5] = (uint8_t)rows1, cfg.colsb[5] = QBLOCK;
+    cfg.rows[6] = cfg.rows[7] = 8, cfg.colsb[6] = cfg.colsb[7] = 64;
+    if (!rows1) cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = 0, cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = 0;
+    _tile_loadconfig(&cfg); /* every call: other code on this thread (oneDNN) loads its own */
+    int32_t sums[4][16 * 16] __attribute__((aligned(64)));
+    uint8_t unpacked[2][512] __attribute__((aligned(64)));
+    const int8_t *x1 = xq + 16 * Kp;
+    for (int64_t b = 0; b < nb; b += 2) {
+        if (!chan)
+            for (int j = 0; j < 2; j++) {
+                d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)td + (b + j) * NR)));
+                m[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)tm + (b + j) * NR)));
+            }
+        const uint8_t *w0 = tw + b * 512, *w1 = w0 + 512;
+        if (is4) {
+            for (int j = 0; j < 2; j++)
+                for (int c = 0; c < 8; c++)
+                    _mm512_store_si512((void *)(unpacked[j] + c * 64), tile_vec(tw, 1, b + j, c));
+            w0 = unpacked[0], w1 = unpacked[1];
+        }
+        if (pw)
+            for (int c = 0; c < (is4 ? 8 : 16); c++) _mm_prefetch((const char *)pw + b * (is4 ? 256 : 512) + c * 64, _MM_HINT_T1);
+        _tile_loadd(6, w0, 64);
+        _tile_loadd(7, w1, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, xq + b * QBLOCK, Kp);
+        _tile_dpbsud(0, 4, 6);
+        if (rows1) {
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(5, x1 + b * QBLOCK, Kp);
+            _tile_dpbsud(2, 5, 6);
+        }
+        _tile_loadd(4, xq + (b + 1) * QBLOCK, Kp);
+        _tile_dpbsud(1, 4, 7);
+        if (rows1) {
+            _tile_loadd(5, x1 + (b + 1) * QBLOCK, Kp);
+            _tile_dpbsud(3, 5, 7);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        if (rows1) {
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+        }
+        /* the VNNI path's epilogue, per token: block b, then b + 1 */
+        for (int64_t t = 0; t < T; t++) {
+            const int chunk = t < 16 ? 0 : 2, row = (int)(t & 15);
+            for (int j = 0; j < 2; j++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums[chunk + j] + row * 16)));
+                acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d[j], _mm512_set1_ps(xd[t * nb + b + j])), acc[t]);
+                acc[t] = _mm512_fmadd_ps(m[j], _mm512_set1_ps(xs[t * nb + b + j]), acc[t]);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* 16 float32 results (+ bias) to out[o + n0 .. o + n0 + nr), as bf16 or float32. */
 static inline void store_tile_row(void *out, int out_bf16, int64_t o, int64_t n0, int nr, __m512 v,
                                   const float *bias) {
@@ -315,6 +443,11 @@ static void tile_gemm(int fmt, int64_t M, int64_t N, int64_t tile, int nr, int64
         const uint8_t *pw = t0 == 0 && has_next ? w + next * tile_bytes(fmt, Kp) : NULL;
         if (pf_out && has_next)
             for (int64_t t = 0; t < nt; t++) __builtin_prefetch((char *)out + ((t0 + t) * ldo + next * NR) * osize, 1, 3);
+#if QG_AMX
+        if (amx_enabled == 1 && nt >= AMX_MIN_ROWS) {
+            tile_tokens_amx(nt, fmt == FMT_B4, fmt == FMT_C8, nb, Kp, tw, td, tm, x, dx, sx, pw, acc);
+        } else
+#endif
         if (fmt == FMT_B4) {
             TILE_TOKENS_SWITCH(1, 0)
         } else if (fmt == FMT_B8) {
