@@ -37,6 +37,7 @@
  * are unpacked first). The sums are exact integers either way and the float epilogue is the same
  * instructions in the same order, so every output is bit-identical to the VNNI path's.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -57,6 +58,7 @@
 #if QG_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define QG_AMX 1
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #else
 #define QG_AMX 0
@@ -96,10 +98,32 @@ static int64_t amx_passes; /* tile_tokens_amx calls so far (tests: the path real
 
 int64_t quant_gemm_amx_passes(void) { return __atomic_load_n(&amx_passes, __ATOMIC_RELAXED); }
 
+#if QG_AMX
+static void amx_probe_ops(void);
+
+/* Whether the tile instructions run here: a forked child runs the path's operations once, so a
+ * machine that reports AMX and grants the permission but faults on first use (as llama.cpp's AMX
+ * path does on some VMs) loses its child, not this process. */
+static int amx_probe(void) {
+    const pid_t child = fork();
+    if (child < 0) return 0;
+    if (child == 0) {
+        amx_probe_ops();
+        _exit(0);
+    }
+    int status = 0;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR) return 0;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+#endif
+
 int quant_gemm_set_amx(int on) {
 #if QG_AMX
     /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile instruction faults */
-    amx_enabled = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    static int probed = -1;
+    if (on && probed < 0) probed = syscall(SYS_arch_prctl, 0x1023, 18) == 0 && amx_probe();
+    amx_enabled = on && probed == 1;
 #else
     (void)on;
     amx_enabled = 0;
@@ -387,6 +411,15 @@ static void tile_tokens_amx(const int64_t T, const int is4, const int chan, int6
         }
     }
     _tile_release();
+}
+
+static void amx_probe_ops(void) {
+    /* 16 tokens x one pair of blocks of one C8 tile (all zero) */
+    static int8_t x[16 * 64] __attribute__((aligned(64)));
+    static uint8_t w[1024] __attribute__((aligned(64)));
+    static const float xd[16 * 2], xs[16 * 2], d[16];
+    __m512 acc[16];
+    tile_tokens_amx(16, 0, 1, 2, 64, w, d, NULL, x, xd, xs, NULL, acc);
 }
 #endif
 
