@@ -33,7 +33,7 @@ declare -A MODULES=(
     [kv_cache_hashing]="lm_console/engine/kv_cache_hashing.py|$kv/test_kv_hashing.py $kv/test_kv_manager.py"
     [kv_cache]="lm_console/engine/core/kv_cache|$kv/test_kv_block.py $kv/test_kv_block_pool.py $kv/test_kv_manager.py tests/core/test_request_blocks.py $kv/test_block_metrics.py $kv/test_sliding_window.py $kv/test_kv_properties.py"
     [scheduler]="lm_console/engine/core/sched/scheduler.py|tests/core/sched"
-    [sampler]="lm_console/engine/sample|tests/sample/test_sampler.py tests/sample/test_grammar_bitmask.py"
+    [sampler]="lm_console/engine/sample|tests/sample/test_sampler.py tests/sample/test_grammar_bitmask.py tests/spec_decode/test_rejection_sampler.py"
     [detokenizer]="lm_console/engine/frontend/detokenizer.py|tests/frontend/test_detokenizer.py"
 )
 names=${MUTATION_MODULES:-kv_cache_hashing kv_cache scheduler sampler detokenizer}
