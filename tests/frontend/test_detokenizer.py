@@ -374,3 +374,19 @@ def test_a_long_prompt_primes_the_decoder_with_a_short_tail(byte_fallback_tokeni
     assert tok.ids_seen < 200
     detok.update(ids[-1:], False)  # the prompt ended inside 日
     assert detok.output_text == "日"
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+@pytest.mark.parametrize("num_special", [1, 3, 4, 30])
+def test_a_prompt_ending_in_skipped_special_tokens_keeps_the_continuation_s_first_space(
+        byte_fallback_tokenizer: Any, use_fast: bool, num_special: int) -> None:
+    """SentencePiece's decoder strips the text's first space. "hi" and then special tokens that
+    decoding skips: the continuation " there" keeps its space (a context of only the special
+    tokens decoded to nothing, and the stripped space was the continuation's)."""
+    tok = byte_fallback_tokenizer
+    prompt = tok.encode("hi", add_special_tokens=False) + [tok.eos_token_id, tok.bos_token_id] * num_special
+    prompt = prompt[:len(prompt) - num_special]
+    ids = tok.encode(" there", add_special_tokens=False)
+    detok = IncrementalDetokenizer.from_new_request(tok, prompt, SamplingParams(), use_fast=use_fast)
+    _feed(detok, ids, [1])
+    assert detok.output_text == _expected(tok, prompt, ids) == "  there"
