@@ -308,3 +308,85 @@ def test_a_prompt_ending_inside_an_emoji_does_not_repeat_its_tail(smollm2_tokeni
     detok = IncrementalDetokenizer.from_new_request(tok, ids[:-1], SamplingParams(), use_fast=use_fast)
     detok.update(ids[-1:], False)
     assert detok.output_text == " 🎉"
+
+
+def test_a_stop_token_arriving_with_other_tokens_is_the_last_token_id(smollm2_tokenizer: Any) -> None:
+    """Several tokens in one update (speculative decoding), the last a stop token: its text is
+    left out, and it is still the last of token_ids."""
+    tok = smollm2_tokenizer
+    ids = tok.encode(" hello world")
+    period = tok.encode(".")[0]
+    detok = IncrementalDetokenizer.from_new_request(tok, [], SamplingParams(stop_token_ids=[period]))
+    assert detok.update(ids + [period], True) is None
+    assert detok.token_ids == ids + [period] and detok.output_text == " hello world"
+
+
+def test_a_stop_string_that_ends_where_the_first_min_tokens_text_ends_never_ends_the_request() -> None:
+    """min_tokens=2: "STOP" is the whole text of the first token; the second token's "x" is
+    checked, and a match may start up to len(stop) - 1 characters before it, not len(stop)."""
+    detok = IncrementalDetokenizer(SamplingParams(stop=["STOP"], min_tokens=2),
+                                   _PieceDecoder(["STOP", "x", "STO", "P"]))
+    assert [detok.update([t], False) for t in range(4)] == [None, None, None, "STOP"]
+    assert detok.output_text == "STOPx"
+
+
+def test_the_earliest_stop_string_completed_by_one_token_wins_and_ties_go_to_the_first_listed() -> None:
+    """"abcd" completes "bcd" (at 1) and "cd" (at 2) with its last token: "bcd" wins, wherever
+    it is listed; "c" and "cd" both start at 2: the one listed first wins."""
+    for stops in (["bcd", "cd"], ["cd", "bcd"]):
+        detok = IncrementalDetokenizer(SamplingParams(stop=stops), _PieceDecoder(["ab", "cd"]))
+        assert [detok.update([t], False) for t in range(2)] == [None, "bcd"]
+        assert detok.output_text == "a"
+    for stops, first in ((["c", "cd"], "c"), (["cd", "c"], "cd")):
+        detok = IncrementalDetokenizer(SamplingParams(stop=stops, include_stop_str_in_output=True),
+                                       _PieceDecoder(["ab", "cd"]))
+        assert [detok.update([t], False) for t in range(2)] == [None, first]
+        assert detok.output_text == "ab" + first
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts the token ids it is asked to decode or convert."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.ids_seen = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.ids_seen += len(ids)
+        return self._tokenizer.decode(ids, **kwargs)
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        self.ids_seen += 1 if isinstance(ids, int) else len(ids)
+        return self._tokenizer.convert_ids_to_tokens(ids)
+
+
+def test_a_long_prompt_primes_the_decoder_with_a_short_tail(byte_fallback_tokenizer: Any) -> None:
+    """A request's detokenizer costs the same for a prompt of 5 or of 3000 tokens: it
+    decodes a short tail of the prompt (a few tokens past the last character boundary), never
+    the whole prompt."""
+    tok = _CountingTokenizer(byte_fallback_tokenizer)
+    ids = byte_fallback_tokenizer.encode("the cat " * 1000 + "a日", add_special_tokens=False)
+    assert len(ids) > 3000
+    detok = IncrementalDetokenizer.from_new_request(tok, ids[:-1], SamplingParams(), use_fast=False)
+    assert tok.ids_seen < 200
+    detok.update(ids[-1:], False)  # the prompt ended inside 日
+    assert detok.output_text == "日"
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+@pytest.mark.parametrize("num_special", [1, 3, 4, 30])
+def test_a_prompt_ending_in_skipped_special_tokens_keeps_the_continuation_s_first_space(
+        byte_fallback_tokenizer: Any, use_fast: bool, num_special: int) -> None:
+    """SentencePiece's decoder strips the text's first space. "hi" and then special tokens that
+    decoding skips: the continuation " there" keeps its space (a context of only the special
+    tokens decoded to nothing, and the stripped space was the continuation's)."""
+    tok = byte_fallback_tokenizer
+    prompt = tok.encode("hi", add_special_tokens=False) + [tok.eos_token_id, tok.bos_token_id] * num_special
+    prompt = prompt[:len(prompt) - num_special]
+    ids = tok.encode(" there", add_special_tokens=False)
+    detok = IncrementalDetokenizer.from_new_request(tok, prompt, SamplingParams(), use_fast=use_fast)
+    _feed(detok, ids, [1])
+    assert detok.output_text == _expected(tok, prompt, ids) == "  there"

@@ -41,3 +41,16 @@ def test_masks_only_the_structured_rows_and_the_padding(kernel) -> None:
         for token in (0, 31, 32, 999):
             allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
             assert (got[req, token] == logits[req, token]) if allowed else got[req, token] == float("-inf")
+
+
+def test_a_vocabulary_one_past_a_whole_word_masks_its_last_token(kernel) -> None:
+    """1025 tokens: the bitmask's 33rd word holds one bit (token 1024); a row whose grammar
+    refuses it gets -inf there, one that allows it keeps the logit."""
+    vocab = 1025
+    bitmask = np.full((2, (vocab + 31) // 32), -1, dtype=np.int32)
+    bitmask[0, 32] = 0  # row 0 refuses token 1024, row 1 allows everything
+    logits = torch.randn(2, vocab)
+    got = logits.clone()
+    apply_grammar_bitmask(got, bitmask, [0, 1])
+    assert got[0, 1024] == float("-inf") and torch.equal(got[0, :1024], logits[0, :1024])
+    assert torch.equal(got[1], logits[1])

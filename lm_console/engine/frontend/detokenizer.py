@@ -168,15 +168,35 @@ def _backend_of(tokenizer: Any) -> Any:
 
 
 def _prompt_context(tokenizer: Any, prompt_token_ids: list[int], skip: bool) -> list[int]:
-    """The shortest prompt tail (>= _MIN_PROMPT_CONTEXT tokens) that starts on a character."""
+    """The shortest prompt tail (>= _MIN_PROMPT_CONTEXT tokens) that starts on a character and
+    decodes to some text, before the special tokens that end the prompt where they are skipped.
+
+    Skipped special tokens decode to nothing: a context of only those would leave the first
+    generated token to open the decoded text, and a decoder that strips a leading space
+    (SentencePiece's) would cut the continuation's first space.
+    """
+    prompt_token_ids = _without_trailing_skipped(tokenizer, prompt_token_ids, skip)
     num_prompt = len(prompt_token_ids)
     if num_prompt <= _MIN_PROMPT_CONTEXT:
         return list(prompt_token_ids)
     for size in range(_MIN_PROMPT_CONTEXT, min(num_prompt, _MAX_PROMPT_CONTEXT) + 1):
         tail = prompt_token_ids[-size:]
-        if not tokenizer.decode(tail, skip_special_tokens=skip).startswith(_REPLACEMENT_CHAR):
+        text = tokenizer.decode(tail, skip_special_tokens=skip)
+        if text and not text.startswith(_REPLACEMENT_CHAR):
             return list(tail)
     return list(prompt_token_ids[-_MIN_PROMPT_CONTEXT:])
+
+
+def _without_trailing_skipped(tokenizer: Any, prompt_token_ids: list[int], skip: bool) -> list[int]:
+    """The prompt without the special tokens at its end when decoding skips them (they change
+    no decoded text, so the context need not hold them)."""
+    if not skip or not prompt_token_ids:
+        return prompt_token_ids
+    special = set(tokenizer.all_special_ids)
+    end = len(prompt_token_ids)
+    while end > 0 and prompt_token_ids[end - 1] in special:
+        end -= 1
+    return prompt_token_ids[:end]
 
 
 class _StreamDecoder:

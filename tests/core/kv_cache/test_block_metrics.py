@@ -42,6 +42,22 @@ def test_lifetime_idle_and_reuse_gaps_of_one_block() -> None:
     assert collector.take_stats() is None  # drained
 
 
+def test_idle_before_eviction_is_the_time_since_the_last_access() -> None:
+    """A clock near its start (a monotonic clock counts from boot): accessed at 3 s, evicted at
+    10 s, the block sat idle 7 s."""
+    clock = FakeClock()
+    clock.now = 2.0
+    collector = KVCacheMetricsCollector(1.0, clock=clock)
+    collector.on_block_allocated(5)
+    clock.now = 3.0
+    collector.on_block_accessed(5)
+    clock.now = 10.0
+    collector.on_block_evicted(5)
+    stats = collector.take_stats()
+    assert stats is not None
+    assert stats.lifetimes_s == [8.0] and stats.idle_before_evict_s == [7.0] and stats.reuse_gaps_s == [1.0]
+
+
 def test_a_new_allocation_ends_the_previous_life() -> None:
     clock = FakeClock()
     collector = KVCacheMetricsCollector(1.0, clock=clock)

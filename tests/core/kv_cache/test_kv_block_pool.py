@@ -70,6 +70,18 @@ def test_shared_block_freed_only_at_zero() -> None:
     assert block.ref_cnt == 1 and block.block_id not in _free_ids(pool)
 
 
+def test_a_double_free_is_refused_and_leaves_the_queue_as_it_was() -> None:
+    """Freeing a block nobody holds would make its ref_cnt -1 and put it in the free queue
+    twice (two requests would then get it): refused."""
+    pool = BlockPool(4, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    free = _free_ids(pool)
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free_blocks([block])
+    assert block.ref_cnt == 0 and _free_ids(pool) == free
+
+
 def test_eviction_takes_oldest_cached_block_and_emits_block_removed(make_request) -> None:  # type: ignore[no-untyped-def]
     pool = BlockPool(3, enable_caching=True, hash_block_size=BLOCK_SIZE, enable_kv_cache_events=True)
     request = make_request("r", list(range(8)))

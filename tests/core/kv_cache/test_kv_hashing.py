@@ -110,6 +110,10 @@ def test_mm_extra_keys_overlap(make_request) -> None:  # type: ignore[no-untyped
     assert generate_block_hash_extra_keys(request, 12, 16, -1) == (("img1",), 2)  # -1: last item
     # Scanning from item 0 skips the items that end before the block.
     assert generate_block_hash_extra_keys(request, 8, 12, 0) == (("img1",), 1)
+    # An item that ends exactly where the block starts is not in it (tokens 2..7, block 8..11).
+    ends_at_8 = make_request("e", list(range(16)), mm_features=[MultiModalFeatureSpec("img", offset=2, length=6)])
+    assert generate_block_hash_extra_keys(ends_at_8, 8, 12, 0) == (None, 1)
+    assert generate_block_hash_extra_keys(ends_at_8, 4, 8, 0) == (("img",), 1)
     # -1 starts at the last item even where an earlier one overlaps the block too.
     assert generate_block_hash_extra_keys(request, 4, 12, -1) == (("img1",), 1)
     # A different image in the same place changes the hash of its blocks and everything after.

@@ -49,6 +49,27 @@ def test_prefix_hit_across_two_requests(make_request) -> None:  # type: ignore[n
     assert manager.make_prefix_cache_stats().requests == 0  # type: ignore[union-attr]
 
 
+def test_lookups_of_preempted_requests_are_counted_apart(make_request) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's preempted-request prefix-cache counters: only the lookups of requests that were
+    preempted (their recomputation) count there; the hit rate is hits / queries of all."""
+    manager = _manager()
+    first = make_request("first", list(range(100, 110)))  # 10 tokens
+    assert _schedule_prefill(manager, first) is not None
+    again = make_request("again", list(range(100, 113)))  # 13 tokens, 8 of them hits
+    manager.get_computed_blocks(again)
+    stats = manager.make_prefix_cache_stats()
+    assert stats is not None and (stats.requests, stats.queries, stats.hits) == (2, 23, 8)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (0, 0, 0)
+    assert stats.hit_rate == 8 / 23
+    again.num_preemptions = 1
+    manager.get_computed_blocks(again)
+    stats = manager.make_prefix_cache_stats()
+    assert stats is not None and (stats.requests, stats.queries, stats.hits) == (1, 13, 8)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 13, 8)
+    assert stats.hit_rate == 8 / 13
+    assert manager.make_prefix_cache_stats().hit_rate == 0.0  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("num_tokens, expected_hit", [(8, 4), (9, 8), (12, 8), (13, 12)])
 def test_full_hit_recomputes_last_token(make_request, num_tokens: int, expected_hit: int) -> None:  # type: ignore[no-untyped-def]
     manager = _manager()

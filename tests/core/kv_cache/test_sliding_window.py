@@ -86,6 +86,21 @@ def test_sliding_window_hit_is_the_longest_usable(cached, other, window, max_len
                 assert block is pool.null_block or block is blocks.get((g, k))
 
 
+def test_with_eagle_a_sliding_hit_needs_one_more_block_and_gives_up_its_last() -> None:
+    """EAGLE recomputes the last hit block: the window's run needs one more cached block, and
+    the hit comes back one block shorter (none at all stays none)."""
+    hashes = _hashes(6)
+    pool = BlockPool(40, enable_caching=True, hash_block_size=BS)
+    blocks = _populate(pool, hashes, {0: {0, 1, 2, 3, 4, 5}})
+    spec = SlidingWindowSpec(block_size=BS, sliding_window=5)  # one block of window
+    plain = SlidingWindowManager.find_longest_cache_hit(hashes, 24, [0], pool, spec)
+    (eagle,) = SlidingWindowManager.find_longest_cache_hit(hashes, 24, [0], pool, spec, use_eagle=True)
+    assert len(plain[0]) == 6 and plain[0][5] is blocks[(0, 5)]
+    assert len(eagle) == 5 and eagle[4] is blocks[(0, 4)] and eagle[3] is pool.null_block
+    pool = BlockPool(40, enable_caching=True, hash_block_size=BS)
+    assert SlidingWindowManager.find_longest_cache_hit(hashes, 24, [0], pool, spec, use_eagle=True) == ([],)
+
+
 # -- HybridKVCacheCoordinator ------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None)
 @given(
@@ -226,6 +241,34 @@ def test_hybrid_prefix_hit_reuses_full_prefix_and_sliding_window(make_request) -
     assert all(local_blocks[k] is local_hits[k] for k in (8, 9))
     manager.free(again)
     assert manager.num_free_blocks == manager.block_pool.num_gpu_blocks - 1
+
+
+def test_a_sliding_hit_counts_its_evictable_blocks_against_the_free_ones(make_request) -> None:  # type: ignore[no-untyped-def]
+    """A hit of 40 tokens (window 9: the sliding group keeps blocks 8 and 9 of 10) for a request
+    of 43 needs 14 free blocks: the 10 + 2 hits, which sit in the free queue, and one new block
+    per group. With 12 free it is refused without side effects; with more it is admitted."""
+    manager = _hybrid_manager(window=9)
+    prompt = list(range(40))
+    first = make_request("a", prompt, block_size=BS)
+    _run(manager, first, num_decodes=0)
+    full_blocks, local_blocks = manager.get_blocks("a").blocks
+    assert len(full_blocks) == len(local_blocks) == 10
+    hits = {b.block_id for b in full_blocks} | {b.block_id for b in local_blocks[8:]}
+    manager.free(first)
+    pool = manager.block_pool
+    # Other requests hold every other block (touch: without evicting anything from the cache).
+    others = [b for b in pool.free_block_queue.get_all_free_blocks() if b.block_id not in hits]
+    pool.touch(others)
+    again = make_request("b", prompt + [7, 7, 7], block_size=BS)
+    computed, num_computed = manager.get_computed_blocks(again)
+    assert num_computed == 40 and [b.is_null for b in computed.blocks[1]] == [True] * 8 + [False] * 2
+    assert manager.allocate_slots(again, 3, num_computed, computed) is None
+    assert manager.num_free_blocks == 12 and manager.get_block_ids("b") == ([], [])
+    pool.free_blocks(others[:2])
+    computed, num_computed = manager.get_computed_blocks(again)
+    assert num_computed == 40
+    assert manager.allocate_slots(again, 3, num_computed, computed) is not None
+    assert manager.num_free_blocks == 0
 
 
 def test_sliding_hit_survives_eviction_of_old_blocks(make_request) -> None:  # type: ignore[no-untyped-def]

@@ -155,6 +155,26 @@ def test_prefix_hit_reported_in_num_cached_tokens() -> None:
     assert outputs[0].outputs[0].num_cached_tokens == 16
 
 
+def test_num_cached_tokens_is_the_first_admission_s_hit_after_a_preemption() -> None:
+    """"b" starts with an 8-token prefix hit; preempted (its blocks partly evicted), it is admitted
+    again with another hit, but its outputs keep reporting the prompt tokens the cache saved: 8."""
+    scheduler = make_scheduler(num_blocks=9, budget=64, max_model_len=32)
+    prefix = list(range(40, 48))
+    scheduler.add_request(make_request("w", prefix, max_tokens=1))
+    run_step(scheduler)
+    scheduler.add_request(make_request("a", list(range(10, 22)), max_tokens=16))
+    scheduler.add_request(make_request("b", prefix + [60, 61, 62, 63], max_tokens=16))
+    readmitted_with, preempted, cached = [], set(), set()
+    while scheduler.has_unfinished_requests():
+        out, outputs = run_step(scheduler)
+        preempted |= out.preempted_req_ids
+        readmitted_with += [r.num_computed_tokens for r in out.scheduled_new_reqs if r.req_id == "b"]
+        cached |= {o.num_cached_tokens for o in (outputs[0].outputs if outputs else []) if o.request_id == "b"}
+    assert preempted == {"b"} and len(readmitted_with) == 2 and readmitted_with[0] == 8 != readmitted_with[1]
+    assert cached == {8}
+    assert_no_leak(scheduler)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_add_abort_finish_never_leaks(data) -> None:
