@@ -294,7 +294,7 @@ class DecodeStack:
             return None
         if status >= 100:
             raise ValueError(f"the CPU LoRA kernel refused this step's adapters (status {status - 100}: "
-                             "1 a slot out of range, 2 a rank outside [1, 4096], 3 out of memory, -3 a strided buffer)")
+                             "1 a slot out of range, 2 a rank outside [1, 4096], 3 out of memory, 4 a strided buffer)")
         if status != 0:
             raise ValueError(f"the CPU decode kernel refused this model's attention shape (status {status})")
         return out

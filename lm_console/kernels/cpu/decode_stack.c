@@ -177,7 +177,7 @@ static int linear(const void *const *kern, const int64_t *g, const int64_t *lin,
     /* The kernel takes packed rows: every output and input buffer here is [rows, N] / [rows, K]. */
     const bf16 *lora_x = kind == ACT_SWIGLU_BF16 ? (const bf16 *)buf[B_ACT] : x;
     const int64_t lora_ldx = kind == ACT_SWIGLU_BF16 ? lin[L_K] : ldx;
-    if (ldo != lin[L_N] || lora_ldx != lin[L_K]) return -3;
+    if (ldo != lin[L_N] || lora_ldx != lin[L_K]) return 4;
     return ((lora_add_fn)kern[K_LORA_ADD])(out, lora_x, PTR(const void *, lin[L_LORA_A]),
                                            PTR(const void *, lin[L_LORA_B]), lora_slots, lora_scalings, rows,
                                            lin[L_K], lin[L_N], lin[L_LORA_RANK], g[G_MAX_LORAS], 0);
@@ -185,7 +185,7 @@ static int linear(const void *const *kern, const int64_t *g, const int64_t *lin,
 
 /* Returns 0, or -1 when the step does not fit (the caller runs the layer-by-layer forward;
  * nothing was written), or the attention kernel's nonzero status, or 100 + the LoRA kernel's
- * nonzero status (-3 + 100: a buffer the LoRA kernel cannot take). */
+ * nonzero status (100 + 4: a buffer the LoRA kernel cannot take). */
 int decode_stack_run(const void *const *kern, const int64_t *g, const int64_t *layers,
                      const void *final_norm, float eps, float scale, float soft_cap,
                      const float *cos_table, const float *sin_table, void *const *buf,
