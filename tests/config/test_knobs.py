@@ -279,3 +279,14 @@ def test_the_speculative_flag_is_refused_before_an_engine_starts() -> None:
         speculative_args('{"method": "ngram", "model": "tiny"}')
     with pytest.raises(typer.BadParameter, match="speculative_config is not valid JSON"):
         speculative_args("{ngram")
+
+
+def test_the_speculative_batch_limit_is_resolved_for_the_device() -> None:
+    """disable_by_batch_size "auto" (the default) becomes a number on the CPU and None on a GPU
+    when EngineArgs makes the config; a number or None given stays as given."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    assert EngineArgs(speculative_config=spec).create_speculative_config("cpu").disable_by_batch_size == 19
+    assert EngineArgs(speculative_config=spec).create_speculative_config("cuda").disable_by_batch_size is None
+    given = EngineArgs(speculative_config={**spec, "disable_by_batch_size": None}).create_speculative_config("cpu")
+    assert given.disable_by_batch_size is None
+    assert EngineArgs().create_speculative_config("cpu") is None

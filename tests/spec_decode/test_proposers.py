@@ -96,6 +96,7 @@ def test_config_defaults_and_validation() -> None:
                          ({"method": "ngram", "num_speculative_tokens": True}, "num_spec"),
                          ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}, "above"),
                          ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size"),
+                         ({"method": "ngram", "disable_by_batch_size": "sometimes"}, "disable_by_batch_size"),
                          ({"method": "ngram", "model": "x"}, "draft model"), ({"method": "ngram", "foo": 1}, "unknown"),
                          ({"num_speculative_tokens": 2}, "needs a 'method'"), ("{not json", "JSON"), ([1], "dict")]:
         with pytest.raises(InvalidEngineArgsError, match=message):

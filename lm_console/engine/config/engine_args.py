@@ -120,9 +120,14 @@ class EngineArgs:
             ec_transfer_config=self.create_ec_transfer_config(),
             mm_config=self.create_mm_config(),
             observability_config=self.create_observability_config(),
-            speculative_config=SpeculativeConfig.parse(self.speculative_config),
+            speculative_config=self.create_speculative_config(device),
             lora_config=self.create_lora_config(),
         )
+
+    def create_speculative_config(self, device: str) -> SpeculativeConfig | None:
+        """The SpeculativeConfig (None: off), its "auto" batch-size limit resolved for `device`."""
+        config = SpeculativeConfig.parse(self.speculative_config)
+        return None if config is None else config.for_device(device)
 
     def create_observability_config(self) -> ObservabilityConfig:
         """The ObservabilityConfig (validated there: URL shape, OpenTelemetry installed)."""

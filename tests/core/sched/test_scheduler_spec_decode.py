@@ -32,10 +32,11 @@ class FakeProposer:
 
 
 def make_spec_scheduler(budget: int = 32, max_model_len: int = 64, num_spec: int = 3,
-                        drafts: list[int] | None = None) -> tuple[Scheduler, FakeProposer]:
+                        drafts: list[int] | None = None,
+                        config: SpeculativeConfig | None = None) -> tuple[Scheduler, FakeProposer]:
     kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=max_model_len, enable_caching=True)
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                          speculative_config=SpeculativeConfig(num_speculative_tokens=num_spec))
+                          speculative_config=config or SpeculativeConfig(num_speculative_tokens=num_spec))
     proposer = FakeProposer(drafts)
     scheduler.proposer = proposer
     return scheduler, proposer
@@ -144,3 +145,32 @@ def test_a_structured_request_s_drafts_are_cut_at_the_first_token_its_grammar_re
     out, _ = spec_step(scheduler)
     assert proposer.calls == [("s", 3)] and out.scheduled_spec_decode_tokens == {"s": [BONUS, BONUS]}
     assert out.num_scheduled_tokens == {"s": 3}
+
+
+def test_no_drafts_from_the_batch_size_limit_on() -> None:
+    """disable_by_batch_size: drafts while fewer requests run, none once that many do, and again
+    when one finishes; "auto" resolved for the CPU is such a limit, for a GPU none."""
+    cpu = SpeculativeConfig(num_speculative_tokens=3).for_device("cpu")
+    assert cpu.disable_by_batch_size == 96 // 4 == cpu.batch_limit
+    assert SpeculativeConfig(num_speculative_tokens=4).for_device("cpu").batch_limit == 19
+    assert SpeculativeConfig(num_speculative_tokens=16).for_device("cpu").batch_limit == 5
+    assert SpeculativeConfig().for_device("cuda").batch_limit is None
+    assert SpeculativeConfig(disable_by_batch_size=None).for_device("cpu").batch_limit is None
+    assert SpeculativeConfig(disable_by_batch_size=7).for_device("cuda").batch_limit == 7
+    assert SpeculativeConfig().batch_limit is None  # unresolved "auto": no limit
+
+    scheduler, proposer = make_spec_scheduler(budget=64, config=SpeculativeConfig(num_speculative_tokens=3,
+                                                                                   disable_by_batch_size=3))
+    scheduler.add_request(make_request("a", list(range(10, 14)), max_tokens=10))
+    scheduler.add_request(make_request("b", list(range(20, 24)), max_tokens=10))
+    spec_step(scheduler)  # prefills
+    out, _ = spec_step(scheduler)
+    assert set(out.scheduled_spec_decode_tokens) == {"a", "b"}, "2 running < 3: drafts"
+    scheduler.add_request(make_request("c", list(range(30, 34)), max_tokens=2))
+    spec_step(scheduler)  # c's prefill beside a and b's decodes: 3 running
+    proposer.calls.clear()
+    out, _ = spec_step(scheduler)
+    assert not out.scheduled_spec_decode_tokens and not proposer.calls, "3 running: no drafts, the proposer not asked"
+    assert "c" not in scheduler.requests, "c finished (max_tokens 2)"
+    out, _ = spec_step(scheduler)
+    assert set(out.scheduled_spec_decode_tokens) == {"a", "b"}, "back to 2 running: drafts again"

@@ -260,7 +260,8 @@ class Scheduler:
         assert config is not None and proposer is not None
         if request.num_computed_tokens != request.num_tokens - 1:
             return None  # a prefill (or a preempted request's recomputation)
-        if config.disable_by_batch_size is not None and len(self.running) >= config.disable_by_batch_size:
+        limit = config.batch_limit
+        if limit is not None and len(self.running) >= limit:
             return None
         params = request.sampling_params
         so_request = request.structured_output_request
