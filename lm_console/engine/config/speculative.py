@@ -76,8 +76,8 @@ class SpeculativeConfig:
                 f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}.")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        if self.disable_by_batch_size not in (None, "auto") and (not is_int(self.disable_by_batch_size)
-                                                                 or self.disable_by_batch_size < 2):
+        limit = self.disable_by_batch_size
+        if limit is not None and limit != "auto" and not (is_int(limit) and isinstance(limit, int) and limit >= 2):
             fail("disable_by_batch_size", "it must be an integer >= 2, 'auto', or None to always propose")
 
     def for_device(self, device: str) -> SpeculativeConfig:
