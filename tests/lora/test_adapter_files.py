@@ -143,15 +143,12 @@ def test_lora_knobs_without_enable_lora_and_lora_with_tensor_parallelism_are_ref
     assert config is not None and (config.max_loras, config.max_lora_rank, config.cpu_capacity) == (3, 8, 3)
 
 
-def test_lora_with_speculative_decoding_is_refused_at_start() -> None:
+def test_lora_with_speculative_decoding_is_accepted() -> None:
+    """The two combine (tests/lora/test_lora_spec_decode.py checks the output)."""
     from lm_console.engine.config.engine_args import EngineArgs
 
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(InvalidEngineArgsError, match="speculative_config cannot be combined with enable_lora=True"):
-        EngineArgs(enable_lora=True, speculative_config=spec)._verify()
-    # negative controls: each alone is accepted
-    EngineArgs(speculative_config=spec)._verify()
-    EngineArgs(enable_lora=True)._verify()
+    EngineArgs(enable_lora=True, speculative_config=spec)._verify()
 
 
 def test_lora_flags_come_from_the_declarations() -> None:

@@ -235,13 +235,6 @@ class EngineArgs:
         """speculative_config, and what it cannot combine with (InvalidEngineArgsError)."""
         if SpeculativeConfig.parse(self.speculative_config) is None:
             return
-        if self.enable_lora:
-            # The drafts are verified on the C decode stack, which steps with an adapter leave,
-            # and the adapters' per-token slots are not laid out for draft rows.
-            raise InvalidEngineArgsError(
-                "speculative_config cannot be combined with enable_lora=True: speculative decoding does not "
-                "run LoRA adapters yet. Drop one of the two (serve adapters without speculative_config, or "
-                "speculate without --enable-lora).")
         for name, on in (("async_scheduling", self.async_scheduling),
                          ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
                          ("kv_transfer_config", self.kv_transfer_config is not None),
