@@ -97,7 +97,7 @@ LMC_QUANT_DENSE_ROWS = _declare(
     "LMC_QUANT_DENSE_ROWS", "", "from how many rows a quantized GEMM dequantizes to bf16 for oneDNN instead of the int8 "
     "kernel (default never: one path keeps outputs independent of the batch)")
 LMC_QUANT_AMX = _declare(
-    "LMC_QUANT_AMX", "1", "0/false/off: the quantized GEMM never uses AMX's tile unit (it does from 4 tokens where the "
+    "LMC_QUANT_AMX", "1", "0/false/off: the quantized GEMM never uses AMX's tile unit (it does from 16 tokens where the "
     "CPU and the kernel grant it; the outputs are the same bits either way)")
 LMC_LORA_KERNEL = _declare(
     "LMC_LORA_KERNEL", "auto", "the batched LoRA kernel: auto (the C kernel on the CPU, Triton on CUDA), torch (the "

@@ -47,7 +47,7 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "quant_gemm_has_vnni": ([], _I),
     "quant_gemm_set_amx": ([_I], _I),
-    "quant_gemm_amx_passes": ([], _I64),
+    "quant_gemm_amx_calls": ([], _I64),
     "quantize_act": ([_P, _I64, _I, _I64, _I64, _I64, _I, _P, _P, _P], None),
     "quant_gemm": ([_I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I], None),
     "quant_dequantize": ([_I, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I], None),
@@ -66,7 +66,7 @@ def load(scalar: bool = False) -> ctypes.CDLL | None:
     for name, (argtypes, restype) in _SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, restype
-    library.quant_gemm_set_amx(int(envs.LMC_QUANT_AMX.get().lower() not in ("0", "false", "off")))
+    library.quant_gemm_set_amx(int(not envs.LMC_QUANT_AMX.is_off()))
     return library
 
 
@@ -76,10 +76,10 @@ def set_amx(on: bool) -> bool:
     return library is not None and bool(library.quant_gemm_set_amx(int(on)))
 
 
-def amx_passes() -> int:
-    """How many tile passes the AMX path has run in this process (0 where it never does)."""
+def amx_calls() -> int:
+    """How many GEMM calls in this process took the AMX path (0 where it never does)."""
     library = load()
-    return 0 if library is None else int(library.quant_gemm_amx_passes())
+    return 0 if library is None else int(library.quant_gemm_amx_calls())
 
 
 def _library(scalar: bool = False) -> ctypes.CDLL:

@@ -289,7 +289,7 @@ def amx():
         cpu_quant.set_amx(False)
         pytest.skip("no AMX tile unit here (CPU, compiler or kernel permission)")
     yield
-    cpu_quant.set_amx(envs.LMC_QUANT_AMX.get().lower() not in ("0", "false", "off"))
+    cpu_quant.set_amx(not envs.LMC_QUANT_AMX.is_off())
 
 
 @pytest.mark.parametrize("fmt", ["b8", "b4", "c8"])
@@ -304,15 +304,15 @@ def test_amx_path_is_bit_identical_to_vnni(fmt, out_dtype, amx):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(out_dtype)
         gate_up, _ = _gate_up(rows)
         cpu_quant.set_amx(False)
-        passes = cpu_quant.amx_passes()
+        passes = cpu_quant.amx_calls()
         ref = cpu_quant.quant_gemm(x, qw, bias)
         ref_swiglu = cpu_quant.quant_gemm(gate_up, qw, swiglu=True)
-        assert cpu_quant.amx_passes() == passes, "AMX off: no tile pass"
+        assert cpu_quant.amx_calls() == passes, "AMX off: no tile pass"
         cpu_quant.set_amx(True)
         got = cpu_quant.quant_gemm(x, qw, bias)
         got_swiglu = cpu_quant.quant_gemm(gate_up, qw, swiglu=True)
-        ran = cpu_quant.amx_passes() - passes
-        assert (ran > 0) == (rows >= 16), f"{rows} rows: {ran} AMX passes"
+        ran = cpu_quant.amx_calls() - passes
+        assert (ran > 0) == (rows >= 16), f"{rows} rows: {ran} AMX calls"
         assert torch.equal(got, ref), f"{fmt}, {rows} rows"
         assert torch.equal(got_swiglu, ref_swiglu), f"{fmt}, {rows} rows, SwiGLU"
 

@@ -6,11 +6,12 @@ every SVG it saves must equal the committed SVG's. After a change to the console
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
+
+from script_helpers import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -19,10 +20,7 @@ SCREENSHOTS = REPO / "screenshots"
 
 
 def make_screenshots():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("make_screenshots", SCREENSHOTS / "make_screenshots.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCREENSHOTS / "make_screenshots.py")
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ without it at most 10%. Then the names users type: `--lora pirate` and `--lora-m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from lm_console.engine.lora.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from lm_console.engine.lora.builtin import BUILTIN_ADAPTERS, GREETING, builtin_adapter, builtin_adapter_dir
+from script_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT_TOPICS = ("giraffes", "umbrella stands", "the desert wind", "kites", "lighthouses", "penguins",
@@ -28,11 +28,7 @@ def held_out_questions() -> list[str]:
 
 
 def _trainer():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("train_demo_lora", ROOT / "tools" / "train_demo_lora.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / "train_demo_lora.py")
 
 
 def test_the_adapter_ships_and_the_held_out_topics_are_not_trained_on() -> None:

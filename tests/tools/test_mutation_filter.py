@@ -2,19 +2,16 @@
 (positions as cosmic-ray stores them: rows from 1, columns from 0 in characters)."""
 from __future__ import annotations
 
-import importlib.util
 import sqlite3
 from pathlib import Path
+
+from script_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _filter():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("mutation_filter", ROOT / "tools" / "mutation_filter.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / "mutation_filter.py")
 
 
 SOURCE = '''\

@@ -77,7 +77,7 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
         limit = self.disable_by_batch_size
-        if limit is not None and limit != "auto" and not (is_int(limit) and isinstance(limit, int) and limit >= 2):
+        if limit is not None and limit != "auto" and not (isinstance(limit, int) and is_int(limit) and limit >= 2):
             fail("disable_by_batch_size", "it must be an integer >= 2, 'auto', or None to always propose")
 
     def for_device(self, device: str) -> SpeculativeConfig:

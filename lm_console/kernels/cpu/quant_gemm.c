@@ -94,9 +94,9 @@ int quant_gemm_has_vnni(void) { return QG_VNNI; }
  * quant_gemm_set_amx(0) turns it off (LMC_QUANT_AMX=0); (1) asks Linux for the tile state (a
  * process-wide permission, once) and keeps AMX off if it is refused. */
 static int amx_enabled = -1;
-static int64_t amx_passes; /* tile_tokens_amx calls so far (tests: the path really ran) */
+static int64_t amx_calls; /* GEMM calls that took the tile path (tests: the path really ran) */
 
-int64_t quant_gemm_amx_passes(void) { return __atomic_load_n(&amx_passes, __ATOMIC_RELAXED); }
+int64_t quant_gemm_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED); }
 
 #if QG_AMX
 static void amx_probe_ops(void);
@@ -341,7 +341,6 @@ typedef struct {
 static void tile_tokens_amx(const int64_t T, const int is4, const int chan, int64_t nb, int64_t Kp,
                             const uint8_t *tw, const void *td, const void *tm, const int8_t *xq,
                             const float *xd, const float *xs, const uint8_t *pw, __m512 *acc) {
-    __atomic_fetch_add(&amx_passes, 1, __ATOMIC_RELAXED);
     for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     __m512 d[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, m[2] = {d[0], d[0]};
     if (chan) {
@@ -590,6 +589,16 @@ static inline void gemm_task(int fmt, int64_t M, int64_t N, int64_t task, int64_
                   tile + 1 < tile0 + TASK_TILES ? 1 : TASK_TILES * (team - 1) + 1, prefetch_out(M, ldo, out_bf16));
 }
 
+/* Count a call of M tokens that takes the tile path (any M >= AMX_MIN_ROWS: its first pass has
+ * that many tokens): once per call on the calling thread, not per tile in the threads. */
+static inline void count_amx_call(int64_t M) {
+#if QG_AMX
+    if (amx_enabled == 1 && M >= AMX_MIN_ROWS) __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+#else
+    (void)M;
+#endif
+}
+
 /* out[m, n] (row stride ldo, bf16 or float32) = sum_k x[m, k] w[n, k] + bias[n] (float32 or NULL)
  * for n < N, x given quantized by quantize_act (per block). w, wd, wm in the tiled layout above
  * (wm unused for FMT_C8). The threads split the tiles of 16 rows. */
@@ -597,6 +606,7 @@ void quant_gemm(int fmt, int64_t M, int64_t N, int64_t Kp, const uint8_t *w, con
                 const void *wm_, const float *bias, const int8_t *xq, const float *xd,
                 const float *xs, void *out, int64_t ldo, int out_bf16) {
     const int64_t tiles = (N + NR - 1) / NR;
+    count_amx_call(M);
     /* A decode step's tiles are small and even: static halves. From 16 tokens a task (two tiles
      * x up to TCHUNK tokens) is microseconds or more, so they are handed out one by one: a thread
      * the OS descheduled on a busy machine then holds back one task, not half the matrix. */
@@ -627,6 +637,7 @@ void quant_linear_act(int fmt, int64_t M, int64_t N, int64_t K, int64_t Kp, cons
         return;
     }
     const int64_t tiles = (N + NR - 1) / NR;
+    count_amx_call(M);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
